@@ -36,11 +36,16 @@ def triton_available() -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_backend(backend: str, device: torch.device, op: str) -> str:
+def resolve_backend(backend: str, device: torch.device, op: str, triton_implemented: bool = True) -> str:
     """Return "triton" or "torch" for tensors on `device`, or raise on a backend that cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
+        return "torch"
+    if not triton_implemented:
+        if backend == "triton":
+            raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
+        notify_once(f"{op}: no Triton kernel yet, backend='auto' uses the PyTorch implementation")
         return "torch"
     ok, why = triton_available()
     if backend == "triton":

@@ -1,0 +1,109 @@
+"""Input validation helpers for the public functions (the functional layer is the only caller).
+
+Every error names the argument, what was expected and what was given; value checks report the worst
+element so a user can find it in their batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_tensor(name: str, x, *, dtypes=None, ndim=None) -> None:
+    if not isinstance(x, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None and x.dtype not in dtypes:
+        fail(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+    if ndim is not None and x.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        fail(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
+
+
+def check_same_device(**tensors) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            fail(f"{name} is on {device} but {first_name} is on {first}: all tensors must share one device")
+    return first
+
+
+def check_shape(name: str, x: torch.Tensor, shape: tuple, ref_name: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        fail(f"{name} must have the shape of {ref_name} {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """NaN / inf anywhere `where` is true (default: everywhere) is an error showing the first offender."""
+    bad = ~torch.isfinite(x)
+    if where is not None:
+        bad = bad & where
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        fail(
+            f"{name} has {int(bad.sum())} non-finite value(s) at trained positions; first at index {idx}: "
+            f"{x[idx].item()} (pass check_finite=False to skip this check)"
+        )
+
+
+def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
+    """Bool masks pass; integer / float masks must hold only 0 and 1. Returns the bool mask."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            fail(f"{name} must hold only 0 and 1 (or be bool); found {mask[idx].item()} at index {idx}")
+        return mask != 0
+    fail(f"{name} must be bool or hold 0/1, got dtype {mask.dtype}")
+
+
+def check_targets(name: str, targets: torch.Tensor, vocab_size: int, valid: torch.Tensor) -> None:
+    if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        fail(f"{name} must be an integer tensor of token ids, got {targets.dtype}")
+    bad = ((targets < 0) | (targets >= vocab_size)) & valid
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        fail(
+            f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) at trained positions; first at "
+            f"index {idx}: {targets[idx].item()}"
+        )
+
+
+def check_count(name: str, value, *, integer: bool = False, minimum: float = 1) -> None:
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            fail(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(f"{name} must be a number, got {type(value).__name__}")
+    if integer and int(value) != value:
+        fail(f"{name} must be an integer, got {value}")
+    if not value >= minimum:
+        fail(f"{name} must be >= {minimum}, got {value}")
+
+
+def cu_seqlens_to_index(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Validated cu_seqlens [S+1] (0 = start, n_tokens = end, non-decreasing) -> seq_index [N]."""
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        fail(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 2:
+        fail(f"cu_seqlens must hold at least 2 offsets (one sequence), got {cu_seqlens.numel()}")
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != n_tokens:
+        fail(f"cu_seqlens must start at 0 and end at the token count {n_tokens}, got {int(cu[0])}..{int(cu[-1])}")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        i = int((lengths < 0).nonzero()[0])
+        fail(f"cu_seqlens must be non-decreasing; offset {i + 1} ({int(cu[i + 1])}) < offset {i} ({int(cu[i])})")
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)

@@ -1,0 +1,327 @@
+"""PolicyLossConfig: every scalar knob of the loss side (DESIGN.md §2-§3), validated once, frozen.
+
+All fields are runtime values for the kernels (changing one never recompiles). Per-batch data (the
+global token / sequence counts used as normalizers, per-token weights) are arguments of the loss
+functions, not fields here. The formulas each field selects are in grpo_kernels/ops/loss_head/reference.py
+and derived in grpo_kernels/ops/loss_head/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Per-token objective. "ppo_clip" covers GRPO / DAPO clip-higher / dual clip / TRL's delta.
+LOSS_TYPES = (
+    "ppo_clip",  # -min(r A, clip(r, 1-clip_low, 1+clip_high) A), optional dual clip / delta
+    "cispo",  # -sg(clip(r)) A logp (MiniMax-M1), "relative" (verl) or "absolute" (TRL) cap
+    "gpg",  # -A logp, no ratio (Group Policy Gradient)
+    "sapo",  # -gate(r) A, gate = sigmoid(tau (r - 1)) 4 / tau (soft adaptive policy optimisation)
+    "pspo",  # PPO objective on a ratio smoothed toward the old policy (probability smoothing)
+    "dcpo",  # PPO clip with probability-dependent bounds (dynamic clipping)
+    "gmpo",  # geometric mean of token ratios per sequence (GMPO)
+    "vespo",  # detached sequence-level Gamma weight times -A logp (TRL's VESPO)
+    "clip_cov",  # PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)
+    "kl_cov",  # -r A plus |log r| penalty on the top covariance tokens (KL-Cov)
+)
+# How the importance ratio r is formed from log-ratios lr_t = logp_t - old_t.
+RATIO_LEVELS = (
+    "token",  # r_t = exp(lr_t)
+    "sequence",  # r_i = exp(mean_t lr_t), value and gradient through the mean (GSPO, TRL)
+    "sequence_token",  # r_it = exp(sg[mean_t lr] + logp_t - sg[logp_t]) (GSPO-token, verl "gspo")
+    "sequence_sum",  # r_i = exp(sum_t lr_t), the trajectory ratio (TIC-GRPO)
+)
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+)
+# The entropy bonus may aggregate like the policy term (None, verl) or as TRL does: a token mean over
+# the tokens it acts on in this call, divided by grad_accum_steps.
+ENTROPY_AGG_MODES = (None, *LOSS_AGG_MODES, "token-mean-local")
+CISPO_FORMS = ("relative", "absolute")
+IS_LEVELS = (None, "token", "sequence")
+IS_MODES = ("truncate", "mask")
+OLD_PROB_SIDES = ("low", "high")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"PolicyLossConfig: {message}")
+
+
+def _finite(name: str, value: Any) -> None:
+    _check(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        f"{name} must be a finite number, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Every scalar knob of the GRPO-family loss head. Construct directly or from a preset
+    (`PolicyLossConfig.dapo()`, `PolicyLossConfig.grpo(kl_coef=0.0)`, ...)."""
+
+    # --- per-token objective --------------------------------------------------------------------
+    loss_type: str = "ppo_clip"
+    ratio_level: str = "token"
+    clip_low: float = 0.2  # lower bound 1 - clip_low (GMPO: log-ratio bound -clip_low)
+    clip_high: float = 0.2  # upper bound 1 + clip_high (GMPO: log-ratio bound +clip_high)
+    dual_clip: float | None = None  # c > 1: for A < 0 the loss is at most -c A (verl clip_ratio_c)
+    delta: float | None = None  # TRL/INTELLECT-2 two-sided clip: the unclipped ratio is capped at delta
+    log_ratio_clamp: float | None = 20.0  # log-ratios entering exp() are clamped to [-c, c] (verl's guard)
+    cispo_form: str = "relative"  # "relative": clip(r, 1-clip_low, 1+clip_high) (verl, paper)
+    cispo_cap: float | None = None  # "absolute": min(r, cispo_cap) (TRL's epsilon_high, e.g. 5.0)
+    sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    pspo_alpha: float = 0.1  # PSPO smoothing weight toward the old policy
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # --- KL to the reference policy -------------------------------------------------------------
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1, k2, k3 (unclamped, TRL), low_var_kl (k3 clamped, verl), abs
+    kl_ratio_correction: bool = False  # TRL use_bias_correction_kl: KL times the (differentiable) ratio
+    kl_straight_through: bool = False  # verl "<name>+": the estimator's value with k2's gradient
+    # --- sampler / trainer mismatch (rollout_logprobs from vLLM etc.) -----------------------------
+    is_level: str | None = None  # None (off), "token" or "sequence" importance weights old / rollout
+    is_mode: str = "truncate"  # "truncate" (TIS: clamp) or "mask" (MIS / IcePop: zero outside)
+    is_min: float | None = None  # lower bound of the IS weight (None: none)
+    is_max: float = 2.0  # upper bound of the IS weight
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 sequence mask: drop A<0 seqs with KL > delta
+    # --- token selection --------------------------------------------------------------------------
+    top_entropy_quantile: float = 1.0  # rho: keep tokens with entropy >= the (1 - rho) quantile
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0  # verl ppo_kl_coef
+    old_prob_threshold: float | None = None  # Lopti: split tokens by old-policy probability
+    old_prob_side: str = "low"  # which side of the split this update trains on
+    # --- entropy bonus ----------------------------------------------------------------------------
+    entropy_coef: float = 0.0
+    entropy_agg_mode: str | None = None
+    # --- aggregation ------------------------------------------------------------------------------
+    loss_agg_mode: str = "token-mean"
+    max_completion_length: int | None = None  # the Dr. GRPO constant of seq-mean-token-sum-norm
+    # --- LM head ----------------------------------------------------------------------------------
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.loss_type in LOSS_TYPES, f"unknown loss_type {self.loss_type!r}; known: {LOSS_TYPES}")
+        _check(
+            self.ratio_level in RATIO_LEVELS, f"unknown ratio_level {self.ratio_level!r}; known: {RATIO_LEVELS}"
+        )
+        _check(
+            self.kl_estimator in KL_ESTIMATORS,
+            f"unknown kl_estimator {self.kl_estimator!r}; known: {KL_ESTIMATORS}",
+        )
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES,
+            f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {LOSS_AGG_MODES}",
+        )
+        _check(
+            self.entropy_agg_mode in ENTROPY_AGG_MODES,
+            f"unknown entropy_agg_mode {self.entropy_agg_mode!r}; known: {ENTROPY_AGG_MODES}",
+        )
+        _check(self.cispo_form in CISPO_FORMS, f"unknown cispo_form {self.cispo_form!r}; known: {CISPO_FORMS}")
+        _check(self.is_level in IS_LEVELS, f"unknown is_level {self.is_level!r}; known: {IS_LEVELS}")
+        _check(self.is_mode in IS_MODES, f"unknown is_mode {self.is_mode!r}; known: {IS_MODES}")
+        _check(
+            self.old_prob_side in OLD_PROB_SIDES,
+            f"unknown old_prob_side {self.old_prob_side!r}; known: {OLD_PROB_SIDES}",
+        )
+        for name in (
+            "clip_low", "clip_high", "sapo_tau_pos", "sapo_tau_neg", "pspo_alpha", "vespo_k_pos",
+            "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_coef", "is_max",
+            "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+            "kl_cov_coef", "entropy_coef", "temperature",
+        ):  # fmt: skip
+            _finite(name, getattr(self, name))
+        for name in ("dual_clip", "delta", "log_ratio_clamp", "cispo_cap", "is_min",
+                     "off_policy_mask_threshold", "old_prob_threshold"):  # fmt: skip
+            if getattr(self, name) is not None:
+                _finite(name, getattr(self, name))
+        _check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low and clip_high must be >= 0")
+        _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (it is a bonus), got {self.entropy_coef}")
+        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "sapo temperatures must be > 0")
+        _check(0.0 <= self.pspo_alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.pspo_alpha}")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1.0, f"dual_clip must be > 1, got {self.dual_clip}")
+            _check(self.loss_type == "ppo_clip", "dual_clip applies to loss_type='ppo_clip' only")
+        if self.delta is not None:
+            _check(
+                self.delta > 1.0 + self.clip_high,
+                f"delta must be > 1 + clip_high = {1.0 + self.clip_high}, got {self.delta}",
+            )
+            _check(self.loss_type == "ppo_clip", "delta applies to loss_type='ppo_clip' only")
+        if self.log_ratio_clamp is not None:
+            _check(self.log_ratio_clamp > 0, f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        if self.loss_type == "cispo" and self.cispo_form == "absolute":
+            _check(
+                self.cispo_cap is not None and self.cispo_cap > 0,
+                "cispo_form='absolute' needs cispo_cap > 0 (TRL's epsilon_high, e.g. 5.0)",
+            )
+        _check(
+            self.cispo_cap is None or (self.loss_type == "cispo" and self.cispo_form == "absolute"),
+            "cispo_cap is only used by loss_type='cispo' with cispo_form='absolute'",
+        )
+        if self.loss_type in ("gpg", "vespo", "gmpo", "clip_cov", "kl_cov"):
+            _check(
+                self.ratio_level == "token",
+                f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'",
+            )
+        if self.loss_type == "gmpo":
+            _check(
+                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None,
+                "gmpo averages log-ratios over whole sequences; token selection (top_entropy_quantile, "
+                "old_prob_threshold) is not defined for it",
+            )
+        if self.loss_type == "vespo" and self.is_level is not None:
+            _check(self.is_level == "token", "vespo folds token-level IS weights only (is_level='token')")
+        _check(self.is_max > 0, f"is_max must be > 0, got {self.is_max}")
+        if self.is_min is not None:
+            _check(0 <= self.is_min < self.is_max, f"need 0 <= is_min < is_max, got {self.is_min}, {self.is_max}")
+        if self.off_policy_mask_threshold is not None:
+            _check(self.off_policy_mask_threshold >= 0, "off_policy_mask_threshold must be >= 0")
+        _check(
+            0.0 < self.top_entropy_quantile <= 1.0,
+            f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}",
+        )
+        _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "clip_cov_ratio and kl_cov_ratio must be > 0")
+        _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
+        _check(self.kl_cov_coef >= 0, "kl_cov_coef must be >= 0")
+        if self.old_prob_threshold is not None:
+            _check(0 < self.old_prob_threshold < 1, "old_prob_threshold must be in (0, 1)")
+        uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode)
+        if uses_norm:
+            _check(
+                self.max_completion_length is not None,
+                "loss_agg_mode 'seq-mean-token-sum-norm' needs max_completion_length (the Dr. GRPO constant)",
+            )
+        if self.max_completion_length is not None:
+            _check(
+                isinstance(self.max_completion_length, int) and self.max_completion_length > 0,
+                f"max_completion_length must be a positive int, got {self.max_completion_length!r}",
+            )
+            _check(uses_norm, "max_completion_length is only used by 'seq-mean-token-sum-norm'")
+        if self.kl_straight_through:
+            _check(self.kl_estimator != "k2", "kl_straight_through with k2 changes nothing; use kl_estimator='k2'")
+
+    # --- derived properties -------------------------------------------------------------------------
+    @property
+    def needs_global_statistics(self) -> bool:
+        """True when the loss of one token depends on statistics of the whole batch (not only its own
+        sequence): such variants cannot be computed chunk by chunk (fused path: two passes)."""
+        return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov")
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
+
+    def replace(self, **changes: Any) -> PolicyLossConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # --- presets: published settings, each citing its source -----------------------------------------
+    @classmethod
+    def grpo(cls, **overrides: Any) -> PolicyLossConfig:
+        """GRPO as in DeepSeekMath (Shao et al. 2024, arXiv 2402.03300, §4.1): PPO clip eps 0.2, k3 KL
+        to the reference with beta 0.04, per-sequence token mean then mean over sequences."""
+        return cls(
+            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3",
+            loss_agg_mode="seq-mean-token-mean",
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def dapo(cls, **overrides: Any) -> PolicyLossConfig:
+        """DAPO (Yu et al. 2025, arXiv 2503.14476): clip-higher eps_low 0.2 / eps_high 0.28, no KL,
+        token-level mean over the whole batch. (Overlong shaping and dynamic sampling live on the
+        reward / batch side: grpo_kernels.advantages.)"""
+        return cls(
+            loss_type="ppo_clip", clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg_mode="token-mean"
+        ).replace(**overrides)
+
+    @classmethod
+    def dr_grpo(cls, max_completion_length: int = 1024, **overrides: Any) -> PolicyLossConfig:
+        """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783): token
+        sums divided by a constant (the max completion length) and the number of sequences, no KL,
+        no std in the advantage (advantages side). PPO clip eps 0.2."""
+        return cls(
+            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
+            loss_agg_mode="seq-mean-token-sum-norm", max_completion_length=max_completion_length,
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def bnpo(cls, **overrides: Any) -> PolicyLossConfig:
+        """TRL's "bnpo" loss_type (TRL 1.16 GRPOConfig docs): token mean over the tokens of the local
+        batch (pass no global num_tokens), PPO clip eps 0.2, no KL."""
+        return cls(
+            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg_mode="token-mean"
+        ).replace(**overrides)
+
+    @classmethod
+    def gspo(cls, **overrides: Any) -> PolicyLossConfig:
+        """GSPO (Zheng et al. 2025, arXiv 2507.18071): length-normalised sequence ratio
+        exp(mean_t log r), clip range 3e-4 / 4e-4, no KL, mean over sequences."""
+        return cls(
+            loss_type="ppo_clip", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, kl_coef=0.0,
+            loss_agg_mode="seq-mean-token-mean",
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def cispo(cls, **overrides: Any) -> PolicyLossConfig:
+        """CISPO (MiniMax-M1, arXiv 2506.13585 §3.1): clipped, detached IS weight times A logp. The
+        paper sets no lower bound (a large eps_low) and tunes eps_high; here clip_low=1.0 (lower bound
+        0: none) and clip_high=4.0 (upper bound 5, TRL's recommended cap). Token-level mean, no KL."""
+        return cls(
+            loss_type="cispo", cispo_form="relative", clip_low=1.0, clip_high=4.0, kl_coef=0.0,
+            loss_agg_mode="token-mean",
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def gpg(cls, **overrides: Any) -> PolicyLossConfig:
+        """GPG (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline", arXiv 2504.02546): plain
+        policy gradient -A logp, no ratio, no clip, no KL, token mean."""
+        return cls(loss_type="gpg", kl_coef=0.0, loss_agg_mode="token-mean").replace(**overrides)
+
+    @classmethod
+    def gmpo(cls, **overrides: Any) -> PolicyLossConfig:
+        """GMPO (Zhao et al. 2025, arXiv 2507.20673): geometric mean of token ratios per sequence with
+        sign-aware clipping of log r to (-0.4, 0.4), i.e. ratios in (e^-0.4, e^0.4); no KL."""
+        return cls(loss_type="gmpo", clip_low=0.4, clip_high=0.4, kl_coef=0.0).replace(**overrides)
+
+    @classmethod
+    def sapo(cls, **overrides: Any) -> PolicyLossConfig:
+        """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): sigmoid gate
+        with tau_pos 1.0, tau_neg 1.05, per-sequence token mean, no KL."""
+        return cls(
+            loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
+            loss_agg_mode="seq-mean-token-mean",
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def olmo3(cls, **overrides: Any) -> PolicyLossConfig:
+        """Olmo 3 RL-Zero/Think recipe (AI2, "Olmo 3" technical report, 2025; open-instruct
+        grpo_fast): token-level loss, no KL, clip-higher eps_low 0.2 / eps_high 0.272, truncated
+        importance sampling against the inference engine's log-probs with cap 2.0."""
+        return cls(
+            loss_type="ppo_clip", clip_low=0.2, clip_high=0.272, kl_coef=0.0, loss_agg_mode="token-mean",
+            is_level="token", is_mode="truncate", is_max=2.0,
+        ).replace(**overrides)  # fmt: skip
+
+    PRESETS = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "gpg", "gmpo", "sapo", "olmo3")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {cls.PRESETS}")
+        return getattr(cls, name)(**overrides)

@@ -1,0 +1,396 @@
+"""Public functions: validation, layout handling and backend choice (DESIGN.md §2).
+
+The only layer that validates. Below it (autograd Functions, kernels, references) inputs are trusted.
+
+Layouts
+  padded: token tensors [B, T] (hidden [B, T, H]) with a [B, T] mask; advantages [B] or [B, T].
+  packed: token tensors [N] (hidden [N, H]) with cu_seqlens [S + 1]; advantages [S] or [N].
+Internally both become flat tokens with a sequence id per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import _checks as chk
+from ._backend import resolve_backend
+from .config import PolicyLossConfig
+from .ops import lm_head as lm_head_ops
+from .ops.lm_head.function import LMHeadFunction
+from .ops.loss_head.reference import policy_loss_reference
+
+logger = logging.getLogger("grpo_kernels")
+
+
+@dataclass
+class LogProbsOutput:
+    logprobs: torch.Tensor  # fp32, shape of targets; 0 where not computed (mask 0 / ignore_index)
+    entropy: torch.Tensor | None  # fp32, shape of targets; None when compute_entropy=False
+
+
+@dataclass
+class GRPOLossOutput:
+    loss: torch.Tensor  # 0-d, differentiable
+    metrics: dict[str, torch.Tensor]  # detached 0-d fp32 tensors (TRL's names where TRL has one)
+    logprobs: torch.Tensor  # detached per-token log-probs, layout of the inputs
+    entropy: torch.Tensor | None  # detached per-token entropy (None if neither given nor computed)
+
+
+# ------------------------------------------------------------------------------------------------
+# fused_linear_logprobs
+# ------------------------------------------------------------------------------------------------
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    compute_entropy: bool = True,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> LogProbsOutput:
+    """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
+    never materialising the [tokens, V] logits. Differentiable w.r.t. hidden, weight and bias.
+
+    hidden [..., H] (bf16 / fp16 / fp32), weight [V, H], targets [...] int ids, bias [V].
+    Tokens with mask 0 or target == ignore_index are skipped (never multiplied) and get 0.
+    """
+    chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
+    chk.check_tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    chk.check_tensor("targets", targets)
+    if hidden.dim() < 2:
+        chk.fail(f"hidden must be [..., H], got shape {tuple(hidden.shape)}")
+    vocab, hidden_size = weight.shape
+    if hidden.shape[-1] != hidden_size:
+        chk.fail(f"hidden's last dimension {hidden.shape[-1]} must equal weight.shape[1] = {hidden_size}")
+    chk.check_shape("targets", targets, hidden.shape[:-1], "hidden[..., 0]")
+    if bias is not None:
+        chk.check_tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+        chk.check_shape("bias", bias, (vocab,), "weight.shape[0]")
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        chk.fail(
+            f"hidden, weight and bias must share one dtype, got {hidden.dtype}, {weight.dtype}"
+            + ("" if bias is None else f", {bias.dtype}")
+        )
+    _check_temperature(temperature)
+    device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
+    if targets.numel() == 0:
+        chk.fail("targets is empty: nothing to compute")
+    valid = targets != ignore_index
+    if mask is not None:
+        chk.check_tensor("mask", mask)
+        chk.check_shape("mask", mask, targets.shape, "targets")
+        valid = valid & chk.check_mask("mask", mask)
+    chk.check_targets("targets", targets, vocab, valid)
+    if check_finite:
+        chk.check_finite("hidden", hidden, valid[..., None])
+        chk.check_finite("weight", weight)
+        if bias is not None:
+            chk.check_finite("bias", bias)
+    impl = lm_head_ops.get_impl(resolve_backend(backend, device, "fused_linear_logprobs"))
+
+    flat_hidden = hidden.reshape(-1, hidden_size)
+    flat_targets = targets.reshape(-1)
+    flat_valid = valid.reshape(-1)
+    all_valid = bool(flat_valid.all())
+    rows = None if all_valid else flat_valid.nonzero().squeeze(-1)
+    # compact the valid rows: masked tokens are never multiplied
+    h = flat_hidden if all_valid else flat_hidden.index_select(0, rows)
+    y = (flat_targets if all_valid else flat_targets.index_select(0, rows)).long()
+    logprobs, entropy = LMHeadFunction.apply(h, weight, bias, y, float(temperature), impl, compute_entropy)
+
+    def scatter(x):
+        if x is None:
+            return None
+        if all_valid:
+            return x.reshape(targets.shape)
+        full = torch.zeros(flat_targets.shape[0], dtype=x.dtype, device=x.device)
+        return full.index_put((rows,), x).reshape(targets.shape)
+
+    return LogProbsOutput(scatter(logprobs), scatter(entropy))
+
+
+# ------------------------------------------------------------------------------------------------
+# grpo_loss and fused_linear_grpo_loss
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _FlatBatch:
+    """Loss-head inputs as flat tokens [N] with their sequence ids (validated)."""
+
+    token_shape: tuple  # the caller's token layout, to reshape per-token outputs back
+    valid: torch.Tensor  # [N] bool
+    seq_index: torch.Tensor  # [N] int64
+    num_seqs: int
+    advantages: torch.Tensor  # [N] fp32
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+    is_weights: torch.Tensor | None
+    token_weights: torch.Tensor | None
+    normalizers: dict
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, torch.Tensor) or isinstance(temperature, bool):
+        chk.fail(f"temperature must be a Python float (one temperature per call), got {type(temperature).__name__}")
+    if not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
+        chk.fail(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_config(config) -> PolicyLossConfig:
+    if config is None:
+        return PolicyLossConfig()
+    if not isinstance(config, PolicyLossConfig):
+        chk.fail(f"config must be a grpo_kernels.PolicyLossConfig, got {type(config).__name__}")
+    return config
+
+
+def _flatten_batch(
+    token_shape: tuple,
+    mask,
+    advantages,
+    cu_seqlens,
+    per_token: dict,
+    config: PolicyLossConfig,
+    normalizers: dict,
+    check_finite: bool,
+    device,
+) -> _FlatBatch:
+    """Validate the loss-head inputs of either layout and flatten them (see module docstring)."""
+    packed = cu_seqlens is not None
+    if packed and len(token_shape) != 1:
+        chk.fail(f"with cu_seqlens (packed layout) token tensors must be 1-D [N], got shape {token_shape}")
+    if not packed and len(token_shape) != 2:
+        chk.fail(
+            f"token tensors must be [B, T] (padded layout) or [N] with cu_seqlens (packed), got shape {token_shape}"
+        )
+    n_tokens = 1
+    for d in token_shape:
+        n_tokens *= d
+    if n_tokens == 0:
+        chk.fail(f"empty batch: token tensors have shape {token_shape}")
+    chk.check_tensor("mask", mask)
+    chk.check_shape("mask", mask, token_shape, "logprobs")
+    valid = chk.check_mask("mask", mask).reshape(-1)
+    if packed:
+        seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens)
+        num_seqs = cu_seqlens.numel() - 1
+    else:
+        batch, length = token_shape
+        seq_index = torch.arange(batch, device=device).repeat_interleave(length)
+        num_seqs = batch
+
+    chk.check_tensor("advantages", advantages, dtypes=chk.FLOAT_DTYPES)
+    if tuple(advantages.shape) == (num_seqs,):
+        adv = advantages.float()[seq_index]
+    elif tuple(advantages.shape) == tuple(token_shape):
+        adv = advantages.float().reshape(-1)
+    else:
+        chk.fail(
+            f"advantages must be per sequence {(num_seqs,)} or per token {tuple(token_shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    if check_finite:
+        chk.check_finite("advantages", adv, valid)
+
+    flat = {}
+    for name, x in per_token.items():
+        if x is None:
+            flat[name] = None
+            continue
+        chk.check_tensor(name, x, dtypes=chk.FLOAT_DTYPES)
+        chk.check_shape(name, x, token_shape, "logprobs")
+        flat[name] = x.reshape(-1)
+        if check_finite:
+            chk.check_finite(name, flat[name], valid)
+
+    for name in ("num_tokens", "num_sequences"):
+        chk.check_count(name, normalizers[name], minimum=0)
+    chk.check_count("dp_size", normalizers["dp_size"], integer=True)
+    chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
+    _check_inputs_used(config, flat)
+    return _FlatBatch(
+        token_shape=tuple(token_shape),
+        valid=valid,
+        seq_index=seq_index,
+        num_seqs=num_seqs,
+        advantages=adv,
+        old_logprobs=flat.get("old_logprobs"),
+        ref_logprobs=flat.get("ref_logprobs"),
+        rollout_logprobs=flat.get("rollout_logprobs"),
+        is_weights=flat.get("is_weights"),
+        token_weights=flat.get("token_weights"),
+        normalizers=normalizers,
+    )
+
+
+def _check_inputs_used(cfg: PolicyLossConfig, flat: dict) -> None:
+    """Nothing silently ignored: inputs a configuration needs must be there, and inputs it would
+    drop are refused."""
+    if cfg.kl_coef > 0 and flat.get("ref_logprobs") is None:
+        chk.fail(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
+    if cfg.is_level is not None and flat.get("rollout_logprobs") is None:
+        chk.fail(f"is_level={cfg.is_level!r} needs rollout_logprobs (the sampler's log-probs)")
+    if flat.get("rollout_logprobs") is not None and cfg.is_level is None and cfg.off_policy_mask_threshold is None:
+        chk.fail(
+            "rollout_logprobs were given but nothing uses them: set is_level (TIS / MIS) or "
+            "off_policy_mask_threshold, or drop the argument"
+        )
+    if cfg.loss_type == "gmpo" and flat.get("token_weights") is not None:
+        chk.fail("token_weights are not defined for gmpo (a sequence-level objective)")
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    config: PolicyLossConfig | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    dp_size: int = 1,
+    grad_accum_steps: int = 1,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """The GRPO-family policy loss on per-token log-probs (the loss head, no LM head).
+
+    logprobs [B, T] (or [N] with cu_seqlens) is differentiable; so is entropy when the config uses
+    it (entropy bonus). old_logprobs=None means on-policy (ratio 1, gradient still flows).
+    num_tokens / num_sequences: global normalizers of the optimizer step (all micro-batches and
+    ranks); dp_size: ranks whose gradients are averaged. Without them local counts are used.
+    """
+    cfg = _check_config(config)
+    chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
+    device = chk.check_same_device(
+        logprobs=logprobs, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, entropy=entropy,
+        cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
+    )  # fmt: skip
+    if cfg.needs_entropy and entropy is None:
+        chk.fail(
+            "this config needs the per-token entropy (entropy_coef > 0 or top_entropy_quantile < 1); pass entropy="
+        )
+    per_token = dict(
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+        entropy=entropy, is_weights=is_weights, token_weights=token_weights,
+    )  # fmt: skip
+    normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
+                       grad_accum_steps=grad_accum_steps)  # fmt: skip
+    batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
+                           check_finite, device)  # fmt: skip
+    flat_lp = logprobs.reshape(-1)
+    if check_finite:
+        chk.check_finite("logprobs", flat_lp, batch.valid)
+    flat_entropy = None if entropy is None else entropy.reshape(-1)
+    resolve_backend(backend, device, "grpo_loss", triton_implemented=False)
+    out = _loss_head(flat_lp, flat_entropy, batch, cfg)
+    return GRPOLossOutput(
+        loss=out.loss,
+        metrics=out.metrics,
+        logprobs=logprobs.detach(),
+        entropy=None if entropy is None else entropy.detach(),
+    )
+
+
+def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig):
+    n = batch.normalizers
+    return policy_loss_reference(
+        flat_logprobs, batch.advantages, batch.valid, batch.seq_index, batch.num_seqs, cfg,
+        old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+        rollout_logprobs=batch.rollout_logprobs, is_weights=batch.is_weights, entropy=flat_entropy,
+        token_weights=batch.token_weights, num_tokens=n["num_tokens"], num_sequences=n["num_sequences"],
+        dp_size=n["dp_size"], grad_accum_steps=n["grad_accum_steps"],
+    )  # fmt: skip
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: PolicyLossConfig | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    dp_size: int = 1,
+    grad_accum_steps: int = 1,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """From the last hidden states to the GRPO-family loss in one call: LM-head statistics (log-probs,
+    entropy from fp32 accumulators), loss head, and the LM-head gradients, without [tokens, V] logits.
+
+    hidden [B, T, H] (or [N, H] with cu_seqlens), weight [V, H], bias [V], targets [B, T] token ids
+    (only positions with mask 1 are read). Differentiable w.r.t. hidden, weight and bias; the
+    gradients are computed inside the forward and scaled by grad_output in backward.
+    The temperature is config.temperature.
+    """
+    from .ops.fused.function import fused_grpo_forward
+
+    cfg = _check_config(config)
+    chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
+    chk.check_tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    chk.check_tensor("targets", targets)
+    vocab, hidden_size = weight.shape
+    if hidden.dim() < 2 or hidden.shape[-1] != hidden_size:
+        chk.fail(f"hidden must be [..., H] with H = weight.shape[1] = {hidden_size}, got {tuple(hidden.shape)}")
+    chk.check_shape("targets", targets, hidden.shape[:-1], "hidden[..., 0]")
+    if bias is not None:
+        chk.check_tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+        chk.check_shape("bias", bias, (vocab,), "weight.shape[0]")
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        chk.fail("hidden, weight and bias must share one dtype")
+    device = chk.check_same_device(
+        hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, bias=bias,
+        cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
+    )  # fmt: skip
+    per_token = dict(
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+        is_weights=is_weights, token_weights=token_weights,
+    )  # fmt: skip
+    normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
+                       grad_accum_steps=grad_accum_steps)  # fmt: skip
+    batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
+                           check_finite, device)  # fmt: skip
+    flat_targets = targets.reshape(-1)
+    chk.check_targets("targets", flat_targets, vocab, batch.valid)
+    flat_hidden = hidden.reshape(-1, hidden_size)
+    if check_finite:
+        chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
+        chk.check_finite("weight", weight)
+        if bias is not None:
+            chk.check_finite("bias", bias)
+    resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
+    loss, metrics, logprobs, entropy = fused_grpo_forward(
+        flat_hidden, weight, bias, flat_targets, batch, cfg, lm_head_ops.get_impl(resolved),
+        lambda lp, ent: _loss_head(lp, ent, batch, cfg),
+    )  # fmt: skip
+    shape = batch.token_shape
+    return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

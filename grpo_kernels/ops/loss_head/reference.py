@@ -1,0 +1,405 @@
+"""The loss head (B of DESIGN.md §1) in plain fp32 PyTorch: which formula runs, readable top to bottom.
+
+Every other implementation (the Triton loss-head kernel, the fused one-pass path, the TRL and verl
+adapters) is tested against `policy_loss_reference`. Gradients w.r.t. logprobs and entropy come from
+autograd through this file. Derivations and the exact correspondence to TRL 1.16 / verl 0.9.1 are in
+README.md beside it.
+
+Layout: tokens are flat, [N], each with the id of its sequence (`seq_index`, in [0, num_seqs)).
+Tokens of one sequence appear in generation order. A padded [B, T] batch is the special case
+seq_index = row id; a packed batch with cu_seqlens is the other. Per-sequence quantities are segment
+sums (`_seq_sum`) broadcast back to tokens (`[seq_index]`).
+
+Conventions: mask 1 = the token is trained on. Masked tokens are replaced by 0 before any arithmetic,
+so whatever their inputs hold (garbage, inf) they contribute exactly 0 to the loss and its gradients.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...config import PolicyLossConfig
+
+
+class LossHeadOutput(NamedTuple):
+    loss: torch.Tensor  # 0-d, differentiable w.r.t. logprobs and entropy
+    metrics: dict[str, torch.Tensor]  # name -> detached 0-d fp32 tensor
+
+
+def policy_loss_reference(
+    logprobs: torch.Tensor,  # [N] log pi_theta(token), differentiable
+    advantages: torch.Tensor,  # [N] per token (a per-sequence advantage broadcast to its tokens)
+    mask: torch.Tensor,  # [N] bool or {0, 1}
+    seq_index: torch.Tensor,  # [N] int64 in [0, num_seqs)
+    num_seqs: int,
+    config: PolicyLossConfig,
+    old_logprobs: torch.Tensor | None = None,  # [N]; None = on-policy (old = logprobs.detach())
+    ref_logprobs: torch.Tensor | None = None,  # [N] reference policy, for the KL term
+    rollout_logprobs: torch.Tensor | None = None,  # [N] sampler (vLLM) log-probs, for IS correction
+    is_weights: torch.Tensor | None = None,  # [N] precomputed IS weights (verl rollout_is_weights)
+    entropy: torch.Tensor | None = None,  # [N] policy entropy per token, differentiable
+    token_weights: torch.Tensor | None = None,  # [N] per-token loss weights (process weights)
+    num_tokens: float | None = None,  # global token normalizer (token-mean); None: local count
+    num_sequences: float | None = None,  # global sequence normalizer (seq-mean-*); None: local count
+    dp_size: int = 1,  # data-parallel ranks whose gradients get averaged
+    grad_accum_steps: int = 1,  # local counts are multiplied by this (micro-batch means / GA)
+) -> LossHeadOutput:
+    cfg = config
+    valid = mask.bool()
+    m = valid.float()
+
+    def clean(x):  # fp32, and exactly 0 on masked tokens (their gradient is then 0 too)
+        return None if x is None else torch.where(valid, x.float(), torch.zeros((), device=x.device))
+
+    def seq_sum(x):  # [N] -> [S]
+        return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+
+    lp = clean(logprobs)
+    adv = clean(advantages)
+    old = clean(old_logprobs) if old_logprobs is not None else lp.detach()
+    ref = clean(ref_logprobs)
+    rollout = clean(rollout_logprobs)
+    ent = clean(entropy)
+    seq_len = seq_sum(m)  # [S] valid tokens per sequence
+    seq_nonempty = (seq_len > 0).float()
+    seq_len_tok = seq_len.clamp(min=1.0)[seq_index]  # [N]
+
+    def clamp_log(x):  # the documented guard on exponents of log-ratios
+        c = cfg.log_ratio_clamp
+        return x if c is None else x.clamp(-c, c)
+
+    # ---- importance ratio r (per token; sequence levels broadcast their value) -----------------
+    log_ratio = (lp - old) * m  # lr_t
+    if cfg.ratio_level == "token":
+        log_w = log_ratio
+    elif cfg.ratio_level == "sequence":  # GSPO / TRL: value and gradient through the mean
+        log_w = (seq_sum(log_ratio) / seq_len.clamp(min=1.0))[seq_index]
+    elif cfg.ratio_level == "sequence_token":  # GSPO-token / verl gspo: sequence value, token gradient
+        log_w = (seq_sum(log_ratio) / seq_len.clamp(min=1.0))[seq_index].detach() + lp - lp.detach()
+    elif cfg.ratio_level == "sequence_sum":  # trajectory ratio (TIC-GRPO)
+        log_w = seq_sum(log_ratio)[seq_index]
+    else:  # pragma: no cover - config validation rejects it
+        raise AssertionError(cfg.ratio_level)
+    ratio = torch.exp(clamp_log(log_w)) * m
+    sequence_valued = cfg.ratio_level in ("sequence", "sequence_sum")
+
+    def level_mean(x):  # metric mean over the units the ratio lives on: tokens, or sequences (TRL)
+        if sequence_valued:
+            per_seq = seq_sum(x * m) / seq_len.clamp(min=1.0)
+            return (per_seq * seq_nonempty).sum() / seq_nonempty.sum().clamp(min=1.0)
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+
+    metrics: dict[str, torch.Tensor] = {}
+    lower, upper = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+
+    # ---- per-token objective (loss to minimise) --------------------------------------------------
+    ratio_for_clip_metrics = ratio
+    if cfg.loss_type == "ppo_clip":
+        clipped = ratio.clamp(lower, upper)
+        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)  # TRL two-sided clip
+        objective = -torch.minimum(unclipped * adv, clipped * adv)
+        if cfg.dual_clip is not None:  # verl dual clip: for A < 0 the loss is at most -c A
+            dual_bound = -cfg.dual_clip * adv
+            metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
+            objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
+        ratio_for_clip_metrics = unclipped
+    elif cfg.loss_type == "cispo":
+        if cfg.cispo_form == "relative":  # verl, MiniMax-M1 paper: two-sided, relative to 1
+            weight = ratio.clamp(lower, upper)
+        else:  # TRL: one-sided absolute cap
+            weight = ratio.clamp(max=cfg.cispo_cap)
+            lower, upper = float("-inf"), cfg.cispo_cap
+        objective = -weight.detach() * adv * lp
+        metrics["clip_ratio/any_mean"] = level_mean(((ratio < lower) | (ratio > upper)).float())
+    elif cfg.loss_type == "gpg":
+        objective = -adv * lp
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+        objective = -gate * adv
+    elif cfg.loss_type == "pspo":
+        raise NotImplementedError("pspo: formula being pinned down (see README)")
+    elif cfg.loss_type == "dcpo":
+        raise NotImplementedError("dcpo: formula being pinned down (see README)")
+    elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
+        objective = -_vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout) * adv * lp
+    elif cfg.loss_type == "clip_cov":
+        clipped = ratio.clamp(lower, upper)
+        loss_unclipped, loss_clipped = -adv * ratio, -adv * clipped
+        keep = _clip_cov_keep(cfg, adv, lp, m, valid, loss_clipped > loss_unclipped)
+        metrics["selection/cov_frac"] = ((1.0 - keep) * m).sum() / m.sum().clamp(min=1.0)
+        objective = torch.maximum(loss_unclipped, loss_clipped) * keep
+    elif cfg.loss_type == "kl_cov":
+        penalised = _kl_cov_selected(cfg, adv, lp, valid)
+        metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
+        objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
+    elif cfg.loss_type == "gmpo":
+        objective = None  # sequence-level objective, below
+    else:  # pragma: no cover
+        raise AssertionError(cfg.loss_type)
+
+    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov"):
+        low = ((ratio < lower) & (adv < 0)).float()
+        high = ((ratio_for_clip_metrics > upper) & (adv > 0)).float()
+        metrics["clip_ratio/low_mean"] = level_mean(low)
+        metrics["clip_ratio/high_mean"] = level_mean(high)
+        metrics["clip_ratio/region_mean"] = level_mean(torch.maximum(low, high))
+        per_seq_low = seq_sum(low * m) / seq_len.clamp(min=1.0)
+        per_seq_high = seq_sum(high * m) / seq_len.clamp(min=1.0)
+        nonempty = seq_nonempty.bool()
+        metrics["clip_ratio/low_min"] = _masked_min(per_seq_low, nonempty)
+        metrics["clip_ratio/high_max"] = _masked_max(per_seq_high, nonempty)
+
+    # ---- token selection (each a {0,1} multiplier on the policy term) ----------------------------
+    selection = m.clone()
+    if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking
+        behaviour = rollout if rollout is not None else old
+        seq_kl = (seq_sum((behaviour - lp.detach()) * m) / seq_len.clamp(min=1.0))[seq_index]
+        keep = ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).float()
+        metrics["selection/off_policy_dropped_frac"] = ((1.0 - keep) * m).sum() / m.sum().clamp(min=1.0)
+        selection = selection * keep
+    entropy_selected = m
+    if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule": train on high-entropy forks only
+        threshold = torch.quantile(ent.detach()[valid], 1.0 - cfg.top_entropy_quantile) if valid.any() else 0.0
+        entropy_selected = ((ent.detach() >= threshold) & valid).float()
+        metrics["selection/entropy_kept_frac"] = entropy_selected.sum() / m.sum().clamp(min=1.0)
+        selection = selection * entropy_selected
+    if cfg.old_prob_threshold is not None:  # Lopti: low- / high-probability token groups
+        low_prob = (old.exp() < cfg.old_prob_threshold).float()
+        keep = low_prob if cfg.old_prob_side == "low" else 1.0 - low_prob
+        metrics["selection/old_prob_kept_frac"] = (keep * m).sum() / m.sum().clamp(min=1.0)
+        selection = selection * keep
+
+    # ---- sampler mismatch: importance weights old / rollout (TIS, MIS), or given ------------------
+    weights = torch.ones_like(m)
+    if cfg.is_level is not None and cfg.loss_type != "vespo":  # VESPO folds them into phi instead
+        weights = _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index)
+    if is_weights is not None:
+        weights = weights * clean(is_weights)
+    if cfg.is_level is not None or is_weights is not None:
+        metrics["is_weight/mean"] = (weights * m).sum() / m.sum().clamp(min=1.0)
+        metrics["is_weight/min"] = _masked_min(weights, valid)
+        metrics["is_weight/max"] = _masked_max(weights, valid)
+        if cfg.is_mode == "mask" and cfg.is_level is not None:
+            metrics["is_weight/masked_frac"] = ((weights == 0).float() * m).sum() / m.sum().clamp(min=1.0)
+    if token_weights is not None:
+        weights = weights * clean(token_weights)
+
+    # ---- aggregation --------------------------------------------------------------------------------
+    normalizers = _Normalizers(m, seq_index, seq_len, num_tokens, num_sequences, dp_size, grad_accum_steps, cfg)
+    if cfg.loss_type == "gmpo":
+        policy_loss = _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights,
+                                 normalizers, metrics)  # fmt: skip
+    else:
+        policy_loss = normalizers.aggregate(objective * selection * weights, cfg.loss_agg_mode)
+    loss = policy_loss
+    metrics["policy_loss"] = policy_loss.detach()
+
+    if ref is not None:
+        kl = _kl(cfg, lp, ref) * m
+        if cfg.kl_ratio_correction:  # TRL use_bias_correction_kl: the ratio before any delta cap
+            kl = kl * ratio
+        metrics["kl"] = kl.detach().sum() / m.sum().clamp(min=1.0)
+        if cfg.kl_coef > 0:
+            kl_loss = normalizers.aggregate(kl, cfg.loss_agg_mode)
+            metrics["kl_loss"] = kl_loss.detach()
+            loss = loss + cfg.kl_coef * kl_loss
+
+    if ent is not None:
+        metrics["entropy"] = ent.detach().sum() / m.sum().clamp(min=1.0)
+        if cfg.entropy_coef > 0:
+            # the bonus acts on the tokens the entropy selection keeps (TRL: mask * entropy_mask)
+            entropy_loss = normalizers.aggregate(ent * entropy_selected, cfg.entropy_agg_mode or cfg.loss_agg_mode,
+                                                 count_mask=entropy_selected)  # fmt: skip
+            metrics["entropy_loss"] = entropy_loss.detach()
+            loss = loss - cfg.entropy_coef * entropy_loss
+
+    metrics["ppo_kl"] = (-clamp_log(log_ratio) * m).detach().sum() / m.sum().clamp(min=1.0)
+    metrics["ratio/mean"] = level_mean(ratio).detach()
+    metrics["ratio/min"] = _masked_min(ratio.detach(), valid)
+    metrics["ratio/max"] = _masked_max(ratio.detach(), valid)
+    return LossHeadOutput(loss, {k: v.detach().float() for k, v in metrics.items()})
+
+
+class _Normalizers:
+    """Turns per-token loss terms into the scalar of each loss_agg_mode (verl's names).
+
+    With global counts (num_tokens, num_sequences) the micro-batch losses of one optimizer step sum,
+    and average over dp_size ranks, to the loss of the whole step. Without them the local counts are
+    used, multiplied by grad_accum_steps (each micro-batch is a mean, accumulated steps average).
+    Every denominator is at least 1: an all-masked batch gives 0, never NaN.
+    """
+
+    def __init__(self, m, seq_index, seq_len, num_tokens, num_sequences, dp_size, grad_accum_steps, cfg):
+        self.m = m
+        self.seq_index = seq_index
+        self.seq_len = seq_len
+        self.num_tokens = num_tokens
+        self.num_sequences = num_sequences
+        self.dp_size = dp_size
+        self.grad_accum_steps = grad_accum_steps
+        self.max_completion_length = cfg.max_completion_length
+
+    def token_count(self):
+        if self.num_tokens is not None:
+            return max(float(self.num_tokens), 1.0)
+        return self.m.sum().clamp(min=1.0) * self.grad_accum_steps
+
+    def sequence_count(self):
+        if self.num_sequences is not None:
+            return max(float(self.num_sequences), 1.0)
+        return (self.seq_len > 0).float().sum().clamp(min=1.0) * self.grad_accum_steps
+
+    def aggregate(self, per_token, mode, count_mask=None):
+        per_token = per_token * self.m
+        if mode == "token-mean":
+            return per_token.sum() / self.token_count() * self.dp_size
+        if mode == "token-mean-local":  # TRL entropy bonus: local mean over the tokens acted on / GA
+            local = (self.m if count_mask is None else count_mask).sum().clamp(min=1.0)
+            return per_token.sum() / local / self.grad_accum_steps
+        if mode == "token-sum":
+            return per_token.sum() * self.dp_size
+        seq_totals = _segment_sum(per_token, self.seq_index, self.seq_len.shape[0])
+        if mode == "seq-mean-token-sum":
+            return seq_totals.sum() / self.sequence_count() * self.dp_size
+        if mode == "seq-mean-token-sum-norm":
+            return seq_totals.sum() / self.sequence_count() / self.max_completion_length * self.dp_size
+        if mode == "seq-mean-token-mean":
+            return (seq_totals / self.seq_len.clamp(min=1.0)).sum() / self.sequence_count() * self.dp_size
+        raise AssertionError(mode)  # pragma: no cover
+
+
+def _segment_sum(x, seq_index, num_seqs):
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+
+
+def _masked_min(x, valid):
+    return x[valid].min().detach().float() if valid.any() else torch.tensor(float("nan"), device=x.device)
+
+
+def _masked_max(x, valid):
+    return x[valid].max().detach().float() if valid.any() else torch.tensor(float("nan"), device=x.device)
+
+
+def _kl(cfg, lp, ref):
+    """Per-token KL(pi_theta || pi_ref) estimators of Schulman's note, x = log(pi_ref / pi_theta)."""
+    x = ref - lp
+    name = cfg.kl_estimator
+    if name == "k1":
+        value = -x
+    elif name == "k2":
+        value = 0.5 * x * x
+    elif name == "k3":  # unclamped (TRL)
+        value = torch.exp(x) - x - 1.0
+    elif name == "low_var_kl":  # k3 with verl's clamps
+        xc = x.clamp(-20.0, 20.0)
+        value = (torch.exp(xc) - xc - 1.0).clamp(-10.0, 10.0)
+    elif name == "abs":
+        value = x.abs()
+    else:  # pragma: no cover
+        raise AssertionError(name)
+    if cfg.kl_straight_through:  # verl "name+": value of the estimator, gradient of k2
+        k2 = 0.5 * x * x
+        value = k2 - k2.detach() + value.detach()
+    return value
+
+
+def _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index):
+    """Detached importance weights pi_old / pi_rollout (TRL vllm_importance_sampling_*):
+    token level rho_t = exp(old_t - rollout_t); sequence level rho_i = exp(sum_t (old_t - rollout_t)).
+    "truncate" clamps rho to [is_min, is_max] (TIS); "mask" zeroes it outside (MIS / IcePop)."""
+    if rollout is None:
+        raise ValueError("is_level is set but rollout_logprobs were not given")
+    log_rho = ((old - rollout) * m).detach()
+    if cfg.is_level == "sequence":
+        log_rho = seq_sum(log_rho)[seq_index]
+    rho = torch.exp(log_rho)
+    lo = 0.0 if cfg.is_min is None else cfg.is_min
+    if cfg.is_mode == "truncate":
+        rho = rho.clamp(min=lo, max=cfg.is_max)
+    else:
+        rho = torch.where((rho >= lo) & (rho <= cfg.is_max), rho, torch.zeros_like(rho))
+    return rho * m
+
+
+def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout):
+    """TRL 1.16 GRPOTrainer.get_gamma_weights: phi(w) = exp(lambda + k log w - lambda w), with
+    log w = clamp(sum_t clamp(lr_t, +-20) [+ sum_t clamp(log IS_t, log 1e-8, 20)], log 1e-8, 20),
+    k, lambda chosen by the sign of A (A >= 0: pos). Detached: it only scales A grad log pi."""
+    import math
+
+    lower = math.log(1e-8)
+    with torch.no_grad():
+        seq_log_ratio = seq_sum(log_ratio.detach().clamp(-20.0, 20.0) * m)
+        if cfg.is_level is not None:
+            if cfg.is_level != "token":
+                raise ValueError("vespo folds token-level IS weights only (is_level='token')")
+            is_w = _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index)
+            # masked tokens carry weight 1 in TRL (their log-diff is 0), i.e. log 1 = 0
+            log_is = torch.where(m > 0, torch.log(is_w).clamp(lower, 20.0), torch.zeros_like(is_w))
+            seq_log_ratio = seq_log_ratio + seq_sum(log_is)
+        log_w = seq_log_ratio.clamp(lower, 20.0)[seq_index]
+        nonneg = adv >= 0
+        k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return phi * m
+
+
+def _clip_cov_keep(cfg, adv, lp, m, valid, clipped_by_ppo):
+    """verl compute_policy_loss_clip_cov: among tokens not already clipped by PPO, those whose
+    centred covariance (A - mean A)(logp - mean logp) lies in (lb, ub) are candidates; a random
+    subset of max(1, int(ratio * n_valid)) of them is detached (keep = 0). torch.randperm on the
+    default generator, exactly as verl, so seeded runs select the same tokens."""
+    n_valid = m.sum()
+    with torch.no_grad():
+        mean_adv = (adv * m).sum() / (n_valid + 1e-8)
+        mean_lp = (lp.detach() * m).sum() / (n_valid + 1e-8)
+        cov = (adv - mean_adv) * (lp.detach() - mean_lp)
+        cov = torch.where(valid & ~clipped_by_ppo, cov, torch.full_like(cov, float("-inf")))
+        n_clip = max(int(cfg.clip_cov_ratio * n_valid.item()), 1)
+        candidates = torch.nonzero((cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid).squeeze(-1)
+        keep = torch.ones_like(m)
+        if candidates.numel() > 0:
+            chosen = candidates[torch.randperm(candidates.numel())[: min(n_clip, candidates.numel())]]
+            keep[chosen] = 0.0
+    return keep
+
+
+def _kl_cov_selected(cfg, adv, lp, valid):
+    """verl compute_policy_loss_kl_cov: the top max(1, int(n_valid * ratio)) tokens by centred
+    covariance (A - mean A)(logp - mean logp) over the valid tokens get the |log r| penalty."""
+    selected = torch.zeros(adv.shape, dtype=torch.float32, device=adv.device)
+    idx = torch.nonzero(valid).squeeze(-1)
+    if idx.numel() == 0:
+        return selected
+    with torch.no_grad():
+        a, l = adv[idx].detach(), lp[idx].detach()
+        cov = (a - a.mean()) * (l - l.mean())
+        k = max(1, int(idx.numel() * cfg.kl_cov_ratio))
+        selected[idx[torch.topk(cov, k, largest=True).indices]] = 1.0
+    return selected
+
+
+def _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights, normalizers, metrics):
+    """GMPO (verl compute_policy_loss_geo_mean): sign-aware clip of the token log-ratio to
+    [-clip_low, clip_high], geometric mean over the sequence, times the sequence-mean advantage:
+      l_i = -Abar_i exp( sum_t sgn(A_t) min(sgn(A_t) lr_t, sgn(A_t) clip(lr_t)) m_t / |o_i| ),
+    averaged over sequences (ignores loss_agg_mode, as the paper and verl). Token IS weights enter as
+    their geometric mean per sequence (verl)."""
+    sgn = torch.sign(adv)
+    clipped = log_ratio.clamp(-cfg.clip_low, cfg.clip_high)
+    lr_min = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)
+    length = seq_len.clamp(min=1.0)
+    seq_ratio = torch.exp(seq_sum(lr_min * m) / length)
+    seq_adv = seq_sum(adv * m) / length
+    seq_objective = -seq_adv * seq_ratio
+    is_geo = torch.exp(seq_sum(torch.log(weights + 1e-10) * m) / length)  # 1 when no IS weights
+    seq_keep = (seq_sum(selection) > 0).float()  # off-policy masking drops whole sequences
+    was_clipped = (log_ratio != clipped).float()
+    metrics["clip_ratio/high_mean"] = (was_clipped * (adv > 0) * m).sum() / m.sum().clamp(min=1.0)
+    metrics["clip_ratio/low_mean"] = (was_clipped * (adv < 0) * m).sum() / m.sum().clamp(min=1.0)
+    total = (seq_objective * is_geo * seq_keep * (seq_len > 0)).sum()
+    return total / normalizers.sequence_count() * normalizers.dp_size
