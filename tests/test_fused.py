@@ -1,0 +1,134 @@
+"""Tier 1: fused_linear_grpo_loss (hidden states -> loss, gradients inside the forward) equals the
+composition fused_linear_logprobs -> grpo_loss, whose pieces are tested against the references."""
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import PolicyLossConfig as C
+from grpo_kernels.testing import assert_close
+
+from .test_loss_head import CONFIGS
+
+
+def inputs(b=4, t=7, h=24, v=301, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5 * 3).to(dtype)
+    bias_ = (torch.randn(v, generator=g) * 0.3).to(dtype) if bias else None
+    targets = torch.randint(0, v, (b, t), generator=g)
+    lengths = torch.tensor([7, 3, 5, 1, 6, 2, 7][:b])
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    targets[~mask] = -100  # padding ids are never read
+    with torch.no_grad():
+        lp = gk.fused_linear_logprobs(hidden, weight, targets.clamp(min=0), bias_, backend="torch").logprobs
+    old = lp + torch.randn(b, t, generator=g) * 0.3
+    ref = lp + torch.randn(b, t, generator=g) * 0.2
+    rollout = old + torch.randn(b, t, generator=g) * 0.2
+    adv = torch.randn(b, generator=g)
+    return dict(hidden=hidden, weight=weight, bias=bias_, targets=targets, mask=mask, old=old, ref=ref,
+                rollout=rollout, adv=adv)  # fmt: skip
+
+
+def optional_inputs(cfg, d):
+    return dict(
+        old_logprobs=d["old"],
+        ref_logprobs=d["ref"] if cfg.kl_coef > 0 else None,
+        rollout_logprobs=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+    )
+
+
+def fused_and_composed(cfg, d, **kw):
+    leaves = [x.clone().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    torch.manual_seed(1)
+    out = gk.fused_linear_grpo_loss(leaves[0], leaves[1], d["targets"], d["adv"], d["mask"], bias=leaves[2],
+                                    config=cfg, backend="torch", **optional_inputs(cfg, d), **kw)  # fmt: skip
+    out.loss.backward()
+    ref_leaves = [x.clone().requires_grad_() if x is not None else None for x in (d["hidden"], d["weight"], d["bias"])]
+    lp = gk.fused_linear_logprobs(ref_leaves[0], ref_leaves[1], d["targets"], ref_leaves[2], cfg.temperature,
+                                  mask=d["mask"], backend="torch")  # fmt: skip
+    torch.manual_seed(1)
+    ref_out = gk.grpo_loss(lp.logprobs, d["adv"], d["mask"], entropy=lp.entropy, config=cfg, backend="torch",
+                           **optional_inputs(cfg, d), **kw)  # fmt: skip
+    ref_out.loss.backward()
+    return out, leaves, ref_out, ref_leaves
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_equals_composition(name):
+    cfg = CONFIGS[name].replace(temperature=0.8)
+    d = inputs()
+    out, leaves, ref_out, ref_leaves = fused_and_composed(cfg, d)
+    assert_close("loss", out.loss, ref_out.loss, atol=1e-6, rtol=1e-5)
+    for key in ref_out.metrics:
+        assert_close(f"metric {key}", out.metrics[key], ref_out.metrics[key], atol=1e-6, rtol=1e-5)
+    for label, a, b in zip(("hidden", "weight", "bias"), leaves, ref_leaves):
+        scale = b.grad.abs().max().item() + 1e-12
+        assert_close(f"grad_{label}", a.grad, b.grad, atol=1e-5 * scale, rtol=1e-4)
+    assert bool((leaves[0].grad[~d["mask"]] == 0).all()), "masked rows must get exactly zero gradient"
+    assert_close("logprobs", out.logprobs, ref_out.logprobs, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_packed_layout_equals_padded():
+    cfg = C.grpo(entropy_coef=0.01)
+    d = inputs()
+    out, leaves, _, _ = fused_and_composed(cfg, d)
+    m = d["mask"]
+    lengths = m.sum(-1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    hidden = d["hidden"][m].clone().requires_grad_()
+    weight = d["weight"].clone().requires_grad_()
+    packed = gk.fused_linear_grpo_loss(
+        hidden, weight, d["targets"][m], d["adv"], torch.ones(int(lengths.sum()), dtype=torch.bool),
+        d["old"][m], d["ref"][m], bias=d["bias"], config=cfg, cu_seqlens=cu, backend="torch",
+    )  # fmt: skip
+    packed.loss.backward()
+    assert_close("loss", packed.loss, out.loss, atol=1e-6, rtol=1e-5)
+    assert_close("grad_hidden", hidden.grad, leaves[0].grad[m], atol=1e-6, rtol=1e-4)
+    assert_close("grad_weight", weight.grad, leaves[1].grad, atol=1e-6, rtol=1e-4)
+
+
+def test_fused_real_vocabulary():
+    d = inputs(b=2, t=5, h=16, v=151936, bias=False)
+    out, leaves, ref_out, ref_leaves = fused_and_composed(C.dapo(), d)
+    assert_close("loss", out.loss, ref_out.loss, atol=1e-6, rtol=1e-5)
+    assert_close("grad_weight", leaves[1].grad, ref_leaves[1].grad, atol=1e-7, rtol=1e-4)
+
+
+def test_no_grad_and_frozen_weight():
+    d = inputs()
+    with torch.no_grad():
+        out = gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                        config=C.dapo(), backend="torch")  # fmt: skip
+    assert not out.loss.requires_grad
+    hidden = d["hidden"].clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(hidden, d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                    config=C.dapo(), backend="torch")  # fmt: skip
+    out.loss.backward()
+    assert d["weight"].grad is None and hidden.grad is not None
+
+
+def test_grad_output_scales_gradients():
+    d = inputs()
+    w1 = d["weight"].clone().requires_grad_()
+    gk.fused_linear_grpo_loss(d["hidden"], w1, d["targets"], d["adv"], d["mask"], d["old"], config=C.dapo(),
+                              backend="torch").loss.backward()  # fmt: skip
+    w2 = d["weight"].clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(d["hidden"], w2, d["targets"], d["adv"], d["mask"], d["old"], config=C.dapo(),
+                                    backend="torch")  # fmt: skip
+    (out.loss * 0.25).backward()
+    assert_close("0.25 x grad", w2.grad, 0.25 * w1.grad, atol=1e-9, rtol=1e-6)
+
+
+def test_fused_bad_input():
+    d = inputs()
+    with pytest.raises(ValueError, match=r"targets has 1 id\(s\) outside \[0, 301\)"):
+        t = d["targets"].clone()
+        t[0, 0] = 301
+        gk.fused_linear_grpo_loss(d["hidden"], d["weight"], t, d["adv"], d["mask"], backend="torch")
+    with pytest.raises(ValueError, match="hidden must be"):
+        gk.fused_linear_grpo_loss(d["hidden"][..., :5], d["weight"], d["targets"], d["adv"], d["mask"])
+    with pytest.raises(ValueError, match="hidden has .* non-finite"):
+        h = d["hidden"].clone()
+        h[0, 0, 0] = float("inf")
+        gk.fused_linear_grpo_loss(h, d["weight"], d["targets"], d["adv"], d["mask"], backend="torch")
