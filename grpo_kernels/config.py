@@ -25,6 +25,7 @@ LOSS_TYPES = (
     "vespo",  # detached sequence-level Gamma weight times -A logp (TRL's VESPO)
     "clip_cov",  # PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)
     "kl_cov",  # -r A plus |log r| penalty on the top covariance tokens (KL-Cov)
+    "group_dpo",  # DPO loss between the best and the worst completion of each group (summed log-probs)
 )
 # How the importance ratio r is formed from log-ratios lr_t = logp_t - old_t.
 RATIO_LEVELS = (
@@ -32,6 +33,7 @@ RATIO_LEVELS = (
     "sequence",  # r_i = exp(mean_t lr_t), value and gradient through the mean (GSPO, TRL)
     "sequence_token",  # r_it = exp(sg[mean_t lr] + logp_t - sg[logp_t]) (GSPO-token, verl "gspo")
     "sequence_sum",  # r_i = exp(sum_t lr_t), the trajectory ratio (TIC-GRPO)
+    "prefix",  # r_t = exp(sum_{k<=t} decay^(t-k) lr_k), discounted prefix accumulation (GRPO-lambda trace)
 )
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = (
@@ -40,6 +42,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
     "seq-mean-token-mean",
+    "length-pow",  # token weight |o_i|^-p / sum_j |o_j|^(1-p): p = 0 token-mean, p = 1 seq-mean-token-mean
 )
 # The entropy bonus may aggregate like the policy term (None, verl) or as TRL does: a token mean over
 # the tokens it acts on in this call, divided by grad_accum_steps.
@@ -80,6 +83,10 @@ class PolicyLossConfig:
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
     pspo_alpha: float = 0.1  # PSPO smoothing weight toward the old policy
+    dcpo_max_ratio: float = 10.0  # DCPO: cap of the probability-dependent upper bound
+    prefix_decay: float = 0.9  # ratio_level="prefix": decay of the discounted prefix sum of log-ratios
+    dpo_beta: float = 0.1  # group_dpo: DPO inverse temperature
+    group_size: int | None = None  # group_dpo: completions per prompt, laid out consecutively
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
@@ -110,6 +117,7 @@ class PolicyLossConfig:
     # --- aggregation ------------------------------------------------------------------------------
     loss_agg_mode: str = "token-mean"
     max_completion_length: int | None = None  # the Dr. GRPO constant of seq-mean-token-sum-norm
+    length_power: float = 1.0  # the exponent p of "length-pow"
     # --- LM head ----------------------------------------------------------------------------------
     temperature: float = 1.0
 
@@ -141,7 +149,8 @@ class PolicyLossConfig:
             "clip_low", "clip_high", "sapo_tau_pos", "sapo_tau_neg", "pspo_alpha", "vespo_k_pos",
             "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_coef", "is_max",
             "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-            "kl_cov_coef", "entropy_coef", "temperature",
+            "kl_cov_coef", "entropy_coef", "temperature", "dcpo_max_ratio", "prefix_decay", "dpo_beta",
+            "length_power",
         ):  # fmt: skip
             _finite(name, getattr(self, name))
         for name in ("dual_clip", "delta", "log_ratio_clamp", "cispo_cap", "is_min",
@@ -156,7 +165,24 @@ class PolicyLossConfig:
         _check(0.0 <= self.pspo_alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.pspo_alpha}")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1.0, f"dual_clip must be > 1, got {self.dual_clip}")
-            _check(self.loss_type == "ppo_clip", "dual_clip applies to loss_type='ppo_clip' only")
+            _check(self.loss_type in ("ppo_clip", "dcpo"), "dual_clip applies to loss_type 'ppo_clip' and 'dcpo' only")
+        _check(self.dcpo_max_ratio > 1.0, f"dcpo_max_ratio must be > 1, got {self.dcpo_max_ratio}")
+        _check(0.0 <= self.prefix_decay <= 1.0, f"prefix_decay must be in [0, 1], got {self.prefix_decay}")
+        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
+        _check(self.length_power >= 0, f"length_power must be >= 0, got {self.length_power}")
+        if self.loss_type == "group_dpo":
+            _check(
+                isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size >= 2,
+                f"group_dpo needs group_size >= 2 (completions per prompt, consecutive), got {self.group_size!r}",
+            )
+            _check(self.ratio_level == "token", "group_dpo compares summed log-probs; ratio_level must be 'token'")
+            _check(
+                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None and self.is_level is None
+                and self.off_policy_mask_threshold is None,
+                "group_dpo is a sequence-pair objective: token selection and IS corrections are not defined for it",
+            )  # fmt: skip
+        else:
+            _check(self.group_size is None, "group_size is only used by loss_type='group_dpo'")
         if self.delta is not None:
             _check(
                 self.delta > 1.0 + self.clip_high,
@@ -174,7 +200,7 @@ class PolicyLossConfig:
             self.cispo_cap is None or (self.loss_type == "cispo" and self.cispo_form == "absolute"),
             "cispo_cap is only used by loss_type='cispo' with cispo_form='absolute'",
         )
-        if self.loss_type in ("gpg", "vespo", "gmpo", "clip_cov", "kl_cov"):
+        if self.loss_type in ("gpg", "vespo", "gmpo", "clip_cov", "kl_cov", "group_dpo"):
             _check(
                 self.ratio_level == "token",
                 f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'",
@@ -199,6 +225,8 @@ class PolicyLossConfig:
         _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "clip_cov_ratio and kl_cov_ratio must be > 0")
         _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
         _check(self.kl_cov_coef >= 0, "kl_cov_coef must be >= 0")
+        if self.loss_agg_mode == "length-pow" or self.entropy_agg_mode == "length-pow":
+            _check(self.loss_type != "gmpo", "gmpo averages over sequences; length-pow does not apply")
         if self.old_prob_threshold is not None:
             _check(0 < self.old_prob_threshold < 1, "old_prob_threshold must be in (0, 1)")
         uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode)
@@ -222,6 +250,10 @@ class PolicyLossConfig:
         """True when the loss of one token depends on statistics of the whole batch (not only its own
         sequence): such variants cannot be computed chunk by chunk (fused path: two passes)."""
         return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.loss_type == "group_dpo"
 
     @property
     def needs_entropy(self) -> bool:
@@ -310,15 +342,55 @@ class PolicyLossConfig:
 
     @classmethod
     def olmo3(cls, **overrides: Any) -> PolicyLossConfig:
-        """Olmo 3 RL-Zero/Think recipe (AI2, "Olmo 3" technical report, 2025; open-instruct
-        grpo_fast): token-level loss, no KL, clip-higher eps_low 0.2 / eps_high 0.272, truncated
-        importance sampling against the inference engine's log-probs with cap 2.0."""
+        """Olmo 3 Think / RL-Zero (AI2, arXiv 2512.13961; open-instruct grpo_fast.py at the release
+        commit 42aa63c): token-level loss (a token mean per micro-batch: pass no global num_tokens to
+        match it), no KL (beta 0), clip-higher eps_low 0.2 / eps_high 0.272, token-level truncated
+        importance sampling against the inference engine's log-probs with cap 2.0. Advantages are
+        centred without the std (advantage side)."""
         return cls(
             loss_type="ppo_clip", clip_low=0.2, clip_high=0.272, kl_coef=0.0, loss_agg_mode="token-mean",
             is_level="token", is_mode="truncate", is_max=2.0,
         ).replace(**overrides)  # fmt: skip
 
-    PRESETS = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "gpg", "gmpo", "sapo", "olmo3")
+    @classmethod
+    def pspo(cls, **overrides: Any) -> PolicyLossConfig:
+        """PSPO / GR-PSPO (Dwyer et al. 2025, "It's Not You, It's Clipping", arXiv 2509.21282): the
+        current probability is smoothed toward the old one before the ratio, r~ = (1 - a) r + a, and
+        replaces clipping (no min / clip); a = 0.1 (the first author's TRL PR); GRPO aggregation."""
+        return cls(loss_type="pspo", pspo_alpha=0.1, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean").replace(
+            **overrides
+        )
+
+    @classmethod
+    def dcpo(cls, **overrides: Any) -> PolicyLossConfig:
+        """DCPO (Yang et al. 2025, arXiv 2509.02333, and lime-RL/DCPO): probability-dependent clip
+        bounds with eps_low 0.16 / eps_high 0.2 (the paper's table), upper bound capped at 10, dual clip
+        10 for A < 0 (the released scripts), "only token mean" aggregation read as seq-mean-token-sum
+        (the paper's OTM formula). Smooth advantage standardisation is on the advantage side."""
+        return cls(
+            loss_type="dcpo", clip_low=0.16, clip_high=0.2, dcpo_max_ratio=10.0, dual_clip=10.0, kl_coef=0.0,
+            loss_agg_mode="seq-mean-token-sum",
+        ).replace(**overrides)  # fmt: skip
+
+    @classmethod
+    def vespo(cls, **overrides: Any) -> PolicyLossConfig:
+        """VESPO (Shen et al. 2026, arXiv 2602.10693; TRL 1.16 loss_type="vespo"): detached Gamma
+        weight phi(W) of the sequence ratio, (k, lambda) = (2, 3) for A >= 0 and (3, 2) for A < 0,
+        token-level mean, no KL."""
+        return cls(loss_type="vespo", kl_coef=0.0, loss_agg_mode="token-mean").replace(**overrides)
+
+    @classmethod
+    def tic_grpo(cls, **overrides: Any) -> PolicyLossConfig:
+        """TIC-GRPO (Pang et al., arXiv 2508.02833): one trajectory-level ratio exp(sum_t log r_t)
+        instead of token ratios, in the PPO clipped surrogate (eps 0.2; the paper's clipping details
+        could not be verified here), GRPO aggregation, no KL."""
+        return cls(
+            loss_type="ppo_clip", ratio_level="sequence_sum", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
+            loss_agg_mode="seq-mean-token-mean",
+        ).replace(**overrides)  # fmt: skip
+
+    PRESETS = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "gpg", "gmpo", "sapo", "olmo3", "pspo", "dcpo",
+               "vespo", "tic_grpo")  # fmt: skip
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:

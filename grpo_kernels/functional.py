@@ -217,6 +217,17 @@ def _flatten_batch(
     for name in ("num_tokens", "num_sequences"):
         chk.check_count(name, normalizers[name], minimum=0)
     chk.check_count("dp_size", normalizers["dp_size"], integer=True)
+    local_only = "length-pow" in (config.loss_agg_mode, config.entropy_agg_mode) or config.loss_type == "group_dpo"
+    if local_only and (normalizers["num_tokens"] is not None or normalizers["num_sequences"] is not None):
+        chk.fail(
+            "num_tokens / num_sequences are not defined for loss_agg_mode='length-pow' or loss_type='group_dpo': "
+            "they normalise by local counts (times grad_accum_steps)"
+        )
+    if config.loss_type == "group_dpo" and num_seqs % config.group_size != 0:
+        chk.fail(
+            f"group_dpo: the batch holds {num_seqs} sequences, not a multiple of group_size={config.group_size} "
+            "(groups must be laid out consecutively)"
+        )
     chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
     _check_inputs_used(config, flat)
     return _FlatBatch(
@@ -239,6 +250,8 @@ def _check_inputs_used(cfg: PolicyLossConfig, flat: dict) -> None:
     drop are refused."""
     if cfg.kl_coef > 0 and flat.get("ref_logprobs") is None:
         chk.fail(f"kl_coef={cfg.kl_coef} needs ref_logprobs")
+    if cfg.loss_type == "group_dpo" and flat.get("ref_logprobs") is None:
+        chk.fail("loss_type='group_dpo' needs ref_logprobs (DPO compares against the reference policy)")
     if cfg.is_level is not None and flat.get("rollout_logprobs") is None:
         chk.fail(f"is_level={cfg.is_level!r} needs rollout_logprobs (the sampler's log-probs)")
     if flat.get("rollout_logprobs") is not None and cfg.is_level is None and cfg.off_policy_mask_threshold is None:

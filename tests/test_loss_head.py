@@ -61,6 +61,12 @@ CONFIGS = {
     "olmo3": C.olmo3(),
     "lopti_low": C(old_prob_threshold=0.3, old_prob_side="low"),
     "token_sum": C(loss_agg_mode="token-sum"),
+    "length_pow": C(loss_agg_mode="length-pow", length_power=0.5),
+    "pspo": C.pspo(),
+    "dcpo": C.dcpo(),
+    "prefix_trace": C(ratio_level="prefix", prefix_decay=0.8),
+    "tic_grpo": C.tic_grpo(),
+    "group_dpo": C(loss_type="group_dpo", group_size=5, dpo_beta=0.5),
     "seq_mean_token_sum": C(loss_agg_mode="seq-mean-token-sum"),
 }
 
@@ -72,7 +78,7 @@ def call(cfg, d, *, lp=None, old="default", layout="padded", **kw):
     old_lp = d["old"] if isinstance(old, str) else old
     args = dict(
         old_logprobs=old_lp,
-        ref_logprobs=d["ref"] if cfg.kl_coef > 0 else None,
+        ref_logprobs=d["ref"] if cfg.needs_reference else None,
         rollout_logprobs=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
         entropy=ent,
         config=cfg,
@@ -96,14 +102,17 @@ def agg_weights(cfg, mask):
         "seq-mean-token-sum": m / n_seq,
         "seq-mean-token-sum-norm": m / n_seq / (cfg.max_completion_length or 1),
         "seq-mean-token-mean": m / lengths.clamp(min=1) / n_seq,
+        "length-pow": m * lengths.clamp(min=1) ** -cfg.length_power
+        / (lengths.clamp(min=1) ** (1 - cfg.length_power) * (lengths > 0)).sum(),
     }[cfg.loss_agg_mode]
 
 
 ON_POLICY_VALUE_IS_MINUS_A = {"grpo", "dapo", "dr_grpo", "bnpo", "gspo", "gspo_token", "tic_grpo_seq_sum",
-                              "dual_clip", "delta", "kl_cov", "token_sum", "seq_mean_token_sum"}  # fmt: skip
+                              "dual_clip", "delta", "kl_cov", "token_sum", "seq_mean_token_sum", "length_pow",
+                              "pspo", "dcpo", "prefix_trace", "tic_grpo"}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"clip_cov", "top_entropy", "olmo3", "tis_token",
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"clip_cov", "top_entropy", "olmo3", "tis_token", "group_dpo",
                                                          "mis_sequence", "lopti_low", "off_policy_mask"}))  # fmt: skip
 def test_on_policy_gradient_is_minus_advantage(name):
     """old = None (ratio 1): every objective's gradient w.r.t. log p_t is -A_t times its aggregation
@@ -120,6 +129,14 @@ def test_on_policy_gradient_is_minus_advantage(name):
         if cfg.ratio_level == "sequence":
             per_seq = per_seq / d["mask"].sum(-1, keepdim=True).clamp(min=1)
         w = per_seq * d["mask"]
+    if cfg.ratio_level == "prefix":
+        # r_t = exp(sum_{k<=t} decay^(t-k) lr_k): log p_k moves every later r_t by decay^(t-k)
+        later = torch.zeros_like(w)
+        for t in reversed(range(T)):
+            later[:, t] = w[:, t] + (cfg.prefix_decay * later[:, t + 1] if t + 1 < T else 0.0)
+        w = later * d["mask"]
+    if cfg.loss_type == "pspo":
+        w = w * (1.0 - cfg.pspo_alpha)  # r~ = (1 - a) r + a
     assert_close(f"{name}: dL/dlogp", g_lp, -a * w, atol=1e-7, rtol=1e-5)
     if name in ON_POLICY_VALUE_IS_MINUS_A:
         assert_close(f"{name}: loss", out.loss, (-a * w_loss).sum(), atol=1e-7, rtol=1e-5)
@@ -278,6 +295,51 @@ def test_dual_clip_caps_negative_advantage_loss():
                        config=C(dual_clip=3.0), backend="torch")  # fmt: skip
     assert math.isclose(out.loss.item(), 3.0, rel_tol=1e-6)
     assert out.metrics["clip_ratio/dual_mean"].item() == 1.0
+
+
+def test_dcpo_bounds_depend_on_the_old_probability():
+    # q = 0.9: bounds [0.5 + 0.5 sqrt(1 - 4 * 0.16 / 0.9), 0.5 + 0.5 sqrt(1 + 4 * 0.2 / 0.9)] = [0.768, 1.186]
+    # q = 0.01: lower bound 0.5 (sqrt of a negative clamps to 0), upper 0.5 + 0.5 sqrt(81) = 5
+    cfg = C.dcpo()
+    q = torch.tensor([[0.9, 0.01]])
+    old = q.log()
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for ratio, adv, expected in [(1.5, 1.0, 1.186), (0.5, -1.0, 0.768), (7.0, 1.0, 5.0), (0.3, -1.0, 0.5)]:
+        token = 0 if expected in (1.186, 0.768) else 1
+        lp = old.clone()
+        lp[0, token] += math.log(ratio)
+        m = torch.zeros(1, 2, dtype=torch.bool)
+        m[0, token] = True
+        out = gk.grpo_loss(lp, torch.tensor([adv]), m, old, config=cfg.replace(dual_clip=None), backend="torch")
+        # the clipped branch is active: loss = -A clip(r) (token-sum over one sequence of one token)
+        assert math.isclose(out.loss.item(), -adv * expected, rel_tol=2e-3), (ratio, adv, out.loss.item())
+
+
+def test_group_dpo_by_hand():
+    # one group of 3: advantages pick sequence 1 (best) over sequence 2 (worst)
+    lp = torch.tensor([[-1.0, -1.0], [-0.5, -0.7], [-2.0, -1.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    adv = torch.tensor([0.1, 1.0, -1.1])
+    cfg = C(loss_type="group_dpo", group_size=3, dpo_beta=0.5)
+    out = gk.grpo_loss(lp, adv, mask, ref_logprobs=ref, config=cfg, backend="torch")
+    margin = ((-0.5 - 0.7) - (-2.0)) - ((-2.0 - 1.5) - (-2.0))  # (S_w - S_ref_w) - (S_l - S_ref_l) = 2.3
+    expected = -torch.nn.functional.logsigmoid(torch.tensor(0.5 * margin))
+    assert math.isclose(out.loss.item(), expected.item(), rel_tol=1e-6)
+    assert out.metrics["dpo/accuracy"].item() == 1.0
+    (g,) = torch.autograd.grad(out.loss, lp)
+    assert bool((g[0] == 0).all()) and bool((g[1] < 0).all()) and bool((g[2] > 0).all())
+    # a group whose advantages are all equal has no preference: loss 0
+    out = gk.grpo_loss(lp, torch.zeros(3), mask, ref_logprobs=ref, config=cfg, backend="torch")
+    assert out.loss.item() == 0.0 and out.metrics["dpo/pairs"].item() == 0
+
+
+def test_length_pow_interpolates_token_and_sequence_means():
+    d = batch(per_token_adv=True)
+    for power, mode in [(0.0, "token-mean"), (1.0, "seq-mean-token-mean")]:
+        a, _, _ = call(C(loss_agg_mode="length-pow", length_power=power), d)
+        b, _, _ = call(C(loss_agg_mode=mode), d)
+        assert_close(f"length-pow p={power} vs {mode}", a.loss, b.loss, atol=1e-7, rtol=1e-6)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

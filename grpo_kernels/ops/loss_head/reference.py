@@ -80,6 +80,8 @@ def policy_loss_reference(
         log_w = (seq_sum(log_ratio) / seq_len.clamp(min=1.0))[seq_index].detach() + lp - lp.detach()
     elif cfg.ratio_level == "sequence_sum":  # trajectory ratio (TIC-GRPO)
         log_w = seq_sum(log_ratio)[seq_index]
+    elif cfg.ratio_level == "prefix":  # GRPO-lambda trace: sum_{k<=t} decay^(t-k) lr_k within the sequence
+        log_w = _discounted_prefix_sum(log_ratio, seq_index, cfg.prefix_decay)
     else:  # pragma: no cover - config validation rejects it
         raise AssertionError(cfg.ratio_level)
     ratio = torch.exp(clamp_log(log_w)) * m
@@ -119,10 +121,17 @@ def policy_loss_reference(
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
         gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
         objective = -gate * adv
-    elif cfg.loss_type == "pspo":
-        raise NotImplementedError("pspo: formula being pinned down (see README)")
-    elif cfg.loss_type == "dcpo":
-        raise NotImplementedError("dcpo: formula being pinned down (see README)")
+    elif cfg.loss_type == "pspo":  # smoothing toward the old policy replaces clipping
+        objective = -((1.0 - cfg.pspo_alpha) * ratio + cfg.pspo_alpha) * adv
+    elif cfg.loss_type == "dcpo":  # PPO clip with bounds that depend on the old probability q
+        q = old.exp()
+        lower = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * cfg.clip_low / q, min=0.0))
+        upper = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * cfg.clip_high / q), max=cfg.dcpo_max_ratio)
+        objective = torch.maximum(-adv * ratio, -adv * torch.minimum(torch.maximum(ratio, lower), upper))
+        if cfg.dual_clip is not None:
+            dual_bound = -cfg.dual_clip * adv
+            metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
+            objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
     elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
         objective = -_vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout) * adv * lp
     elif cfg.loss_type == "clip_cov":
@@ -135,12 +144,12 @@ def policy_loss_reference(
         penalised = _kl_cov_selected(cfg, adv, lp, valid)
         metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
         objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
-    elif cfg.loss_type == "gmpo":
-        objective = None  # sequence-level objective, below
+    elif cfg.loss_type in ("gmpo", "group_dpo"):
+        objective = None  # sequence-level objectives, below
     else:  # pragma: no cover
         raise AssertionError(cfg.loss_type)
 
-    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov"):
+    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov", "dcpo"):
         low = ((ratio < lower) & (adv < 0)).float()
         high = ((ratio_for_clip_metrics > upper) & (adv > 0)).float()
         metrics["clip_ratio/low_mean"] = level_mean(low)
@@ -192,6 +201,10 @@ def policy_loss_reference(
     if cfg.loss_type == "gmpo":
         policy_loss = _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights,
                                  normalizers, metrics)  # fmt: skip
+    elif cfg.loss_type == "group_dpo":
+        if ref is None:
+            raise ValueError("group_dpo needs ref_logprobs")
+        policy_loss = _group_dpo_loss(cfg, lp, ref, adv, m, seq_sum, seq_len, num_seqs, normalizers, metrics)
     else:
         policy_loss = normalizers.aggregate(objective * selection * weights, cfg.loss_agg_mode)
     loss = policy_loss
@@ -241,6 +254,7 @@ class _Normalizers:
         self.dp_size = dp_size
         self.grad_accum_steps = grad_accum_steps
         self.max_completion_length = cfg.max_completion_length
+        self.length_power = cfg.length_power
 
     def token_count(self):
         if self.num_tokens is not None:
@@ -268,11 +282,35 @@ class _Normalizers:
             return seq_totals.sum() / self.sequence_count() / self.max_completion_length * self.dp_size
         if mode == "seq-mean-token-mean":
             return (seq_totals / self.seq_len.clamp(min=1.0)).sum() / self.sequence_count() * self.dp_size
+        if mode == "length-pow":  # sequence i weighs |o_i|^-p per token, normalised to total weight 1
+            p = self.length_power
+            lengths = self.seq_len.clamp(min=1.0)
+            units = ((self.seq_len > 0).float() * lengths ** (1.0 - p)).sum().clamp(min=1e-30)
+            return (seq_totals * lengths ** (-p)).sum() / (units * self.grad_accum_steps) * self.dp_size
         raise AssertionError(mode)  # pragma: no cover
 
 
 def _segment_sum(x, seq_index, num_seqs):
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+
+
+def _discounted_prefix_sum(x, seq_index, decay):
+    """s_t = x_t + decay * s_{t-1} within each sequence (a sequence's tokens are contiguous and in
+    order, so the predecessor of token j is token j - 1): a loop over positions, vectorised over
+    sequences."""
+    n = x.shape[0]
+    if n == 0:
+        return x
+    idx = torch.arange(n, device=x.device)
+    starts = torch.ones(n, dtype=torch.bool, device=x.device)
+    starts[1:] = seq_index[1:] != seq_index[:-1]
+    position = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 0).values
+    out = torch.zeros_like(x)
+    for p in range(int(position.max()) + 1):
+        at = (position == p).nonzero().squeeze(-1)
+        value = x[at] if p == 0 else x[at] + decay * out[at - 1]
+        out = out.index_put((at,), value)
+    return out
 
 
 def _masked_min(x, valid):
@@ -313,8 +351,12 @@ def _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index):
     if rollout is None:
         raise ValueError("is_level is set but rollout_logprobs were not given")
     log_rho = ((old - rollout) * m).detach()
+    if cfg.log_ratio_clamp is not None:  # the same guard as every exponent of a log-ratio
+        log_rho = log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.is_level == "sequence":
         log_rho = seq_sum(log_rho)[seq_index]
+        if cfg.log_ratio_clamp is not None:
+            log_rho = log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     rho = torch.exp(log_rho)
     lo = 0.0 if cfg.is_min is None else cfg.is_min
     if cfg.is_mode == "truncate":
@@ -381,6 +423,31 @@ def _kl_cov_selected(cfg, adv, lp, valid):
         k = max(1, int(idx.numel() * cfg.kl_cov_ratio))
         selected[idx[torch.topk(cov, k, largest=True).indices]] = 1.0
     return selected
+
+
+def _group_dpo_loss(cfg, lp, ref, adv, m, seq_sum, seq_len, num_seqs, normalizers, metrics):
+    """Group DPO: in each group of group_size consecutive completions, the one with the largest
+    advantage is preferred over the one with the smallest (DPO, Rafailov et al. 2023, on summed
+    log-probs against the reference):
+      l_g = -log sigmoid( beta [ (S_w - S^ref_w) - (S_l - S^ref_l) ] ),  S = sum_t log pi(o_t),
+    averaged over groups that have a preference (max A > min A); ties contribute nothing."""
+    g = cfg.group_size
+    n_groups = num_seqs // g
+    seq_adv = (seq_sum(adv * m) / seq_len.clamp(min=1.0)).reshape(n_groups, g)
+    nonempty = (seq_len > 0).reshape(n_groups, g)
+    policy_minus_ref = (seq_sum(lp * m) - seq_sum(ref * m)).reshape(n_groups, g)
+    inf = torch.tensor(float("inf"), device=lp.device)
+    best = torch.where(nonempty, seq_adv, -inf).argmax(-1, keepdim=True)
+    worst = torch.where(nonempty, seq_adv, inf).argmin(-1, keepdim=True)
+    has_pair = (seq_adv.gather(-1, best) > seq_adv.gather(-1, worst)).squeeze(-1) & (nonempty.sum(-1) >= 2)
+    margin = (policy_minus_ref.gather(-1, best) - policy_minus_ref.gather(-1, worst)).squeeze(-1)
+    pair = has_pair.float()
+    n_pairs = pair.sum().clamp(min=1.0)
+    metrics["dpo/pairs"] = pair.sum()
+    metrics["dpo/reward_margin"] = (cfg.dpo_beta * margin * pair).detach().sum() / n_pairs
+    metrics["dpo/accuracy"] = ((margin > 0).float() * pair).sum() / n_pairs
+    losses = -torch.nn.functional.logsigmoid(cfg.dpo_beta * margin) * pair
+    return losses.sum() / (n_pairs * normalizers.grad_accum_steps) * normalizers.dp_size
 
 
 def _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights, normalizers, metrics):
