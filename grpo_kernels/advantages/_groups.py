@@ -121,6 +121,13 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> float:
     return float(value)
 
 
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator, and 0 where the denominator is 0 (a zero std with epsilon = 0 only happens
+    for a constant set, whose centered numerator is 0: the documented result is advantage 0, not NaN)."""
+    safe = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / safe)
+
+
 # ---- per-group statistics (all [G] unless noted) --------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from ._groups import (
     group_std,
     group_sum,
     masked_whiten,
+    safe_divide,
     working_dtype,
 )
 from .filters import gfpo_filter
@@ -43,7 +44,7 @@ def group_normalized(
     if scale == "none":
         return centered
     sigma = group_std(r, group_index, num_groups)[group_index] if scale == "group" else batch_std(r)
-    return centered / (sigma + epsilon)
+    return safe_divide(centered, sigma + epsilon)
 
 
 @register(
@@ -256,7 +257,7 @@ def grpo_passk(rewards, group_index, *, num_groups, normalize_by_std: bool = Tru
     runner_up = group_max(without_best, group_index, num_groups)  # -inf for a group of one
     margin = torch.where(torch.isfinite(runner_up), best_value - runner_up, torch.zeros_like(best_value))
     if normalize_by_std:
-        margin = margin / (group_std(r, group_index, num_groups) + check_positive("epsilon", epsilon, True))
+        margin = safe_divide(margin, group_std(r, group_index, num_groups) + check_positive("epsilon", epsilon, True))
     advantages = torch.zeros_like(r)
     advantages[best_row] = margin
     return advantages
@@ -474,7 +475,7 @@ def per_reward_group_normalized(
     r = rewards.to(working_dtype(rewards.dtype))
     mean = group_mean(r, group_index, num_groups)[group_index]
     std = group_std(r, group_index, num_groups)[group_index]
-    return (r - mean) / (std + check_positive("epsilon", epsilon, allow_zero=True))
+    return safe_divide(r - mean, std + check_positive("epsilon", epsilon, allow_zero=True))
 
 
 @register(
@@ -568,7 +569,7 @@ def gdpo(
     if batch_normalization == "sequence":
         if mask is not None:
             raise ValueError("mask is only used with batch_normalization='token'")
-        return (combined - combined.mean()) / (batch_std(combined) + epsilon)
+        return safe_divide(combined - combined.mean(), batch_std(combined) + epsilon)
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         raise ValueError("batch_normalization='token' needs mask, a [B, T] tensor")
     mask = check_mask("mask", mask, (r.shape[0], mask.shape[1]))
@@ -600,7 +601,7 @@ def normalize_by_polarity(
     count = group_count(key, num_keys, flat_values.dtype)
     std = group_std(flat_values, key, num_keys)
     standardized = torch.where(
-        count[key] > 1, (flat_values - mean[key]) / (std[key] + epsilon), torch.zeros_like(flat_values)
+        count[key] > 1, safe_divide(flat_values - mean[key], std[key] + epsilon), torch.zeros_like(flat_values)
     )
     out = torch.zeros_like(values)
     out[valid] = standardized

@@ -19,6 +19,7 @@ from ._groups import (
     group_mean,
     group_std,
     group_sum,
+    safe_divide,
     working_dtype,
 )
 from .outcome import _check_correct, group_normalized, normalize_by_polarity
@@ -160,8 +161,9 @@ def mt_grpo(
     check_same_device(rewards=rewards, turn_rewards=turn_rewards, turn_ids=turn_ids)
     outcome = group_normalized(rewards, group_index, num_groups, "group", epsilon)  # [B]
     r_turn = turn_rewards.to(outcome.dtype)
-    turn_adv = (r_turn - group_mean(r_turn, group_index, num_groups)[group_index]) / (
-        group_std(r_turn, group_index, num_groups)[group_index] + epsilon
+    turn_adv = safe_divide(
+        r_turn - group_mean(r_turn, group_index, num_groups)[group_index],
+        group_std(r_turn, group_index, num_groups)[group_index] + epsilon,
     )  # [B, K]
     in_turn = turn_ids >= 0
     token_turn_adv = turn_adv.gather(1, turn_ids.clamp(min=0))  # [B, T]
@@ -248,7 +250,7 @@ def gigpo(
     values = step_return[valid_step]
     centered = values - group_mean(values, anchor, num_anchors)[anchor]
     if normalize_by_std:
-        centered = centered / (group_std(values, anchor, num_anchors)[anchor] + epsilon)
+        centered = safe_divide(centered, group_std(values, anchor, num_anchors)[anchor] + epsilon)
     step_adv = torch.zeros_like(step_return)
     step_adv[valid_step] = centered
     token_step_adv = step_adv.gather(1, step_ids.clamp(min=0))  # [B, T]
@@ -441,7 +443,7 @@ def process_supervision(
         raise ValueError(f"step_mask: group {int((count == 0).nonzero()[0])} has no valid step reward")
     std = group_std(values, flat_groups, num_groups)
     normalized = torch.zeros_like(r)
-    normalized[step_mask] = (values - mean[flat_groups]) / (std[flat_groups] + epsilon)
+    normalized[step_mask] = safe_divide(values - mean[flat_groups], std[flat_groups] + epsilon)
     suffix = normalized.flip(-1).cumsum(-1).flip(-1)  # [B, S] sum over steps j >= s
     token_adv = suffix.gather(1, step_ids.clamp(min=0))
     return torch.where(used, token_adv, torch.zeros_like(token_adv))
