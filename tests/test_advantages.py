@@ -46,9 +46,13 @@ def assert_close(name, out, expected, atol=1e-10, rtol=1e-10):
     """Elementwise |out - expected| <= atol + rtol |expected|; the message shows the worst element."""
     out = torch.as_tensor(out).detach().to(F64).cpu()
     expected = torch.as_tensor(expected, dtype=F64).cpu()
-    assert out.shape == expected.shape, f"{name}: shape {tuple(out.shape)} != expected {tuple(expected.shape)}"
+    assert out.shape == expected.shape, (
+        f"{name}: shape {tuple(out.shape)} != expected {tuple(expected.shape)}"
+    )
     excess = (out - expected).abs() - (atol + rtol * expected.abs())
-    excess = torch.where(torch.isnan(out) | torch.isnan(expected), torch.full_like(excess, float("inf")), excess)
+    excess = torch.where(
+        torch.isnan(out) | torch.isnan(expected), torch.full_like(excess, float("inf")), excess
+    )
     if bool((excess > 0).any()):
         flat = int(excess.flatten().argmax())
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), out.shape)) if out.ndim else ()
@@ -72,12 +76,31 @@ def grpo_expected(epsilon, scale="group"):
     return out
 
 
-# ---------------------------------------------------------------- registry ----------------------------------
+# Registry
 
 REQUIRED = [
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "lite_ppo", "opo",
-    "grpo_passk", "gpg", "grpo_lead", "edge_grpo", "dcpo", "grpo_lambda_clamp", "mo_grpo", "gdpo", "mt_grpo",
-    "gigpo", "gtpo", "grpo_s", "lambda_grpo", "process_supervision", "gfpo",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "lite_ppo",
+    "opo",
+    "grpo_passk",
+    "gpg",
+    "grpo_lead",
+    "edge_grpo",
+    "dcpo",
+    "grpo_lambda_clamp",
+    "mo_grpo",
+    "gdpo",
+    "mt_grpo",
+    "gigpo",
+    "gtpo",
+    "grpo_s",
+    "lambda_grpo",
+    "process_supervision",
+    "gfpo",
 ]
 
 
@@ -101,7 +124,9 @@ def test_readme_table_matches_generator():
     text = readme.read_text()
     assert START in text and END in text, "README.md lacks the advantages-table markers"
     expected = replace_table(text, A.registry_table_markdown())
-    assert text == expected, "README.md table is stale; run `python -m grpo_kernels.advantages --write README.md`"
+    assert text == expected, (
+        "README.md table is stale; run `python -m grpo_kernels.advantages --write README.md`"
+    )
 
 
 def test_get_unknown_name_lists_available():
@@ -123,7 +148,9 @@ def test_user_estimator_registration_and_conflict():
 
     A.register(name, output="[B]")(shift)
     A.register(name, output="[B]")(shift)  # the same function twice is a no-op
-    assert_close("user estimator", estimate(name, rewards64(), groups(), offset=1.0), [r - 1 for r in REWARDS])
+    assert_close(
+        "user estimator", estimate(name, rewards64(), groups(), offset=1.0), [r - 1 for r in REWARDS]
+    )
     assert A.get(name).summary == "Reward minus a constant (test estimator)."
 
     def other(rewards, group_index, *, num_groups):
@@ -135,14 +162,17 @@ def test_user_estimator_registration_and_conflict():
         A.register("test_bad_signature")(lambda rewards, group_index: rewards)
 
 
-# ---------------------------------------------------------------- group-normalized family -------------------
+# Group-normalized family
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_grpo_hand(scale):
     eps = 1e-4
-    assert_close(f"grpo[{scale}]", estimate("grpo", rewards64(), groups(), scale=scale, epsilon=eps),
-                 grpo_expected(eps, scale))
+    assert_close(
+        f"grpo[{scale}]",
+        estimate("grpo", rewards64(), groups(), scale=scale, epsilon=eps),
+        grpo_expected(eps, scale),
+    )
 
 
 def test_dr_grpo_and_lite_ppo_hand():
@@ -164,13 +194,19 @@ def test_reinforce_plus_plus_baseline_hand():
         var = sum(w * (c - mean) ** 2 for w, c in zip(weights, centered)) / (total - 1)
         return [(c - mean) / math.sqrt(var + 1e-8) for c in centered]
 
-    assert_close("rf++ baseline (sequences)", estimate("reinforce_plus_plus_baseline", rewards64(), groups()),
-                 whiten([1] * 7))
+    assert_close(
+        "rf++ baseline (sequences)",
+        estimate("reinforce_plus_plus_baseline", rewards64(), groups()),
+        whiten([1] * 7),
+    )
     mask = torch.zeros(7, 6, dtype=torch.bool)
     for i, n in enumerate(LENGTHS):
         mask[i, :n] = True
-    assert_close("rf++ baseline (tokens)",
-                 estimate("reinforce_plus_plus_baseline", rewards64(), groups(), mask=mask), whiten(LENGTHS))
+    assert_close(
+        "rf++ baseline (tokens)",
+        estimate("reinforce_plus_plus_baseline", rewards64(), groups(), mask=mask),
+        whiten(LENGTHS),
+    )
 
 
 def test_opo_hand():
@@ -186,9 +222,13 @@ def test_grpo_passk_hand():
     expected = [0, 0, 0, 0, 0, 1.5 / (SD1 + 1e-6), 0]
     assert_close("passk", estimate("grpo_passk", rewards64(), groups()), expected)
     expected_raw = [0, 0, 0, 0, 0, 1.5, 0]
-    assert_close("passk no std", estimate("grpo_passk", rewards64(), groups(), normalize_by_std=False), expected_raw)
+    assert_close(
+        "passk no std", estimate("grpo_passk", rewards64(), groups(), normalize_by_std=False), expected_raw
+    )
     # the first maximum wins a tie at the top when the runner-up is lower
-    out = estimate("grpo_passk", rewards64([0.0, 2.0, 2.0, 1.0]), groups([0, 0, 0, 0]), normalize_by_std=False)
+    out = estimate(
+        "grpo_passk", rewards64([0.0, 2.0, 2.0, 1.0]), groups([0, 0, 0, 0]), normalize_by_std=False
+    )
     assert_close("passk tie", out, [0, 0, 0, 0])
     out = estimate("grpo_passk", rewards64([0.0, 2.0, 1.0]), groups([0, 0, 0]), normalize_by_std=False)
     assert_close("passk unique", out, [0, 1.0, 0])
@@ -199,8 +239,11 @@ def test_gpg_hand():
     # valid_groups: groups 0 and 1 are non-uniform (6 rows); the singleton is uniform
     assert_close("gpg valid", estimate("gpg", rewards64(), groups()), [7 / 6 * c for c in centered])
     # nonzero_rewards: 5 rows have r != 0
-    assert_close("gpg nonzero", estimate("gpg", rewards64(), groups(), alpha_mode="nonzero_rewards", f_norm=2.0),
-                 [7 / 5 * c / 2 for c in centered])
+    assert_close(
+        "gpg nonzero",
+        estimate("gpg", rewards64(), groups(), alpha_mode="nonzero_rewards", f_norm=2.0),
+        [7 / 5 * c / 2 for c in centered],
+    )
 
 
 def test_grpo_lead_hand():
@@ -214,12 +257,24 @@ def test_grpo_lead_hand():
     correct = torch.tensor([True, True, False, False, False, True, False])
     rho = {0: 2 / 3, 1: 1 / 3, 2: 0.0}
     expected = [a * (w(rho[g]) if a > 0 else w(1 - rho[g])) for a, g in zip(base, GROUPS)]
-    assert_close("grpo_lead correct=", estimate("grpo_lead", rewards64(), groups(), correct=correct), expected)
+    assert_close(
+        "grpo_lead correct=", estimate("grpo_lead", rewards64(), groups(), correct=correct), expected
+    )
 
 
 def test_edge_grpo_hand():
-    entropy = torch.tensor([[1.0, 3.0, 9.0], [2.0, 2.0, 2.0], [4.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 0.5, 2.0],
-                            [3.0, 3.0, 3.0], [1.0, 2.0, 3.0]], dtype=F64)
+    entropy = torch.tensor(
+        [
+            [1.0, 3.0, 9.0],
+            [2.0, 2.0, 2.0],
+            [4.0, 0.0, 0.0],
+            [1.0, 1.0, 1.0],
+            [0.5, 0.5, 2.0],
+            [3.0, 3.0, 3.0],
+            [1.0, 2.0, 3.0],
+        ],
+        dtype=F64,
+    )
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
     mean_h = [2.0, 2.0, 4.0, 1.0, 1.0, 3.0, 2.0]
     base = grpo_expected(1e-4, "group")
@@ -240,7 +295,7 @@ def test_grpo_lambda_clamp_hand():
         estimate("grpo_lambda_clamp", rewards64(), groups(), min_advantage=0.5)
 
 
-# ---------------------------------------------------------------- multi-reward -------------------------------
+# Multi-reward
 
 MULTI = [[1.0, 0.2], [0.0, 0.9], [1.0, 0.4], [0.5, 0.1], [0.0, 0.1], [2.0, 0.7], [3.0, 0.5]]
 
@@ -275,8 +330,13 @@ def test_mo_grpo_hand_and_scale_invariance():
     # scaling one objective by 1000 and shifting it leaves every advantage unchanged (epsilon = 0)
     scaled = r.clone()
     scaled[:, 1] = scaled[:, 1] * 1000 + 7
-    assert_close("mo_grpo scale invariance", estimate("mo_grpo", scaled, groups(), epsilon=0.0),
-                 estimate("mo_grpo", r, groups(), epsilon=0.0), atol=1e-9, rtol=1e-9)
+    assert_close(
+        "mo_grpo scale invariance",
+        estimate("mo_grpo", scaled, groups(), epsilon=0.0),
+        estimate("mo_grpo", r, groups(), epsilon=0.0),
+        atol=1e-9,
+        rtol=1e-9,
+    )
 
 
 def test_gdpo_hand():
@@ -298,7 +358,7 @@ def test_gdpo_hand():
     assert_close("gdpo token", out, expected)
 
 
-# ---------------------------------------------------------------- entropy shaping -----------------------------
+# Entropy shaping
 
 
 def test_grpo_s_hand():
@@ -322,9 +382,14 @@ def test_gtpo_hand():
     entropy = torch.tensor([[3.0, 1.0, 2.0], [1.0, 3.0, 2.0], [2.0, 4.0, 9.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     eps = 1e-8
-    pos = {(0, 0): 1 + 0.1 * 3 / 4 * 2, (1, 0): 1 + 0.1 * 1 / 4 * 2,
-           (0, 1): 1 + 0.1 * 1 / 4 * 2, (1, 1): 1 + 0.1 * 3 / 4 * 2,
-           (0, 2): 1 + 0.1 * 2 / 4 * 2, (1, 2): 1 + 0.1 * 2 / 4 * 2}
+    pos = {
+        (0, 0): 1 + 0.1 * 3 / 4 * 2,
+        (1, 0): 1 + 0.1 * 1 / 4 * 2,
+        (0, 1): 1 + 0.1 * 1 / 4 * 2,
+        (1, 1): 1 + 0.1 * 3 / 4 * 2,
+        (0, 2): 1 + 0.1 * 2 / 4 * 2,
+        (1, 2): 1 + 0.1 * 2 / 4 * 2,
+    }
     neg = {(2, 0): -1 - 0.1 * 1 * 1, (2, 1): -1 - 0.1 * 1 * 1}  # a single wrong response: share 1, h_t = 1
 
     def z(values):
@@ -359,14 +424,18 @@ def test_gtpo_negative_share_uses_inverse_entropy():
     assert out[1, 0] < out[2, 0]
 
 
-# ---------------------------------------------------------------- per-token ----------------------------------
+# Per-token
 
 
 def test_reinforce_plus_plus_hand():
     rewards = rewards64([1.0, 0.0, 2.0])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)  # row 1 has a gap
-    logp = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.2, -9.0, -0.3, -1.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
-    ref = torch.tensor([[-1.5, -1.0, -0.5, -9.0], [-0.1, -9.0, -0.4, -2.0], [-1.2, -0.8, -1.0, -0.5]], dtype=F64)
+    logp = torch.tensor(
+        [[-1.0, -2.0, -0.5, -9.0], [-0.2, -9.0, -0.3, -1.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64
+    )
+    ref = torch.tensor(
+        [[-1.5, -1.0, -0.5, -9.0], [-0.1, -9.0, -0.4, -2.0], [-1.2, -0.8, -1.0, -0.5]], dtype=F64
+    )
     beta, gamma = 0.1, 0.5
     # token rewards: score at the last valid token, minus beta * k1 on valid tokens
     tok = [[0.0] * 4 for _ in range(3)]
@@ -385,16 +454,28 @@ def test_reinforce_plus_plus_hand():
     values = [returns[i][t] for i in range(3) for t in range(4) if mask[i, t]]
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    expected = [[(returns[i][t] - mean) / math.sqrt(var + 1e-8) if mask[i, t] else 0.0 for t in range(4)]
-                for i in range(3)]
-    out = estimate("reinforce_plus_plus", rewards, groups([0, 1, 2]), mask=mask, gamma=gamma, kl_coef=beta,
-                   logprobs=logp, ref_logprobs=ref)
+    expected = [
+        [(returns[i][t] - mean) / math.sqrt(var + 1e-8) if mask[i, t] else 0.0 for t in range(4)]
+        for i in range(3)
+    ]
+    out = estimate(
+        "reinforce_plus_plus",
+        rewards,
+        groups([0, 1, 2]),
+        mask=mask,
+        gamma=gamma,
+        kl_coef=beta,
+        logprobs=logp,
+        ref_logprobs=ref,
+    )
     assert_close("reinforce++", out, expected)
 
 
 def test_mt_grpo_hand():
     outcome = rewards64([1.0, 0.0, 1.0])
-    turn_rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 0.0]], dtype=F64)  # final turn: 0 (paper's 2 turns)
+    turn_rewards = torch.tensor(
+        [[1.0, 0.0], [0.0, 0.0], [0.5, 0.0]], dtype=F64
+    )  # final turn: 0 (paper's 2 turns)
     turn_ids = torch.tensor([[0, 0, -1, 1, 1], [0, -1, 1, -1, -1], [0, 0, 0, -1, 1]])
     a_out = [(r - 2 / 3) / (SD0 + 1e-4) for r in (1.0, 0.0, 1.0)]
     sd_t = math.sqrt(((1 - 0.5) ** 2 + 0.5**2 + 0) / 2)
@@ -407,22 +488,30 @@ def test_mt_grpo_hand():
                 expected[i, t] = a_out[i] + 0.5 * a_turn[i]
             elif k == 1:
                 expected[i, t] = a_out[i]
-    out = estimate("mt_grpo", outcome, groups([0, 0, 0]), turn_rewards=turn_rewards, turn_ids=turn_ids,
-                   turn_coef=0.5)
+    out = estimate(
+        "mt_grpo", outcome, groups([0, 0, 0]), turn_rewards=turn_rewards, turn_ids=turn_ids, turn_coef=0.5
+    )
     assert_close("mt_grpo", out, expected)
 
 
 def test_gigpo_hand():
     # one group of 3 episodes, 2 steps each except episode 1 (1 step); anchor states by id
     episode_returns = rewards64([1.0, 0.0, 2.0])
-    step_rewards = torch.tensor([[0.0, 1.0], [0.0, 7.0], [1.0, 1.0]], dtype=F64)  # 7.0 is past the end of ep. 1
+    step_rewards = torch.tensor(
+        [[0.0, 1.0], [0.0, 7.0], [1.0, 1.0]], dtype=F64
+    )  # 7.0 is past the end of ep. 1
     state_ids = torch.tensor([[0, 5], [0, -1], [0, 5]])
     step_ids = torch.tensor([[0, 0, 1, -1], [0, 0, -1, -1], [-1, 0, 1, 1]])
     gamma, omega = 0.5, 0.7
     ret = {(0, 0): 0 + gamma * 1, (0, 1): 1.0, (1, 0): 0.0, (2, 0): 1 + gamma * 1, (2, 1): 1.0}
     state0 = [ret[(0, 0)], ret[(1, 0)], ret[(2, 0)]]
-    step_adv = {(0, 0): ret[(0, 0)] - sum(state0) / 3, (1, 0): ret[(1, 0)] - sum(state0) / 3,
-                (2, 0): ret[(2, 0)] - sum(state0) / 3, (0, 1): 0.0, (2, 1): 0.0}  # state 5: equal returns
+    step_adv = {
+        (0, 0): ret[(0, 0)] - sum(state0) / 3,
+        (1, 0): ret[(1, 0)] - sum(state0) / 3,
+        (2, 0): ret[(2, 0)] - sum(state0) / 3,
+        (0, 1): 0.0,
+        (2, 1): 0.0,
+    }  # state 5: equal returns
     episode = [r - 1.0 for r in (1.0, 0.0, 2.0)]
     expected = torch.zeros(3, 4, dtype=F64)
     for i in range(3):
@@ -430,8 +519,16 @@ def test_gigpo_hand():
             s = int(step_ids[i, t])
             if s >= 0:
                 expected[i, t] = episode[i] + omega * step_adv[(i, s)]
-    out = estimate("gigpo", episode_returns, groups([0, 0, 0]), step_rewards=step_rewards, state_ids=state_ids,
-                   step_ids=step_ids, gamma=gamma, step_weight=omega)
+    out = estimate(
+        "gigpo",
+        episode_returns,
+        groups([0, 0, 0]),
+        step_rewards=step_rewards,
+        state_ids=state_ids,
+        step_ids=step_ids,
+        gamma=gamma,
+        step_weight=omega,
+    )
     assert_close("gigpo", out, expected)
     # with F_norm = std + eps
     sd_e = math.sqrt((0 + 1 + 1) / 2)
@@ -443,8 +540,17 @@ def test_gigpo_hand():
             if s >= 0:
                 a_s = (ret[(i, s)] - mu0) / (sd0 + 1e-6) if s == 0 else 0.0
                 expected[i, t] = episode[i] / (sd_e + 1e-6) + omega * a_s
-    out = estimate("gigpo", episode_returns, groups([0, 0, 0]), step_rewards=step_rewards, state_ids=state_ids,
-                   step_ids=step_ids, gamma=gamma, step_weight=omega, normalize_by_std=True)
+    out = estimate(
+        "gigpo",
+        episode_returns,
+        groups([0, 0, 0]),
+        step_rewards=step_rewards,
+        state_ids=state_ids,
+        step_ids=step_ids,
+        gamma=gamma,
+        step_weight=omega,
+        normalize_by_std=True,
+    )
     assert_close("gigpo std", out, expected)
 
 
@@ -454,19 +560,33 @@ def test_gigpo_anchor_groups_stay_within_prompt_group():
     step_rewards = torch.tensor([[1.0], [0.0], [5.0], [3.0]], dtype=F64)
     state_ids = torch.zeros(4, 1, dtype=torch.long)
     step_ids = torch.zeros(4, 1, dtype=torch.long)
-    out = estimate("gigpo", returns, groups([0, 0, 1, 1]), step_rewards=step_rewards, state_ids=state_ids,
-                   step_ids=step_ids, step_weight=1.0)
+    out = estimate(
+        "gigpo",
+        returns,
+        groups([0, 0, 1, 1]),
+        step_rewards=step_rewards,
+        state_ids=state_ids,
+        step_ids=step_ids,
+        step_weight=1.0,
+    )
     assert_close("gigpo per group", out[:, 0], [0.5 + 0.5, -0.5 - 0.5, 1.0 + 1.0, -1.0 - 1.0])
 
 
 def test_lambda_grpo_hand():
     rewards = rewards64([1.0, 0.0, 1.0, 2.0, 0.0])
     ids = torch.tensor([[5, 6, 7, 1], [5, 6, 8, 1], [5, 9, 9, 1], [5, 6, 7, 1], [4, 4, 4, 4]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    mask = torch.tensor(
+        [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool
+    )
     # group 0 = rows 0,1,2; group 1 = rows 3,4. Row 3 shares nothing with row 4.
     counts = [[3, 2, 1, 0], [3, 2, 1, 1], [3, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
-    base = [(1 - MU0) / (SD0 + 1e-4), (0 - MU0) / (SD0 + 1e-4), (1 - MU0) / (SD0 + 1e-4),
-            1 / (math.sqrt(2) + 1e-4), -1 / (math.sqrt(2) + 1e-4)]
+    base = [
+        (1 - MU0) / (SD0 + 1e-4),
+        (0 - MU0) / (SD0 + 1e-4),
+        (1 - MU0) / (SD0 + 1e-4),
+        1 / (math.sqrt(2) + 1e-4),
+        -1 / (math.sqrt(2) + 1e-4),
+    ]
     expected = [[base[i] / c if c else 0.0 for c in counts[i]] for i in range(5)]
     out = estimate("lambda_grpo", rewards, groups([0, 0, 0, 1, 1]), completion_ids=ids, mask=mask)
     assert_close("lambda_grpo", out, expected)
@@ -479,17 +599,23 @@ def test_process_supervision_hand():
     values = [1.0, 0.0, 1.0, 0.0, 1.0]  # group 0: 5 valid steps
     mu = sum(values) / 5
     sd = math.sqrt(sum((v - mu) ** 2 for v in values) / 4)
-    n = [[(1 - mu) / (sd + 1e-6), (0 - mu) / (sd + 1e-6), (1 - mu) / (sd + 1e-6)],
-         [(0 - mu) / (sd + 1e-6), (1 - mu) / (sd + 1e-6), 0.0]]
+    n = [
+        [(1 - mu) / (sd + 1e-6), (0 - mu) / (sd + 1e-6), (1 - mu) / (sd + 1e-6)],
+        [(0 - mu) / (sd + 1e-6), (1 - mu) / (sd + 1e-6), 0.0],
+    ]
     suffix = [[n[i][0] + n[i][1] + n[i][2], n[i][1] + n[i][2], n[i][2]] for i in range(2)]
-    expected = [[suffix[0][0], suffix[0][0], suffix[0][1], suffix[0][2], suffix[0][2]],
-                [suffix[1][0], suffix[1][1], suffix[1][1], 0.0, 0.0],
-                [0.0, 0.0, 0.0, 0.0, 0.0]]  # group 1 has a single step: normalized to 0
-    out = estimate("process_supervision", step_rewards, groups([0, 0, 1]), step_ids=step_ids, step_mask=step_mask)
+    expected = [
+        [suffix[0][0], suffix[0][0], suffix[0][1], suffix[0][2], suffix[0][2]],
+        [suffix[1][0], suffix[1][1], suffix[1][1], 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+    ]  # group 1 has a single step: normalized to 0
+    out = estimate(
+        "process_supervision", step_rewards, groups([0, 0, 1]), step_ids=step_ids, step_mask=step_mask
+    )
     assert_close("process_supervision", out, expected)
 
 
-# ---------------------------------------------------------------- stateful / filtered -------------------------
+# Stateful / filtered
 
 
 def test_dcpo_smooth_standardization_over_steps():
@@ -515,8 +641,13 @@ def test_dcpo_smooth_standardization_over_steps():
     # a second prompt starts fresh; state round-trips through state_dict
     restored = A.SmoothAdvantageStandardizer()
     restored.load_state_dict(state.state_dict())
-    out = estimate("dcpo", rewards64([0.0, 1.0, 1.0, 0.0]), groups([0, 0, 1, 1]), state=restored,
-                   prompt_keys=["fresh", "q"])
+    out = estimate(
+        "dcpo",
+        rewards64([0.0, 1.0, 1.0, 0.0]),
+        groups([0, 0, 1, 1]),
+        state=restored,
+        prompt_keys=["fresh", "q"],
+    )
     assert_close("dcpo fresh prompt", out[:2], [-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)])
     assert restored.times_seen("q") == 5 and restored.times_seen("fresh") == 1
 
@@ -533,12 +664,19 @@ def test_gfpo_hand():
     assert_close("gfpo reward/token", out, expected)
 
 
-# ---------------------------------------------------------------- properties ---------------------------------
+# Properties
 
 
 SEQUENCE_ESTIMATORS = {
-    "grpo": {}, "dr_grpo": {}, "lite_ppo": {}, "rloo": {}, "reinforce_plus_plus_baseline": {}, "grpo_passk": {},
-    "gpg": {}, "grpo_lead": {}, "grpo_lambda_clamp": {"min_advantage": -1.0},
+    "grpo": {},
+    "dr_grpo": {},
+    "lite_ppo": {},
+    "rloo": {},
+    "reinforce_plus_plus_baseline": {},
+    "grpo_passk": {},
+    "gpg": {},
+    "grpo_lead": {},
+    "grpo_lambda_clamp": {"min_advantage": -1.0},
 }
 
 
@@ -565,7 +703,9 @@ def test_group_advantages_sum_to_zero(name):
     assert_close(f"{name} group sums", sums, [0.0, 0.0, 0.0], atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "grpo_passk", "gpg", "grpo_lead", "opo", "lite_ppo"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "dr_grpo", "rloo", "grpo_passk", "gpg", "grpo_lead", "opo", "lite_ppo"]
+)
 def test_singleton_groups_get_zero(name):
     opts = {"lengths": torch.tensor([3.0, 4.0, 5.0])} if name == "opo" else {}
     out = estimate(name, rewards64([0.3, 7.0, -2.0]), groups([0, 1, 2]), **opts)
@@ -576,8 +716,13 @@ def test_grpo_is_invariant_to_affine_reward_changes_per_group():
     r = torch.tensor([0.1, 0.7, 0.4, 2.0, 5.0], dtype=F64)
     g = groups([0, 0, 0, 1, 1])
     shifted = r * 3.0 + 11.0
-    assert_close("grpo affine", estimate("grpo", shifted, g, epsilon=0.0), estimate("grpo", r, g, epsilon=0.0),
-                 atol=1e-12, rtol=1e-12)
+    assert_close(
+        "grpo affine",
+        estimate("grpo", shifted, g, epsilon=0.0),
+        estimate("grpo", r, g, epsilon=0.0),
+        atol=1e-12,
+        rtol=1e-12,
+    )
 
 
 def test_two_rollout_groups_give_plus_minus_one_over_sqrt2():
@@ -594,7 +739,7 @@ def test_float32_in_float32_out_and_bf16_promoted():
     assert_close("fp32 vs fp64", estimate("grpo", r32, groups()), grpo_expected(1e-4), atol=1e-6, rtol=1e-6)
 
 
-# ---------------------------------------------------------------- shaping -------------------------------------
+# Shaping
 
 
 def test_dapo_overlong_penalty_hand():
@@ -623,8 +768,13 @@ def test_sentence_bleu_hand():
     hyp = "a b c d e f".split()
     ref = "a b c d e g".split()
     w = DIVER_BLEU_WEIGHTS
-    expected = math.exp(w[0] * math.log(5 / 6) + w[1] * math.log(4 / 5) + w[2] * math.log(3 / 4)
-                        + w[3] * math.log(2 / 3) + w[4] * math.log(1 / 2))
+    expected = math.exp(
+        w[0] * math.log(5 / 6)
+        + w[1] * math.log(4 / 5)
+        + w[2] * math.log(3 / 4)
+        + w[3] * math.log(2 / 3)
+        + w[4] * math.log(1 / 2)
+    )
     assert abs(sentence_bleu(ref, hyp) - expected) < 1e-12
     # brevity penalty: a shorter hypothesis that is a prefix of the reference
     short, long_ref = "a b c d e".split(), "a b c d e f g".split()
@@ -636,7 +786,9 @@ def test_sentence_bleu_hand():
 
 
 def test_sentence_bleu_matches_nltk_when_installed():
-    bleu_score = pytest.importorskip("nltk.translate.bleu_score", reason="nltk not installed (optional cross-check)")
+    bleu_score = pytest.importorskip(
+        "nltk.translate.bleu_score", reason="nltk not installed (optional cross-check)"
+    )
     gen = torch.Generator().manual_seed(7)
     for _ in range(20):
         ref = torch.randint(0, 4, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist()
@@ -651,7 +803,9 @@ def test_textual_diversity_and_diver_rewards_hand():
     g = groups([0, 0, 0, 1])
     assert_close("diversity", A.textual_diversity(texts, g), [0.5, 0.5, 1.0, 0.0])
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    assert_close("diver rewards", A.diver_rewards(rewards, g, texts, coef=0.2), [1.1, 0.0, 1.2, 1.0], atol=1e-7)
+    assert_close(
+        "diver rewards", A.diver_rewards(rewards, g, texts, coef=0.2), [1.1, 0.0, 1.2, 1.0], atol=1e-7
+    )
     ids = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [3]]
     assert_close("diversity ids", A.textual_diversity(ids, g), [0.5, 0.5, 1.0, 0.0])
 
@@ -673,7 +827,7 @@ def test_kl_penalized_token_rewards_hand():
     assert_close("low_var_kl clamp", clamped[1, 1], min(math.exp(20) - 20 - 1, 10.0))
 
 
-# ---------------------------------------------------------------- filters -------------------------------------
+# Filters
 
 
 def test_dynamic_sampling_hand():
@@ -681,7 +835,11 @@ def test_dynamic_sampling_hand():
     g = groups([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4])
     res = A.dynamic_sampling(r, g)
     assert res.kept.tolist() == [3, 4, 5, 9, 10, 11]
-    assert res.reasons[0] == "uniform_reward" and res.reasons[6] == "uniform_reward" and res.reasons[12] == "uniform_reward"
+    assert (
+        res.reasons[0] == "uniform_reward"
+        and res.reasons[6] == "uniform_reward"
+        and res.reasons[12] == "uniform_reward"
+    )
     assert res.reasons[3] == "kept" and res.shortfall == 0
     res = A.dynamic_sampling(r, g, num_groups=1)
     assert res.kept.tolist() == [3, 4, 5] and res.reasons[9] == "surplus" and res.shortfall == 0
@@ -702,7 +860,7 @@ def test_cppo_hand():
     g = groups([0, 0, 0, 1, 1, 1, 1])
     res = A.cppo(adv, g, min_abs_advantage=0.3)
     assert res.kept.tolist() == [1, 2, 3, 5, 6] and res.reasons[0] == "low_abs_advantage"
-    # prune 50%: group 0 keeps floor(3 * 0.5) = 1 (row 1), group 1 keeps 2 (row 3, then row 5 before tied row 6)
+    # prune 50%: group 0 keeps floor(3 * 0.5) = 1 (row 1); group 1 keeps 2: row 3, then row 5 (tied with 6)
     res = A.cppo(adv, g, prune_fraction=0.5)
     assert res.kept.tolist() == [1, 3, 5] and res.reasons[6] == "pruned_low_abs_advantage"
     res = A.cppo(adv, g, prune_fraction=0.5, scope="batch")  # floor(7 * 0.5) = 3 largest overall
@@ -714,7 +872,9 @@ def test_cppo_hand():
 def test_gfpo_filter_hand():
     res = A.gfpo_filter(rewards64(), groups(), lengths=torch.tensor(LENGTHS), keep=2)
     assert res.kept.tolist() == [0, 2, 4, 5, 6] and res.reasons[1] == "filtered_by_length"
-    res = A.gfpo_filter(rewards64(), groups(), lengths=torch.tensor(LENGTHS), keep=1, metric="reward_per_token")
+    res = A.gfpo_filter(
+        rewards64(), groups(), lengths=torch.tensor(LENGTHS), keep=1, metric="reward_per_token"
+    )
     assert res.kept.tolist() == [2, 5, 6] and res.reasons[0] == "filtered_by_reward_per_token"
 
 
@@ -732,7 +892,7 @@ def test_overlong_filter_hand():
     assert res.kept.tolist() == [1]
 
 
-# ---------------------------------------------------------------- bad input -----------------------------------
+# Bad input
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -780,14 +940,30 @@ def test_bad_per_token_inputs_raise():
     with pytest.raises(ValueError, match="lengths must be >= 0; lengths\\[1\\] = -3.0"):
         estimate("opo", rewards64(), groups(), lengths=torch.tensor([1, -3, 1, 1, 1, 1, 1]))
     with pytest.raises(ValueError, match=r"step_ids\[0, 0\] = 2 refers to a step with step_mask = 0"):
-        estimate("process_supervision", torch.zeros(2, 3, dtype=F64), groups([0, 0]),
-                 step_ids=torch.tensor([[2, 0], [0, 0]]), step_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        estimate(
+            "process_supervision",
+            torch.zeros(2, 3, dtype=F64),
+            groups([0, 0]),
+            step_ids=torch.tensor([[2, 0], [0, 0]]),
+            step_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        )
     with pytest.raises(ValueError, match="valid steps .* must form a prefix"):
-        estimate("gigpo", rewards64([1.0, 0.0]), groups([0, 0]), step_rewards=torch.zeros(2, 2, dtype=F64),
-                 state_ids=torch.tensor([[-1, 3], [0, 1]]), step_ids=torch.tensor([[1], [0]]))
+        estimate(
+            "gigpo",
+            rewards64([1.0, 0.0]),
+            groups([0, 0]),
+            step_rewards=torch.zeros(2, 2, dtype=F64),
+            state_ids=torch.tensor([[-1, 3], [0, 1]]),
+            step_ids=torch.tensor([[1], [0]]),
+        )
     with pytest.raises(ValueError, match=r"turn_ids must be \[-1, 2\)"):
-        estimate("mt_grpo", rewards64([1.0, 0.0]), groups([0, 0]), turn_rewards=torch.zeros(2, 2, dtype=F64),
-                 turn_ids=torch.tensor([[0, 2], [0, 1]]))
+        estimate(
+            "mt_grpo",
+            rewards64([1.0, 0.0]),
+            groups([0, 0]),
+            turn_rewards=torch.zeros(2, 2, dtype=F64),
+            turn_ids=torch.tensor([[0, 2], [0, 1]]),
+        )
 
 
 def test_dcpo_requires_state_and_one_key_per_group():
@@ -812,9 +988,15 @@ def test_output_shapes_follow_the_registry():
         "grpo_lambda_clamp": {"min_advantage": -1.0},
         "gfpo": {"lengths": torch.tensor(LENGTHS), "keep": 2},
         "reinforce_plus_plus": {"mask": mask},
-        "mt_grpo": {"turn_rewards": torch.rand(b, 2, generator=gen, dtype=F64), "turn_ids": torch.zeros(b, t, dtype=torch.long)},
-        "gigpo": {"step_rewards": torch.rand(b, 2, generator=gen, dtype=F64),
-                  "state_ids": torch.zeros(b, 2, dtype=torch.long), "step_ids": torch.zeros(b, t, dtype=torch.long)},
+        "mt_grpo": {
+            "turn_rewards": torch.rand(b, 2, generator=gen, dtype=F64),
+            "turn_ids": torch.zeros(b, t, dtype=torch.long),
+        },
+        "gigpo": {
+            "step_rewards": torch.rand(b, 2, generator=gen, dtype=F64),
+            "state_ids": torch.zeros(b, 2, dtype=torch.long),
+            "step_ids": torch.zeros(b, t, dtype=torch.long),
+        },
         "lambda_grpo": {"completion_ids": torch.randint(0, 3, (b, t), generator=gen), "mask": mask},
         "process_supervision": {"step_ids": torch.zeros(b, t, dtype=torch.long)},
     }
@@ -824,5 +1006,7 @@ def test_output_shapes_follow_the_registry():
         rewards = rewards.squeeze(-1) if spec.rewards_shape == "[B]" else rewards
         out = estimate(name, rewards, groups(), **options.get(name, {}))
         expected_shape = (b,) if spec.output == "[B]" else (b, t)
-        assert tuple(out.shape) == expected_shape, f"{name}: shape {tuple(out.shape)}, registry says {spec.output}"
+        assert tuple(out.shape) == expected_shape, (
+            f"{name}: shape {tuple(out.shape)}, registry says {spec.output}"
+        )
         assert bool(torch.isfinite(out).all()), f"{name}: non-finite output"

@@ -20,8 +20,13 @@ def _first_bad(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
 
 
-def check_float(name: str, value: object, shape: tuple[int, ...] | None = None, ndim: int | None = None,
-                finite: bool = True) -> torch.Tensor:
+def check_float(
+    name: str,
+    value: object,
+    shape: tuple[int, ...] | None = None,
+    ndim: int | None = None,
+    finite: bool = True,
+) -> torch.Tensor:
     """A floating tensor of the given shape (or rank) whose entries are all finite."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -35,7 +40,9 @@ def check_float(name: str, value: object, shape: tuple[int, ...] | None = None, 
         bad = ~torch.isfinite(value)
         if bool(bad.any()):
             where = _first_bad(bad)
-            raise ValueError(f"{name} must be finite; {name}[{', '.join(map(str, where))}] = {value[where].item()}")
+            raise ValueError(
+                f"{name} must be finite; {name}[{', '.join(map(str, where))}] = {value[where].item()}"
+            )
     return value
 
 
@@ -50,11 +57,15 @@ def check_mask(name: str, value: object, shape: tuple[int, ...]) -> torch.Tensor
     bad = (value != 0) & (value != 1)
     if bool(bad.any()):
         where = _first_bad(bad)
-        raise ValueError(f"{name} must hold only 0 and 1; {name}[{', '.join(map(str, where))}] = {value[where].item()}")
+        raise ValueError(
+            f"{name} must hold only 0 and 1; {name}[{', '.join(map(str, where))}] = {value[where].item()}"
+        )
     return value != 0
 
 
-def check_index(name: str, value: object, shape: tuple[int, ...], low: int, high: int | None = None) -> torch.Tensor:
+def check_index(
+    name: str, value: object, shape: tuple[int, ...], low: int, high: int | None = None
+) -> torch.Tensor:
     """An integer tensor of the given shape with entries in [low, high) (high=None: no upper bound)."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -69,7 +80,9 @@ def check_index(name: str, value: object, shape: tuple[int, ...], low: int, high
         if bool(bad.any()):
             where = _first_bad(bad)
             bound = f"[{low}, {high})" if high is not None else f">= {low}"
-            raise ValueError(f"{name} must be {bound}; {name}[{', '.join(map(str, where))}] = {value[where].item()}")
+            raise ValueError(
+                f"{name} must be {bound}; {name}[{', '.join(map(str, where))}] = {value[where].item()}"
+            )
     return value.long()
 
 
@@ -149,7 +162,9 @@ def group_mean(values: torch.Tensor, group_index: torch.Tensor, num_groups: int)
     return group_sum(values, group_index, num_groups) / count
 
 
-def group_std(values: torch.Tensor, group_index: torch.Tensor, num_groups: int, unbiased: bool = True) -> torch.Tensor:
+def group_std(
+    values: torch.Tensor, group_index: torch.Tensor, num_groups: int, unbiased: bool = True
+) -> torch.Tensor:
     """Standard deviation per group (two-pass). Bessel-corrected when ``unbiased``; a group of one gives 0."""
     mean = group_mean(values, group_index, num_groups)
     centered_sq = (values - mean[group_index]) ** 2
@@ -183,7 +198,9 @@ def masked_whiten(values: torch.Tensor, weights: torch.Tensor, epsilon: float) -
     """
     total = weights.sum()
     if float(total) < 2:
-        raise ValueError(f"whitening needs at least 2 weighted entries (tokens or sequences), got {float(total)}")
+        raise ValueError(
+            f"whitening needs at least 2 weighted entries (tokens or sequences), got {float(total)}"
+        )
     mean = (values * weights).sum() / total
     var = (((values - mean) ** 2) * weights).sum() / total * (total / (total - 1))
     return (values - mean) * torch.rsqrt(var + epsilon)

@@ -28,8 +28,11 @@ KEPT = "kept"
 
 @dataclass(frozen=True)
 class FilterResult:
-    """kept: int64 [K] kept row indices, ascending. reasons: one string per input row ("kept" or the reason
-    it was dropped). shortfall: groups still missing to reach a filter's target (0 for filters without one)."""
+    """Which rows a filter kept, and why the others were dropped.
+
+    kept: int64 [K] kept row indices, ascending. reasons: one string per input row, "kept" or the reason
+    it was dropped. shortfall: groups still missing to reach the filter's target (0 without a target).
+    """
 
     kept: torch.Tensor
     reasons: tuple[str, ...]
@@ -54,7 +57,9 @@ def _uniform_groups(values: torch.Tensor, group_index: torch.Tensor, num_groups:
     return group_max(values, group_index, num_groups) == group_min(values, group_index, num_groups)
 
 
-def dynamic_sampling(rewards: torch.Tensor, group_index: torch.Tensor, *, num_groups: int | None = None) -> FilterResult:
+def dynamic_sampling(
+    rewards: torch.Tensor, group_index: torch.Tensor, *, num_groups: int | None = None
+) -> FilterResult:
     """DAPO dynamic sampling: drop groups whose rewards are all equal; keep the first ``num_groups`` others.
 
     Sample more groups than needed (an oversampled batch), call this, and train on ``kept``; when
@@ -71,9 +76,11 @@ def dynamic_sampling(rewards: torch.Tensor, group_index: torch.Tensor, *, num_gr
         group_index: int64 [B], groups 0..G-1.
         num_groups: target number of groups; None keeps every non-uniform group.
 
-    Paper: DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), dynamic sampling.
-    Peer: verl 0.9.1 ``algorithm.filter_groups`` (trainer/ppo/v1/replay_buffer.py drops groups with len > 1 and
-        np.std == 0; it keeps groups of one, which get no gradient from a group baseline, so here they drop).
+    Paper: DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), dynamic
+        sampling.
+    Peer: verl 0.9.1 ``algorithm.filter_groups`` (trainer/ppo/v1/replay_buffer.py drops groups with
+        len > 1 and np.std == 0; it keeps groups of one, which get no gradient from a group baseline, so
+        here they drop).
     """
     rewards = check_rewards(rewards)
     group_index, total_groups = check_group_index(group_index, rewards.shape[0])
@@ -131,18 +138,18 @@ def cppo(
     """CPPO completion pruning: train only on completions with large |advantage|.
 
     Rules (give exactly one):
-        min_abs_advantage = gamma:  keep i iff |A_i| >= gamma                        reason "low_abs_advantage"
+        min_abs_advantage = gamma:  keep i iff |A_i| >= gamma.  Reason "low_abs_advantage".
         prune_fraction = P:         keep the k = floor(n (1 - P)) completions with the largest |A| (n = group
-                                    size for scope="group", B for scope="batch"; ties keep the lower index)
-                                                                                      reason "pruned_low_abs_advantage"
+                                    size for scope="group", B for scope="batch"; ties keep the lower index).
+                                    Reason "pruned_low_abs_advantage".
 
     Args:
         advantages: float [B] advantages (e.g. from ``estimate("grpo", ...)``).
         group_index: int64 [B].
         prune_fraction: P in [0, 1).
         min_abs_advantage: gamma >= 0.
-        scope: "group" (the paper keeps k = floor(G (1 - P)) per question) or "batch" (the authors' verl recipe
-            ranks the whole batch).
+        scope: "group" (the paper keeps k = floor(G (1 - P)) per question) or "batch" (the authors' verl
+            recipe ranks the whole batch).
 
     Paper: CPPO: Accelerating the Training of Group Relative Policy Optimization-Based Reasoning Models
         (arXiv:2503.22342).
@@ -163,12 +170,20 @@ def cppo(
     if not 0 <= prune_fraction < 1:
         raise ValueError(f"prune_fraction must be in [0, 1), got {prune_fraction!r}")
     groups = group_index if scope == "group" else torch.zeros_like(group_index)
-    keep = _top_k_per_group(magnitude, groups, 1 if scope == "batch" else num_groups, fraction_kept=1 - prune_fraction)
+    keep = _top_k_per_group(
+        magnitude, groups, 1 if scope == "batch" else num_groups, fraction_kept=1 - prune_fraction
+    )
     return _result(keep, ["pruned_low_abs_advantage"] * batch)
 
 
-def _top_k_per_group(score: torch.Tensor, groups: torch.Tensor, num_groups: int, *, fraction_kept: float | None = None,
-                     k: int | None = None) -> torch.Tensor:
+def _top_k_per_group(
+    score: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    *,
+    fraction_kept: float | None = None,
+    k: int | None = None,
+) -> torch.Tensor:
     """bool [B]: the k highest-``score`` rows of each group (k = floor(n_g * fraction_kept) or a fixed k).
 
     Ties are broken by the lower row index (a stable sort).
@@ -194,7 +209,12 @@ GFPO_METRICS = ("length", "reward_per_token")
 
 
 def gfpo_filter(
-    rewards: torch.Tensor, group_index: torch.Tensor, *, lengths: torch.Tensor, keep: int, metric: str = "length"
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    lengths: torch.Tensor,
+    keep: int,
+    metric: str = "length",
 ) -> FilterResult:
     """GFPO: keep k of each group's completions, the shortest or those with the most reward per token.
 
@@ -211,8 +231,8 @@ def gfpo_filter(
         keep: k >= 1.
         metric: "length" or "reward_per_token".
 
-    Paper: Sample More to Think Less: Group Filtered Policy Optimization for Concise Reasoning (arXiv:2508.09726).
-        The advantage over the retained set is ``estimate("gfpo", ...)``.
+    Paper: Sample More to Think Less: Group Filtered Policy Optimization for Concise Reasoning
+        (arXiv:2508.09726). The advantage over the retained set is ``estimate("gfpo", ...)``.
     Peer: — (not in TRL or verl).
     """
     rewards = check_rewards(rewards)
@@ -221,7 +241,9 @@ def gfpo_filter(
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep must be a positive int, got {keep!r}")
     if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (rewards.shape[0],):
-        raise ValueError(f"lengths must be a [{rewards.shape[0]}] tensor, got {getattr(lengths, 'shape', lengths)}")
+        raise ValueError(
+            f"lengths must be a [{rewards.shape[0]}] tensor, got {getattr(lengths, 'shape', lengths)}"
+        )
     check_same_device(rewards=rewards, lengths=lengths, group_index=group_index)
     lengths = check_float("lengths", lengths.to(working_dtype(rewards.dtype)))
     if metric == "length":
@@ -229,7 +251,9 @@ def gfpo_filter(
     else:
         if bool((lengths <= 0).any()):
             i = int((lengths <= 0).nonzero()[0])
-            raise ValueError(f"lengths must be > 0 for metric='reward_per_token'; lengths[{i}] = {float(lengths[i])}")
+            raise ValueError(
+                f"lengths must be > 0 for metric='reward_per_token'; lengths[{i}] = {float(lengths[i])}"
+            )
         score = rewards.to(lengths.dtype) / lengths
     kept = _top_k_per_group(score, group_index, num_groups, k=keep)
     return _result(kept, [f"filtered_by_{metric}"] * rewards.shape[0])
@@ -254,12 +278,16 @@ def two_rollout_contrastive(rewards: torch.Tensor, group_index: torch.Tensor) ->
     count = group_count(group_index, num_groups, torch.float32)
     if bool((count != 2).any()):
         g = int((count != 2).nonzero()[0])
-        raise ValueError(f"group_index: group {g} has {int(count[g])} rollouts; the 2-GRPO setting needs exactly 2")
+        raise ValueError(
+            f"group_index: group {g} has {int(count[g])} rollouts; the 2-GRPO setting needs exactly 2"
+        )
     uniform = _uniform_groups(rewards, group_index, num_groups)
     return _result(~uniform[group_index], ["tied_pair"] * rewards.shape[0])
 
 
-def overlong_filter(lengths: torch.Tensor, *, max_length: int, truncated: torch.Tensor | None = None) -> FilterResult:
+def overlong_filter(
+    lengths: torch.Tensor, *, max_length: int, truncated: torch.Tensor | None = None
+) -> FilterResult:
     """DAPO overlong filtering: drop (mask the loss of) truncated completions.
 
     Rule: drop row i iff it was truncated: ``truncated[i]`` when given (e.g. no EOS), else l_i >= max_length
@@ -270,7 +298,8 @@ def overlong_filter(lengths: torch.Tensor, *, max_length: int, truncated: torch.
         max_length: the generation limit.
         truncated: optional bool [B] overriding the length test.
 
-    Paper: DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), overlong filtering.
+    Paper: DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv:2503.14476), overlong
+        filtering.
     Peer: TRL 1.16 ``mask_truncated_completions`` (truncated = no EOS among the completion tokens).
     """
     if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1:

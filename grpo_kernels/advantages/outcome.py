@@ -2,8 +2,10 @@
 
 Notation in the docstrings: r_i is the reward of row i, g = g(i) its group, n_g the group size,
 mu_g = mean_{j in g} r_j, sigma_g = the Bessel-corrected std over the group, sigma_B the Bessel-corrected
-std over the whole batch. Every estimator here gives 0 to a group of one row (documented divergence from
-verl, which uses mean 0 / std 1 for singletons and so returns r_i / (1 + eps)).
+std over the whole batch. A group of one row gets a group-relative value of 0 (documented divergence from
+verl, which uses mean 0 / std 1 for singletons and so returns r_i / (1 + eps)); estimators that then
+normalize over the whole batch (reinforce_plus_plus_baseline, gdpo) move it to (0 - batch mean) / batch std.
+A zero std with epsilon = 0 (a constant group) gives 0, not NaN.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def group_normalized(
 
 @register(
     "grpo",
-    paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (arXiv:2402.03300)",
+    paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models "
+    "(arXiv:2402.03300)",
     peer="verl `compute_grpo_outcome_advantage`, `compute_grpo_vectorized_outcome_advantage`; "
     "TRL `GRPOTrainer` `scale_rewards` group/batch/none",
 )
@@ -75,7 +78,7 @@ def grpo(rewards, group_index, *, num_groups, scale: str = "group", epsilon: flo
 @register(
     "dr_grpo",
     paper="Understanding R1-Zero-Like Training: A Critical Perspective (arXiv:2503.20783)",
-    peer="verl `compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=False)`; TRL `scale_rewards=\"none\"`",
+    peer='verl `compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=False)`; TRL `scale_rewards="none"`',
 )
 def dr_grpo(rewards, group_index, *, num_groups):
     """Dr. GRPO: the group-mean baseline without the std division.
@@ -93,7 +96,7 @@ def dr_grpo(rewards, group_index, *, num_groups):
 @register(
     "lite_ppo",
     paper="Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning (arXiv:2508.08221)",
-    peer="TRL `scale_rewards=\"batch\"`",
+    peer='TRL `scale_rewards="batch"`',
 )
 def lite_ppo(rewards, group_index, *, num_groups, epsilon: float = 1e-4):
     """Lite-PPO advantage: group-mean baseline, batch-level std.
@@ -115,7 +118,8 @@ def lite_ppo(rewards, group_index, *, num_groups, epsilon: float = 1e-4):
     "rloo",
     paper="Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs "
     "(arXiv:2402.14740)",
-    peer="verl `compute_rloo_outcome_advantage`, `compute_rloo_vectorized_outcome_advantage`; TRL `RLOOTrainer`",
+    peer="verl `compute_rloo_outcome_advantage`, `compute_rloo_vectorized_outcome_advantage`; "
+    "TRL `RLOOTrainer`",
 )
 def rloo(rewards, group_index, *, num_groups):
     """REINFORCE leave-one-out: each completion's baseline is the mean of the other completions of its group.
@@ -200,7 +204,9 @@ def opo(rewards, group_index, *, num_groups, lengths: torch.Tensor):
     length_sum = group_sum(lengths, group_index, num_groups)
     if bool((length_sum <= 0).any()):
         bad = int((length_sum <= 0).nonzero()[0])
-        raise ValueError(f"lengths of group {bad} sum to {float(length_sum[bad])}; OPO needs a positive total")
+        raise ValueError(
+            f"lengths of group {bad} sum to {float(length_sum[bad])}; OPO needs a positive total"
+        )
     baseline = group_sum(lengths * r, group_index, num_groups) / length_sum
     return r - baseline[group_index]
 
@@ -257,7 +263,9 @@ def grpo_passk(rewards, group_index, *, num_groups, normalize_by_std: bool = Tru
     runner_up = group_max(without_best, group_index, num_groups)  # -inf for a group of one
     margin = torch.where(torch.isfinite(runner_up), best_value - runner_up, torch.zeros_like(best_value))
     if normalize_by_std:
-        margin = safe_divide(margin, group_std(r, group_index, num_groups) + check_positive("epsilon", epsilon, True))
+        margin = safe_divide(
+            margin, group_std(r, group_index, num_groups) + check_positive("epsilon", epsilon, True)
+        )
     advantages = torch.zeros_like(r)
     advantages[best_row] = margin
     return advantages
@@ -269,7 +277,7 @@ ALPHA_MODES = ("valid_groups", "nonzero_rewards")
 @register(
     "gpg",
     paper="GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546)",
-    peer="verl `compute_gpg_outcome_advantage` (alpha_mode=\"nonzero_rewards\")",
+    peer='verl `compute_gpg_outcome_advantage` (alpha_mode="nonzero_rewards")',
 )
 def gpg(rewards, group_index, *, num_groups, alpha_mode: str = "valid_groups", f_norm: float = 1.0):
     """GPG: group-mean baseline rescaled by the inverse fraction of rows that carry a learning signal.
@@ -310,8 +318,8 @@ def lead_difficulty_weight(
 
 @register(
     "grpo_lead",
-    paper="GRPO-LEAD: A Difficulty-Aware Reinforcement Learning Approach for Concise Mathematical Reasoning in "
-    "Language Models (arXiv:2504.09696)",
+    paper="GRPO-LEAD: A Difficulty-Aware Reinforcement Learning Approach for Concise Mathematical "
+    "Reasoning in Language Models (arXiv:2504.09696)",
 )
 def grpo_lead(
     rewards,
@@ -362,7 +370,9 @@ def _check_correct(correct: object, like: torch.Tensor) -> torch.Tensor:
 def mean_token_entropy(entropy: object, mask: object, batch: int) -> torch.Tensor:
     """Per-row mean entropy over valid tokens. entropy float [B, T], mask [B, T] -> [B]."""
     if not isinstance(entropy, torch.Tensor) or entropy.ndim != 2 or entropy.shape[0] != batch:
-        raise ValueError(f"entropy must be a float [B={batch}, T] tensor, got {getattr(entropy, 'shape', entropy)}")
+        raise ValueError(
+            f"entropy must be a float [B={batch}, T] tensor, got {getattr(entropy, 'shape', entropy)}"
+        )
     entropy = check_float("entropy", entropy)
     mask = check_mask("mask", mask, tuple(entropy.shape))
     check_same_device(entropy=entropy, mask=mask)
@@ -381,7 +391,8 @@ ENTROPY_NORMALIZERS = ("group", "batch")
 
 @register(
     "edge_grpo",
-    paper="EDGE-GRPO: Entropy-Driven GRPO with Guided Error Correction for Advantage Diversity (arXiv:2507.21848)",
+    paper="EDGE-GRPO: Entropy-Driven GRPO with Guided Error Correction for Advantage Diversity "
+    "(arXiv:2507.21848)",
 )
 def edge_grpo(
     rewards,
@@ -464,7 +475,9 @@ def _check_weights(weights: object, num_rewards: int, like: torch.Tensor) -> tor
         return torch.ones(num_rewards, dtype=like.dtype, device=like.device)
     w = torch.as_tensor(weights, dtype=like.dtype, device=like.device)
     if tuple(w.shape) != (num_rewards,):
-        raise ValueError(f"weights must have {num_rewards} entries (one per reward column), got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"weights must have {num_rewards} entries (one per reward column), got shape {tuple(w.shape)}"
+        )
     return check_float("weights", w)
 
 
@@ -481,8 +494,8 @@ def per_reward_group_normalized(
 @register(
     "mo_grpo",
     rewards_shape="[B, K]",
-    paper="MO-GRPO: Mitigating Reward Hacking of Group Relative Policy Optimization on Multi-Objective Problems "
-    "(arXiv:2509.22047)",
+    paper="MO-GRPO: Mitigating Reward Hacking of Group Relative Policy Optimization on Multi-Objective "
+    "Problems (arXiv:2509.22047)",
 )
 def mo_grpo(
     rewards,
@@ -511,7 +524,7 @@ def mo_grpo(
         epsilon: 1e-4 (TRL's constant; MO-GRPO is built on TRL).
 
     Paper: MO-GRPO (arXiv:2509.22047).
-    Peer: — (closest: TRL's normalize_then_sum, which ends with a batch-level, not group-level, step; see gdpo).
+    Peer: — (closest: TRL's normalize_then_sum, whose last step is batch-level, not group-level; see gdpo).
     """
     r = rewards.to(working_dtype(rewards.dtype))
     w = _check_weights(weights, r.shape[1], r)
@@ -529,7 +542,7 @@ BATCH_NORMALIZATIONS = ("sequence", "token")
     rewards_shape="[B, K]",
     paper="GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization "
     "(arXiv:2601.05242)",
-    peer="TRL `multi_objective_aggregation=\"normalize_then_sum\"`; verl `compute_gdpo_outcome_advantage`",
+    peer='TRL `multi_objective_aggregation="normalize_then_sum"`; verl `compute_gdpo_outcome_advantage`',
 )
 def gdpo(
     rewards,
@@ -574,15 +587,22 @@ def gdpo(
         raise ValueError("batch_normalization='token' needs mask, a [B, T] tensor")
     mask = check_mask("mask", mask, (r.shape[0], mask.shape[1]))
     check_same_device(rewards=r, mask=mask)
-    return masked_whiten(combined, mask.to(r.dtype).sum(-1), check_positive("whiten_epsilon", whiten_epsilon, True))
+    return masked_whiten(
+        combined, mask.to(r.dtype).sum(-1), check_positive("whiten_epsilon", whiten_epsilon, True)
+    )
 
 
 POLARITY_NORMALIZATIONS = ("per_polarity", "joint")
 
 
 def normalize_by_polarity(
-    values: torch.Tensor, valid: torch.Tensor, positive: torch.Tensor, group_of: torch.Tensor, num_groups: int,
-    normalize: str, epsilon: float,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    positive: torch.Tensor,
+    group_of: torch.Tensor,
+    num_groups: int,
+    normalize: str,
+    epsilon: float,
 ) -> torch.Tensor:
     """Standardize ``values`` within each group, separately for positive/negative rows or jointly.
 
@@ -601,7 +621,9 @@ def normalize_by_polarity(
     count = group_count(key, num_keys, flat_values.dtype)
     std = group_std(flat_values, key, num_keys)
     standardized = torch.where(
-        count[key] > 1, safe_divide(flat_values - mean[key], std[key] + epsilon), torch.zeros_like(flat_values)
+        count[key] > 1,
+        safe_divide(flat_values - mean[key], std[key] + epsilon),
+        torch.zeros_like(flat_values),
     )
     out = torch.zeros_like(values)
     out[valid] = standardized
@@ -654,9 +676,13 @@ def grpo_s(
     incorrect = ~correct
     if bool((seq_entropy[incorrect] <= 0).any()):
         i = int((incorrect & (seq_entropy <= 0)).nonzero()[0])
-        raise ValueError(f"entropy: wrong response {i} has mean entropy 0; GRPO-S weights wrong responses by 1/H")
+        raise ValueError(
+            f"entropy: wrong response {i} has mean entropy 0; GRPO-S weights wrong responses by 1/H"
+        )
     positive_share = _share_within(seq_entropy, correct, group_index, num_groups)
-    inverse = torch.where(incorrect, 1 / seq_entropy.clamp(min=torch.finfo(r.dtype).tiny), torch.zeros_like(r))
+    inverse = torch.where(
+        incorrect, 1 / seq_entropy.clamp(min=torch.finfo(r.dtype).tiny), torch.zeros_like(r)
+    )
     negative_share = _share_within(inverse, incorrect, group_index, num_groups)
     shaped = torch.where(correct, alpha1 * r + alpha2 * positive_share, -alpha1 - alpha2 * negative_share)
     valid = torch.ones_like(correct)
@@ -664,17 +690,20 @@ def grpo_s(
 
 
 def _share_within(weight: torch.Tensor, member: torch.Tensor, group_index: torch.Tensor, num_groups: int):
-    """weight_i / sum_{k in set(i)} weight_k * |set(i)| for members, 0 otherwise (set = members of i's group)."""
+    """weight_i / sum_{k in set(i)} weight_k * |set(i)| for members, else 0 (set(i): members of i's group)."""
     w = torch.where(member, weight, torch.zeros_like(weight))
     total = group_sum(w, group_index, num_groups)[group_index]
     size = group_sum(member.to(weight.dtype), group_index, num_groups)[group_index]
-    share = torch.where(total > 0, w / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(w))
+    share = torch.where(
+        total > 0, w / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(w)
+    )
     return share * size
 
 
 @register(
     "gfpo",
-    paper="Sample More to Think Less: Group Filtered Policy Optimization for Concise Reasoning (arXiv:2508.09726)",
+    paper="Sample More to Think Less: Group Filtered Policy Optimization for Concise Reasoning "
+    "(arXiv:2508.09726)",
 )
 def gfpo(
     rewards,
@@ -686,7 +715,7 @@ def gfpo(
     metric: str = "length",
     epsilon: float = 1e-4,
 ):
-    """GFPO: keep k of each group's completions by a metric; advantages from the retained ones, 0 for the rest.
+    """GFPO: keep k completions per group by a metric; advantages over the retained ones, 0 for the rest.
 
     Formula:
         S_g = the k completions of group g with the shortest length (metric="length") or the highest

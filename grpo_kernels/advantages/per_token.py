@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ._groups import (
-    check_choice,
     check_float,
     check_index,
     check_mask,
@@ -29,7 +28,9 @@ from .shaping import kl_penalized_token_rewards
 
 def _check_token_mask(mask: object, batch: int, name: str = "mask") -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != batch:
-        raise ValueError(f"{name} must be a [B={batch}, T] tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
+        raise ValueError(
+            f"{name} must be a [B={batch}, T] tensor, got {getattr(mask, 'shape', type(mask).__name__)}"
+        )
     return check_mask(name, mask, tuple(mask.shape))
 
 
@@ -72,7 +73,8 @@ def reinforce_plus_plus(
             ``shaping.kl_penalized_token_rewards`` (logprobs are the sampling policy's, "old_log_probs").
         epsilon: 1e-8 inside the rsqrt, as verl's ``masked_whiten``.
 
-    Paper: REINFORCE++ (arXiv:2501.03262): A_t = r(x, y) - beta * sum_{i >= t} KL(i), normalized over the batch.
+    Paper: REINFORCE++ (arXiv:2501.03262): A_t = r(x, y) - beta * sum_{i >= t} KL(i), normalized over the
+        batch.
     Peer: verl 0.9.1 ``compute_reinforce_plus_plus_outcome_advantage`` on token_level_rewards built by
         ``apply_kl_penalty`` (score at the last valid token minus beta * kl).
     """
@@ -106,9 +108,13 @@ def reinforce_plus_plus(
     return (returns - mean) * torch.rsqrt(var + check_positive("epsilon", epsilon, True)) * m
 
 
-def _check_ids_2d(name: str, value: object, batch: int, low: int, high: int | None, columns: int | None = None):
+def _check_ids_2d(
+    name: str, value: object, batch: int, low: int, high: int | None, columns: int | None = None
+):
     if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[0] != batch:
-        raise ValueError(f"{name} must be an int64 [B={batch}, ...] tensor, got {getattr(value, 'shape', value)}")
+        raise ValueError(
+            f"{name} must be an int64 [B={batch}, ...] tensor, got {getattr(value, 'shape', value)}"
+        )
     if columns is not None and value.shape[1] != columns:
         raise ValueError(f"{name} must have {columns} columns, got shape {tuple(value.shape)}")
     return check_index(name, value, tuple(value.shape), low=low, high=high)
@@ -117,7 +123,8 @@ def _check_ids_2d(name: str, value: object, batch: int, low: int, high: int | No
 @register(
     "mt_grpo",
     output="[B, T]",
-    paper="Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment (arXiv:2505.11821)",
+    paper="Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment "
+    "(arXiv:2505.11821)",
 )
 def mt_grpo(
     rewards,
@@ -142,14 +149,15 @@ def mt_grpo(
     Options:
         turn_rewards: float [B, K] reward of each turn (finite; give a turn a row did not reach the value
             your reward design assigns, e.g. 0).
-        turn_ids: int64 [B, T] turn index of each token in 0..K-1, or -1 for tokens outside the policy's turns.
+        turn_ids: int64 [B, T] turn index of each token in 0..K-1, -1 for tokens outside the policy's turns.
         turn_coef: the weight lambda on the turn advantage (1.0 as the authors' code ``turn_advantage_coef``).
         epsilon: 1e-4, the authors' TRL-based code.
 
-    Paper: Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment (arXiv:2505.11821 v1;
-        authors' code SiliangZeng/Multi-Turn-RL-Agent ``MTGRPOEnvTrainer._assign_advantages`` puts the
-        coefficient on the turn term). The authors' fallback for trajectories without a tool result (a
-        combined-reward advantage) is not reproduced: pass the turn rewards you want such rows to get.
+    Paper: Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment
+        (arXiv:2505.11821 v1; the authors' code, SiliangZeng/Multi-Turn-RL-Agent
+        ``MTGRPOEnvTrainer._assign_advantages``, puts the coefficient on the turn term). The authors'
+        fallback for trajectories without a tool result (a combined-reward advantage) is not reproduced:
+        pass the turn rewards you want such rows to get.
     Peer: — (not in TRL or verl).
     """
     batch = rewards.shape[0]
@@ -167,7 +175,9 @@ def mt_grpo(
     )  # [B, K]
     in_turn = turn_ids >= 0
     token_turn_adv = turn_adv.gather(1, turn_ids.clamp(min=0))  # [B, T]
-    return torch.where(in_turn, outcome[:, None] + turn_coef * token_turn_adv, torch.zeros_like(token_turn_adv))
+    return torch.where(
+        in_turn, outcome[:, None] + turn_coef * token_turn_adv, torch.zeros_like(token_turn_adv)
+    )
 
 
 @register(
@@ -232,7 +242,9 @@ def gigpo(
     used = step_ids >= 0
     if bool((used & ~valid_step.gather(1, step_ids.clamp(min=0))).any()):
         where = tuple(int(i) for i in (used & ~valid_step.gather(1, step_ids.clamp(min=0))).nonzero()[0])
-        raise ValueError(f"step_ids{list(where)} = {int(step_ids[where])} refers to a step with state_ids = -1")
+        raise ValueError(
+            f"step_ids{list(where)} = {int(step_ids[where])} refers to a step with state_ids = -1"
+        )
 
     scale = "group" if normalize_by_std else "none"
     episode = group_normalized(rewards, group_index, num_groups, scale, epsilon)  # [B]
@@ -254,7 +266,9 @@ def gigpo(
     step_adv = torch.zeros_like(step_return)
     step_adv[valid_step] = centered
     token_step_adv = step_adv.gather(1, step_ids.clamp(min=0))  # [B, T]
-    return torch.where(used, episode[:, None] + step_weight * token_step_adv, torch.zeros_like(token_step_adv))
+    return torch.where(
+        used, episode[:, None] + step_weight * token_step_adv, torch.zeros_like(token_step_adv)
+    )
 
 
 @register(
@@ -280,11 +294,14 @@ def gtpo(
     Formula (per group and position t; O+_t / O-_t = correct / wrong responses still generating at t,
     d_t = |O+_t|, h_t = |O-_t|):
         i in O+:  r~_{i,t} =  alpha1 * r_i + alpha2 * (H_{i,t} / sum_{k in O+_t} H_{k,t}) * d_t
-        j in O-:  r~_{j,t} = -alpha1       - alpha2 * ((1/(H_{j,t}+eps)) / sum_{k in O-_t} 1/(H_{k,t}+eps)) * h_t
+        j in O-:  r~_{j,t} = -alpha1 - alpha2 * (1/(H_{j,t}+eps) / sum_{k in O-_t} 1/(H_{k,t}+eps)) * h_t
         normalize="per_polarity": A = (r~ - mean) / (std + epsilon) over all valid tokens of O+ of the group,
         and separately of O- (the paper's Eq. 6 as read by two independent re-implementations);
         normalize="joint": over all valid tokens of the group.
-    A share with a zero denominator (all entropies 0 at t) is 0.
+    A share with a zero denominator (all entropies 0 at t) is 0. Under "per_polarity" a polarity set whose
+    shaped rewards are all equal (e.g. a group with a single wrong response and uniform h_t = 1) standardizes
+    to 0: only the entropy contrast within O+ and within O- remains, not the sign of the outcome. "joint"
+    keeps correct tokens above wrong ones.
 
     Options:
         entropy: float [B, T] per-token entropy from the kernels (>= 0).
@@ -329,21 +346,33 @@ def _position_share(weight: torch.Tensor, member: torch.Tensor, group_index: tor
     return torch.where(total > 0, w / safe_total, torch.zeros_like(w)) * size
 
 
-def shared_prefix_counts(completion_ids: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor,
-                         num_groups: int) -> torch.Tensor:
-    """|lambda_{i,t}|: completions of i's group whose first t+1 tokens equal i's. [B, T] int64 (0 where masked).
+def shared_prefix_counts(
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    num_groups: int,
+    chunk_elements: int = 1 << 25,
+) -> torch.Tensor:
+    """|lambda_{i,t}|: completions of i's group whose first t+1 tokens equal i's. [B, T] int64, 0 if masked.
 
-    A completion j shares i's prefix at t when tokens 0..t are all valid in both and equal. Cost per group
-    is O(n_g^2 T) memory and time.
+    A completion j shares i's prefix at t when tokens 0..t are all valid in both and equal. Exact pairwise
+    comparison: O(n_g^2 T) time per group, memory bounded by ``chunk_elements`` bytes per chunk of rows.
     """
     counts = torch.zeros_like(completion_ids)
+    length = completion_ids.shape[1]
     for g in range(num_groups):
         rows = (group_index == g).nonzero().flatten()
         ids = completion_ids[rows]  # [n, T]
         valid = mask[rows]
-        same = (ids[:, None, :] == ids[None, :, :]) & valid[:, None, :] & valid[None, :, :]  # [n, n, T]
-        same_prefix = same.long().cumprod(dim=-1)
-        counts[rows] = same_prefix.sum(dim=1) * valid
+        n = rows.numel()
+        step = max(1, chunk_elements // max(1, n * length))
+        for start in range(0, n, step):
+            anchor_ids, anchor_valid = ids[start : start + step], valid[start : start + step]  # [c, T]
+            same = (anchor_ids[:, None, :] == ids[None, :, :]) & anchor_valid[:, None, :] & valid[None, :, :]
+            same_prefix = (
+                same.to(torch.uint8).cummin(dim=-1).values
+            )  # [c, n, T]: 1 while every token so far matched
+            counts[rows[start : start + step]] = same_prefix.sum(dim=1, dtype=torch.long) * anchor_valid
     return counts
 
 
@@ -362,7 +391,7 @@ def lambda_grpo(
     scale: str = "group",
     epsilon: float = 1e-4,
 ):
-    """λ-GRPO: each token's GRPO advantage divided by the size of its process set (completions sharing its prefix).
+    """λ-GRPO: each token's GRPO advantage divided by the size of its process set (shared-prefix completions).
 
     Formula:
         A_i = (r_i - mu_g) / (sigma_g + epsilon)              (``grpo`` with the given scale)
@@ -377,15 +406,16 @@ def lambda_grpo(
         mask: bool/0-1 [B, T] valid tokens.
         scale, epsilon: as ``grpo``.
 
-    Paper: GRPO is Secretly a Process Reward Model (arXiv:2509.21154), λ-GRPO (the process-set weights). Not to
-        be confused with "λ-GRPO: Unifying the GRPO Frameworks with Learnable Token Preferences" (arXiv:2510.06870),
-        a loss-side length weighting.
+    Paper: GRPO is Secretly a Process Reward Model (arXiv:2509.21154), λ-GRPO (the process-set weights).
+        Not to be confused with "λ-GRPO: Unifying the GRPO Frameworks with Learnable Token Preferences"
+        (arXiv:2510.06870), a loss-side length weighting.
     Peer: — (not in TRL or verl).
     """
     batch = rewards.shape[0]
     mask = _check_token_mask(mask, batch)
-    completion_ids = _check_ids_2d("completion_ids", completion_ids, batch, low=0, high=None,
-                                   columns=mask.shape[1])
+    completion_ids = _check_ids_2d(
+        "completion_ids", completion_ids, batch, low=0, high=None, columns=mask.shape[1]
+    )
     check_same_device(rewards=rewards, completion_ids=completion_ids, mask=mask)
     advantages = group_normalized(rewards, group_index, num_groups, scale, epsilon)  # [B]
     counts = shared_prefix_counts(completion_ids, mask, group_index, num_groups).to(advantages.dtype)
@@ -396,7 +426,8 @@ def lambda_grpo(
     "process_supervision",
     output="[B, T]",
     rewards_shape="[B, S]",
-    paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (arXiv:2402.03300)",
+    paper="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models "
+    "(arXiv:2402.03300)",
 )
 def process_supervision(
     rewards,
@@ -407,7 +438,7 @@ def process_supervision(
     step_mask: torch.Tensor | None = None,
     epsilon: float = 1e-6,
 ):
-    """Process-supervision GRPO: step rewards normalized over the group, a token's advantage the sum from its step on.
+    """Process-supervision GRPO: group-normalized step rewards, a token's advantage the sum from its step on.
 
     Formula (``rewards`` = step rewards r_{i,j}, j = 0..S-1):
         R_g = {r_{i,j} : i in g, j a valid step of i}
@@ -418,7 +449,9 @@ def process_supervision(
 
     Options:
         step_ids: int64 [B, T] the step each token belongs to (0..S-1), -1 for none.
-        step_mask: bool/0-1 [B, S] which step rewards exist (default: all); tokens may only refer to valid steps.
+        step_mask: bool/0-1 [B, S] which step rewards exist (default: all); tokens may refer to valid steps
+            only.
+            ``rewards`` entries of steps outside the mask are ignored but must still be finite (e.g. 0).
         epsilon: the paper has none; 1e-6 (verl's GRPO constant) keeps a constant group finite.
 
     Paper: DeepSeekMath (arXiv:2402.03300), §4.1.3 process supervision RL with GRPO.
@@ -433,7 +466,9 @@ def process_supervision(
     used = step_ids >= 0
     if bool((used & ~step_mask.gather(1, step_ids.clamp(min=0))).any()):
         where = tuple(int(i) for i in (used & ~step_mask.gather(1, step_ids.clamp(min=0))).nonzero()[0])
-        raise ValueError(f"step_ids{list(where)} = {int(step_ids[where])} refers to a step with step_mask = 0")
+        raise ValueError(
+            f"step_ids{list(where)} = {int(step_ids[where])} refers to a step with step_mask = 0"
+        )
     r = rewards.to(working_dtype(rewards.dtype))
     flat_groups = group_index[:, None].expand_as(step_mask)[step_mask]
     values = r[step_mask]

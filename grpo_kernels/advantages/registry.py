@@ -80,7 +80,9 @@ def register(
                 raise ValueError(f"estimator {name!r} must accept a {required!r} parameter")
         existing = _REGISTRY.get(name)
         if existing is not None and existing.fn is not fn:
-            raise ValueError(f"an advantage estimator named {name!r} is already registered ({existing.fn.__qualname__})")
+            raise ValueError(
+                f"an advantage estimator named {name!r} is already registered ({existing.fn.__qualname__})"
+            )
         doc = inspect.getdoc(fn) or ""
         summary = doc.splitlines()[0].strip() if doc else name
         _REGISTRY[name] = EstimatorSpec(name, fn, output, rewards_shape, paper, peer, summary)
@@ -119,7 +121,9 @@ def estimate(name: str, rewards: torch.Tensor, group_index: torch.Tensor, **opti
     spec = get(name)
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        raise ValueError(f"estimator {name!r} got unknown option(s) {unknown}; its options are {list(spec.options)}")
+        raise ValueError(
+            f"estimator {name!r} got unknown option(s) {unknown}; its options are {list(spec.options)}"
+        )
     rewards = check_rewards(rewards, ndim=1 if spec.rewards_shape == "[B]" else 2)
     group_index, num_groups = check_group_index(group_index, rewards.shape[0])
     if group_index.device != rewards.device:

@@ -28,7 +28,9 @@ from ._groups import (
 def _lengths(name: str, lengths: object) -> torch.Tensor:
     """[B] lengths (int or float, >= 0) as a float tensor: fp32 for integers, >= fp32 for floats."""
     if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1:
-        raise ValueError(f"{name} must be a 1-d tensor [B], got {getattr(lengths, 'shape', type(lengths).__name__)}")
+        raise ValueError(
+            f"{name} must be a 1-d tensor [B], got {getattr(lengths, 'shape', type(lengths).__name__)}"
+        )
     if lengths.dtype == torch.bool or lengths.is_complex():
         raise ValueError(f"{name} must hold integer or float lengths, got dtype {lengths.dtype}")
     values = lengths.to(working_dtype(lengths.dtype)) if lengths.is_floating_point() else lengths.float()
@@ -81,7 +83,7 @@ def lead_length_reward(
 ) -> torch.Tensor:
     """GRPO-LEAD length-dependent accuracy reward with the explicit penalty for wrong answers.
 
-    Formula (per group; mu, sigma over the lengths of the group's correct completions, sigma Bessel-corrected):
+    Formula (per group; mu, sigma: mean and Bessel-corrected std of the lengths of its correct completions):
         z = (|o| - mu) / (sigma + epsilon)
         R(o) = exp(-alpha * z)        if o is correct
              = incorrect_reward (-1)  otherwise
@@ -128,11 +130,14 @@ def _tokens(completion: object, max_chars: int | None) -> tuple:
     if isinstance(completion, Sequence) and all(isinstance(t, int) for t in completion):
         return tuple(completion)
     raise ValueError(
-        f"completions must be strings or sequences of token ids, got an item of type {type(completion).__name__}"
+        "completions must be strings or sequences of token ids, "
+        f"got an item of type {type(completion).__name__}"
     )
 
 
-def sentence_bleu(reference: Sequence, hypothesis: Sequence, weights: Sequence[float] = DIVER_BLEU_WEIGHTS) -> float:
+def sentence_bleu(
+    reference: Sequence, hypothesis: Sequence, weights: Sequence[float] = DIVER_BLEU_WEIGHTS
+) -> float:
     """Sentence BLEU of ``hypothesis`` against one ``reference`` (no smoothing), nltk's definition.
 
     BLEU = BP * exp(sum_n w_n log p_n), p_n = clipped n-gram matches / hypothesis n-grams,
@@ -184,7 +189,7 @@ def textual_diversity(
     Peer: — (not in TRL or verl).
     """
     batch = len(completions)
-    group_index, num_groups = check_group_index(group_index, batch)
+    group_index, _ = check_group_index(group_index, batch)
     tokens = [_tokens(c, max_chars) for c in completions]
     diversity = [0.0] * batch
     members: dict[int, list[int]] = {}
@@ -196,7 +201,10 @@ def textual_diversity(
         similarity = {row: 0.0 for row in rows}
         for a_pos, a in enumerate(rows):
             for b in rows[a_pos + 1 :]:
-                sim = 0.5 * (sentence_bleu(tokens[a], tokens[b], weights) + sentence_bleu(tokens[b], tokens[a], weights))
+                sim = 0.5 * (
+                    sentence_bleu(tokens[a], tokens[b], weights)
+                    + sentence_bleu(tokens[b], tokens[a], weights)
+                )
                 similarity[a] += sim
                 similarity[b] += sim
         for row in rows:
@@ -304,12 +312,16 @@ def kl_penalized_token_rewards(
     """
     rewards = check_rewards(rewards)
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
-        raise ValueError(f"mask must be a [B={rewards.shape[0]}, T] tensor, got {getattr(mask, 'shape', mask)}")
+        raise ValueError(
+            f"mask must be a [B={rewards.shape[0]}, T] tensor, got {getattr(mask, 'shape', mask)}"
+        )
     mask = check_mask("mask", mask, tuple(mask.shape))
     check_same_device(rewards=rewards, mask=mask)
     lengths = mask.sum(-1)
     if bool((lengths == 0).any()):
-        raise ValueError(f"mask row {int((lengths == 0).nonzero()[0])} has no valid token to carry the reward")
+        raise ValueError(
+            f"mask row {int((lengths == 0).nonzero()[0])} has no valid token to carry the reward"
+        )
     r = rewards.to(working_dtype(rewards.dtype))
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(-1)  # [B]

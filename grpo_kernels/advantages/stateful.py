@@ -73,7 +73,9 @@ class SmoothAdvantageStandardizer:
     def load_state_dict(self, state: dict) -> None:
         self._stats = {key: _PromptStats(*values) for key, values in state.items()}
 
-    def __call__(self, rewards: torch.Tensor, group_index: torch.Tensor, prompt_keys: Sequence[Hashable]) -> torch.Tensor:
+    def __call__(
+        self, rewards: torch.Tensor, group_index: torch.Tensor, prompt_keys: Sequence[Hashable]
+    ) -> torch.Tensor:
         """Advantages [B] for this step's groups; updates the per-prompt statistics.
 
         Args:
@@ -101,7 +103,9 @@ class SmoothAdvantageStandardizer:
         std_total = torch.empty(num_groups, dtype=r.dtype)
         updated = {}
         for g, key in enumerate(prompt_keys):
-            stats = self._stats.get(key, _PromptStats()).merged(int(count[g]), float(mean_new[g]), float(m2_new[g]))
+            stats = self._stats.get(key, _PromptStats()).merged(
+                int(count[g]), float(mean_new[g]), float(m2_new[g])
+            )
             updated[key] = stats
             times[g], mean_total[g], std_total[g] = stats.times, stats.mean, stats.std
         times, mean_total, std_total = (t.to(r.device) for t in (times, mean_total, std_total))
@@ -125,7 +129,9 @@ def _standardize(r: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torc
     "dcpo",
     paper="DCPO: Dynamic Clipping Policy Optimization (arXiv:2509.02333)",
 )
-def dcpo(rewards, group_index, *, num_groups, state: SmoothAdvantageStandardizer, prompt_keys: Sequence[Hashable]):
+def dcpo(
+    rewards, group_index, *, num_groups, state: SmoothAdvantageStandardizer, prompt_keys: Sequence[Hashable]
+):
     """DCPO smooth advantage standardization: blend this step's and the cumulative per-prompt z-scores.
 
     Formula (i = times the prompt has been sampled, this step included):
