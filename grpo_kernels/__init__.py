@@ -6,6 +6,7 @@
     out.loss.backward(); out.metrics["clip_ratio/region_mean"]
 """
 
+from . import advantages
 from ._backend import BackendFallbackWarning
 from .config import PolicyLossConfig
 from .functional import (
@@ -26,5 +27,6 @@ __all__ = [
     "fused_linear_grpo_loss",
     "fused_linear_logprobs",
     "grpo_loss",
+    "advantages",
     "__version__",
 ]
