@@ -130,6 +130,7 @@ class _FlatBatch:
     token_shape: tuple  # the caller's token layout, to reshape per-token outputs back
     valid: torch.Tensor  # [N] bool
     seq_index: torch.Tensor  # [N] int64
+    cu_seqlens: torch.Tensor  # [S + 1] int64 token offsets of the sequences
     num_seqs: int
     advantages: torch.Tensor  # [N] fp32
     old_logprobs: torch.Tensor | None
@@ -185,10 +186,12 @@ def _flatten_batch(
     if packed:
         seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens)
         num_seqs = cu_seqlens.numel() - 1
+        offsets = cu_seqlens.to(device=device, dtype=torch.int64)
     else:
         batch, length = token_shape
         seq_index = torch.arange(batch, device=device).repeat_interleave(length)
         num_seqs = batch
+        offsets = torch.arange(batch + 1, device=device, dtype=torch.int64) * length
 
     chk.check_tensor("advantages", advantages, dtypes=chk.FLOAT_DTYPES)
     if tuple(advantages.shape) == (num_seqs,):
@@ -234,6 +237,7 @@ def _flatten_batch(
         token_shape=tuple(token_shape),
         valid=valid,
         seq_index=seq_index,
+        cu_seqlens=offsets,
         num_seqs=num_seqs,
         advantages=adv,
         old_logprobs=flat.get("old_logprobs"),
@@ -313,8 +317,8 @@ def grpo_loss(
     if check_finite:
         chk.check_finite("logprobs", flat_lp, batch.valid)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
-    resolve_backend(backend, device, "grpo_loss", triton_implemented=False)
-    out = _loss_head(flat_lp, flat_entropy, batch, cfg)
+    resolved = resolve_backend(backend, device, "grpo_loss")
+    out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved)
     return GRPOLossOutput(
         loss=out.loss,
         metrics=out.metrics,
@@ -323,8 +327,28 @@ def grpo_loss(
     )
 
 
-def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig):
+def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig, backend: str):
+    """The loss head on flat tokens: the fp32 reference (autograd) or the Triton kernel."""
     n = batch.normalizers
+    if backend == "triton":
+        from .ops.loss_head.function import LossHeadFunction
+        from .ops.loss_head.reference import LossHeadOutput
+        from .ops.loss_head.triton import loss_head_triton
+
+        def run(need_grad_logprobs, need_grad_entropy):
+            return loss_head_triton(
+                flat_logprobs.detach(), batch.advantages, batch.valid, batch.cu_seqlens, batch.seq_index,
+                batch.num_seqs, cfg, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+                rollout_logprobs=batch.rollout_logprobs, is_weights=batch.is_weights,
+                entropy=None if flat_entropy is None else flat_entropy.detach(), token_weights=batch.token_weights,
+                num_tokens=n["num_tokens"], num_sequences=n["num_sequences"], dp_size=n["dp_size"],
+                grad_accum_steps=n["grad_accum_steps"], need_grad_logprobs=need_grad_logprobs,
+                need_grad_entropy=need_grad_entropy,
+            )  # fmt: skip
+
+        metrics: dict = {}
+        loss = LossHeadFunction.apply(flat_logprobs, flat_entropy, run, metrics)
+        return LossHeadOutput(loss, metrics)
     return policy_loss_reference(
         flat_logprobs, batch.advantages, batch.valid, batch.seq_index, batch.num_seqs, cfg,
         old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
@@ -403,7 +427,7 @@ def fused_linear_grpo_loss(
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     loss, metrics, logprobs, entropy = fused_grpo_forward(
         flat_hidden, weight, bias, flat_targets, batch, cfg, lm_head_ops.get_impl(resolved),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg),
+        lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved),
     )  # fmt: skip
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

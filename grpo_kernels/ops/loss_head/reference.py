@@ -137,11 +137,11 @@ def policy_loss_reference(
     elif cfg.loss_type == "clip_cov":
         clipped = ratio.clamp(lower, upper)
         loss_unclipped, loss_clipped = -adv * ratio, -adv * clipped
-        keep = _clip_cov_keep(cfg, adv, lp, m, valid, loss_clipped > loss_unclipped)
+        keep = clip_cov_keep(cfg, adv, lp, m, valid, loss_clipped > loss_unclipped)
         metrics["selection/cov_frac"] = ((1.0 - keep) * m).sum() / m.sum().clamp(min=1.0)
         objective = torch.maximum(loss_unclipped, loss_clipped) * keep
     elif cfg.loss_type == "kl_cov":
-        penalised = _kl_cov_selected(cfg, adv, lp, valid)
+        penalised = kl_cov_selected(cfg, adv, lp, valid)
         metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
         objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
     elif cfg.loss_type in ("gmpo", "group_dpo"):
@@ -171,8 +171,7 @@ def policy_loss_reference(
         selection = selection * keep
     entropy_selected = m
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule": train on high-entropy forks only
-        threshold = torch.quantile(ent.detach()[valid], 1.0 - cfg.top_entropy_quantile) if valid.any() else 0.0
-        entropy_selected = ((ent.detach() >= threshold) & valid).float()
+        entropy_selected = top_entropy_selection(ent, valid, cfg.top_entropy_quantile)
         metrics["selection/entropy_kept_frac"] = entropy_selected.sum() / m.sum().clamp(min=1.0)
         selection = selection * entropy_selected
     if cfg.old_prob_threshold is not None:  # Lopti: low- / high-probability token groups
@@ -204,7 +203,9 @@ def policy_loss_reference(
     elif cfg.loss_type == "group_dpo":
         if ref is None:
             raise ValueError("group_dpo needs ref_logprobs")
-        policy_loss = _group_dpo_loss(cfg, lp, ref, adv, m, seq_sum, seq_len, num_seqs, normalizers, metrics)
+        seq_adv = seq_sum(adv * m) / seq_len.clamp(min=1.0)
+        policy_loss = group_dpo_loss(cfg, seq_sum(lp * m), seq_sum(ref * m), seq_adv, seq_len,
+                                     normalizers.grad_accum_steps, normalizers.dp_size, metrics)  # fmt: skip
     else:
         policy_loss = normalizers.aggregate(objective * selection * weights, cfg.loss_agg_mode)
     loss = policy_loss
@@ -390,7 +391,7 @@ def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout):
     return phi * m
 
 
-def _clip_cov_keep(cfg, adv, lp, m, valid, clipped_by_ppo):
+def clip_cov_keep(cfg, adv, lp, m, valid, clipped_by_ppo):
     """verl compute_policy_loss_clip_cov: among tokens not already clipped by PPO, those whose
     centred covariance (A - mean A)(logp - mean logp) lies in (lb, ub) are candidates; a random
     subset of max(1, int(ratio * n_valid)) of them is detached (keep = 0). torch.randperm on the
@@ -410,7 +411,7 @@ def _clip_cov_keep(cfg, adv, lp, m, valid, clipped_by_ppo):
     return keep
 
 
-def _kl_cov_selected(cfg, adv, lp, valid):
+def kl_cov_selected(cfg, adv, lp, valid):
     """verl compute_policy_loss_kl_cov: the top max(1, int(n_valid * ratio)) tokens by centred
     covariance (A - mean A)(logp - mean logp) over the valid tokens get the |log r| penalty."""
     selected = torch.zeros(adv.shape, dtype=torch.float32, device=adv.device)
@@ -425,18 +426,27 @@ def _kl_cov_selected(cfg, adv, lp, valid):
     return selected
 
 
-def _group_dpo_loss(cfg, lp, ref, adv, m, seq_sum, seq_len, num_seqs, normalizers, metrics):
+def top_entropy_selection(ent, valid, quantile):
+    """TRL get_high_entropy_mask: tokens whose entropy is >= the (1 - rho) quantile of the valid
+    tokens' entropies (torch.quantile, linear interpolation). Returns a {0, 1} float tensor."""
+    if not bool(valid.any()):
+        return torch.zeros(ent.shape, dtype=torch.float32, device=ent.device)
+    threshold = torch.quantile(ent.detach().float()[valid], 1.0 - quantile)
+    return ((ent.detach() >= threshold) & valid).float()
+
+
+def group_dpo_loss(cfg, seq_logprob_sum, seq_ref_sum, seq_adv, seq_len, grad_accum_steps, dp_size, metrics):
     """Group DPO: in each group of group_size consecutive completions, the one with the largest
     advantage is preferred over the one with the smallest (DPO, Rafailov et al. 2023, on summed
     log-probs against the reference):
       l_g = -log sigmoid( beta [ (S_w - S^ref_w) - (S_l - S^ref_l) ] ),  S = sum_t log pi(o_t),
     averaged over groups that have a preference (max A > min A); ties contribute nothing."""
     g = cfg.group_size
-    n_groups = num_seqs // g
-    seq_adv = (seq_sum(adv * m) / seq_len.clamp(min=1.0)).reshape(n_groups, g)
+    n_groups = seq_len.shape[0] // g
+    seq_adv = seq_adv.reshape(n_groups, g)
     nonempty = (seq_len > 0).reshape(n_groups, g)
-    policy_minus_ref = (seq_sum(lp * m) - seq_sum(ref * m)).reshape(n_groups, g)
-    inf = torch.tensor(float("inf"), device=lp.device)
+    policy_minus_ref = (seq_logprob_sum - seq_ref_sum).reshape(n_groups, g)
+    inf = torch.tensor(float("inf"), device=seq_len.device)
     best = torch.where(nonempty, seq_adv, -inf).argmax(-1, keepdim=True)
     worst = torch.where(nonempty, seq_adv, inf).argmin(-1, keepdim=True)
     has_pair = (seq_adv.gather(-1, best) > seq_adv.gather(-1, worst)).squeeze(-1) & (nonempty.sum(-1) >= 2)
@@ -447,7 +457,7 @@ def _group_dpo_loss(cfg, lp, ref, adv, m, seq_sum, seq_len, num_seqs, normalizer
     metrics["dpo/reward_margin"] = (cfg.dpo_beta * margin * pair).detach().sum() / n_pairs
     metrics["dpo/accuracy"] = ((margin > 0).float() * pair).sum() / n_pairs
     losses = -torch.nn.functional.logsigmoid(cfg.dpo_beta * margin) * pair
-    return losses.sum() / (n_pairs * normalizers.grad_accum_steps) * normalizers.dp_size
+    return losses.sum() / (n_pairs * grad_accum_steps) * dp_size
 
 
 def _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights, normalizers, metrics):

@@ -1,0 +1,764 @@
+"""The loss head (B of DESIGN.md §1) as one Triton kernel: per-token loss terms, aggregation weights,
+metric partial sums and the per-token gradients dL/dlogp, dL/dentropy, for every variant of
+reference.py (the oracle it is tested against, formula by formula).
+
+One program per sequence (grid = S). A program walks its tokens in blocks, up to three times:
+  pass A (when the variant needs sequence statistics): lengths, sum of log-ratios, sequence IS,
+         off-policy KL, VESPO / GMPO sums, summed log-probs (group DPO);
+  pass B: per token objective, KL, entropy bonus, metrics; writes the gradient of everything that
+         depends on the token alone;
+  pass C (sequence-valued or prefix ratios only): adds the gradient that flows through the
+         sequence's ratio (a broadcast, or a reverse discounted scan for the prefix trace).
+Each program writes NUM_PARTIALS partial sums for its sequence; `finalize` reduces them over
+sequences (in torch: deterministic, no atomics) into the loss and the metrics, so partials of
+several chunks of sequences (the fused one-pass path) concatenate exactly.
+
+Every hyperparameter is a runtime argument; constexprs select code paths only (loss type, ratio
+level, KL estimator, aggregation modes, which inputs exist). Optional bounds use sentinels
+(delta = +inf when off, dual clip c = +inf, log-ratio clamp = +inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import PolicyLossConfig
+
+# ---- code-path ids (constexpr) -------------------------------------------------------------------
+LOSS_IDS = {"ppo_clip": 0, "cispo": 1, "gpg": 2, "sapo": 3, "pspo": 4, "dcpo": 5, "vespo": 6, "clip_cov": 7,
+            "kl_cov": 8, "gmpo": 9, "group_dpo": 10}  # fmt: skip
+LEVEL_IDS = {"token": 0, "sequence": 1, "sequence_token": 2, "sequence_sum": 3, "prefix": 4}
+KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3, "abs": 4}
+AGG_IDS = {"token-mean": 0, "token-sum": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3,
+           "seq-mean-token-mean": 4, "length-pow": 5, "token-mean-local": 6}  # fmt: skip
+
+# ---- per-sequence partial sums written by the kernel ---------------------------------------------
+(P_LOSS_PG, P_LOSS_KL, P_LOSS_ENT, P_VALID, P_RATIO_SUM, P_RATIO_MIN, P_RATIO_MAX, P_LOW, P_HIGH, P_REGION,
+ P_DUAL, P_ANY, P_PPO_KL, P_KL, P_ENT, P_IS_SUM, P_IS_MIN, P_IS_MAX, P_IS_ZERO, P_OFFPOL_DROP, P_ENT_KEPT,
+ P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV) = range(28)  # fmt: skip
+NUM_PARTIALS = 32
+# normalizer slots (a small device tensor, so no host sync is needed to build it)
+N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
+
+LOG_1E8 = math.log(1e-8)
+
+
+@triton.jit
+def _compose(a1, b1, a2, b2):
+    # linear maps s -> a s + b, applied first (a1, b1) then (a2, b2): the discounted-sum scan
+    return a1 * a2, b1 * a2 + b2
+
+
+@triton.jit
+def _agg_weight(AGG: tl.constexpr, length, norms_ptr, dp_size, max_len, length_power):
+    """d(aggregated loss) / d(per-token term) for one token of a sequence with `length` valid tokens."""
+    if AGG == 0:  # token-mean
+        w = dp_size / tl.load(norms_ptr + 0)
+    elif AGG == 1:  # token-sum
+        w = dp_size + 0.0 * length
+    elif AGG == 2:  # seq-mean-token-sum
+        w = dp_size / tl.load(norms_ptr + 1)
+    elif AGG == 3:  # seq-mean-token-sum-norm
+        w = dp_size / (tl.load(norms_ptr + 1) * max_len)
+    elif AGG == 4:  # seq-mean-token-mean
+        w = dp_size / (tl.maximum(length, 1.0) * tl.load(norms_ptr + 1))
+    elif AGG == 5:  # length-pow: |o|^-p / sum_j |o_j|^(1-p)
+        w = dp_size * tl.exp(-length_power * tl.log(tl.maximum(length, 1.0))) / tl.load(norms_ptr + 2)
+    else:  # token-mean-local (TRL entropy bonus)
+        w = 1.0 / tl.load(norms_ptr + 3) + 0.0 * length
+    return w
+
+
+@triton.jit
+def _min_weight(a, b):
+    """d min(a, b) / da, as torch computes it: 1 if a < b, 0 if a > b, 1/2 on a tie."""
+    return tl.where(a < b, 1.0, tl.where(a > b, 0.0, 0.5))
+
+
+@triton.jit
+def _max_weight(a, b):
+    """d max(a, b) / da: 1 if a > b, 0 if a < b, 1/2 on a tie."""
+    return tl.where(a > b, 1.0, tl.where(a < b, 0.0, 0.5))
+
+
+@triton.jit
+def loss_head_fwd_bwd_kernel(
+    lp_ptr, adv_ptr, mask_ptr, old_ptr, ref_ptr, rollout_ptr, isw_ptr, ent_ptr, tokw_ptr, sel_ptr, cov_ptr,
+    cu_ptr, norms_ptr, glp_ptr, gent_ptr, scratch_ptr, part_ptr,
+    clip_low, clip_high, dual_c, delta, log_clamp, cispo_cap, tau_pos, tau_neg, pspo_alpha, dcpo_max,
+    prefix_decay, vk_pos, vl_pos, vk_neg, vl_neg, kl_coef, is_min, is_max, offpol_thr, oldprob_thr,
+    kl_cov_coef, ent_coef, max_len, length_power, dp_size,
+    LOSS: tl.constexpr, LEVEL: tl.constexpr, KL_EST: tl.constexpr, AGG: tl.constexpr, ENT_AGG: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, USE_KL: tl.constexpr, KL_RATIO: tl.constexpr,
+    KL_ST: tl.constexpr, IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, HAS_ISW: tl.constexpr,
+    HAS_ENT: tl.constexpr, USE_ENT_BONUS: tl.constexpr, HAS_TOKW: tl.constexpr, HAS_SEL: tl.constexpr,
+    HAS_COV: tl.constexpr, OFFPOL: tl.constexpr, HAS_ROLLOUT: tl.constexpr, OLDPROB: tl.constexpr,
+    CISPO_ABS: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    lane = tl.arange(0, BLOCK)
+    # ratio_level: 0 token, 1 sequence, 2 sequence_token, 3 sequence_sum, 4 prefix
+    SEQ_RATIO: tl.constexpr = LEVEL == 1 or LEVEL == 2 or LEVEL == 3
+    NEED_LEN: tl.constexpr = AGG >= 4 or ENT_AGG == 4 or ENT_AGG == 5 or LEVEL == 1 or LEVEL == 2 or LOSS == 9
+    PASS_A: tl.constexpr = (NEED_LEN or SEQ_RATIO or IS_LEVEL == 2 or OFFPOL or LOSS == 6 or LOSS == 9
+                            or LOSS == 10)  # fmt: skip
+
+    # ---------------- pass A: sequence statistics ----------------
+    length = 0.0
+    sum_lr = 0.0
+    sum_is = 0.0
+    sum_beh = 0.0
+    sum_vespo = 0.0
+    sum_log_is = 0.0
+    sum_gmpo = 0.0
+    sum_adv = 0.0
+    sum_lp = 0.0
+    sum_ref = 0.0
+    sum_log_isw = 0.0
+    any_nonneg = 0.0
+    if PASS_A:
+        for off in tl.range(start, end, BLOCK):
+            idx = off + lane
+            inb = idx < end
+            m = (tl.load(mask_ptr + idx, mask=inb, other=0) != 0) & inb
+            mf = m.to(tl.float32)
+            lp = tl.where(m, tl.load(lp_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            if HAS_OLD:
+                old = tl.where(m, tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            else:
+                old = lp
+            adv = tl.where(m, tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            lr = (lp - old) * mf
+            length += tl.sum(mf)
+            sum_lr += tl.sum(lr)
+            sum_adv += tl.sum(adv * mf)
+            any_nonneg = tl.maximum(any_nonneg, tl.max(tl.where(m & (adv >= 0), 1.0, 0.0)))
+            if HAS_ROLLOUT:
+                rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+                if IS_LEVEL == 2:
+                    d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+                    sum_is += tl.sum(d)
+                if OFFPOL:
+                    sum_beh += tl.sum((rollout - lp) * mf)
+            elif OFFPOL:
+                sum_beh += tl.sum((old - lp) * mf)
+            if LOSS == 6:  # VESPO: sequence log-ratio with TRL's +-20 token clamp
+                sum_vespo += tl.sum(tl.minimum(tl.maximum(lr, -20.0), 20.0) * mf)
+                if IS_LEVEL == 1:
+                    d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+                    rho = tl.exp(d)
+                    lo = is_min
+                    if IS_MASK:
+                        rho = tl.where((rho >= lo) & (rho <= is_max), rho, 0.0)
+                    else:
+                        rho = tl.minimum(tl.maximum(rho, lo), is_max)
+                    log_is = tl.minimum(tl.maximum(tl.log(rho * mf), LOG_1E8), 20.0)
+                    sum_log_is += tl.sum(tl.where(m, log_is, 0.0))
+            if LOSS == 9:  # GMPO: sign-aware clipped log-ratio
+                sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+                clipped = tl.minimum(tl.maximum(lr, -clip_low), clip_high)
+                lr_min = sgn * tl.minimum(sgn * lr, sgn * clipped)
+                sum_gmpo += tl.sum(lr_min * mf)
+                if HAS_ISW:
+                    w_is = tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+                    sum_log_isw += tl.sum(tl.log(w_is + 1e-10) * mf)
+            if LOSS == 10:
+                ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+                sum_lp += tl.sum(lp * mf)
+                sum_ref += tl.sum(ref * mf)
+    len1 = tl.maximum(length, 1.0)
+    seq_log_w = 0.0
+    if LEVEL == 1 or LEVEL == 2:
+        seq_log_w = sum_lr / len1
+    elif LEVEL == 3:
+        seq_log_w = sum_lr
+    seq_is = 1.0
+    if IS_LEVEL == 2:
+        seq_is = tl.exp(tl.minimum(tl.maximum(sum_is, -log_clamp), log_clamp))
+        if IS_MASK:
+            seq_is = tl.where((seq_is >= is_min) & (seq_is <= is_max), seq_is, 0.0)
+        else:
+            seq_is = tl.minimum(tl.maximum(seq_is, is_min), is_max)
+    offpol_seq_ok = 1.0
+    if OFFPOL:
+        offpol_seq_ok = tl.where(sum_beh / len1 <= offpol_thr, 1.0, 0.0)
+    log_w_vespo = tl.minimum(tl.maximum(sum_vespo + sum_log_is, LOG_1E8), 20.0)
+
+    w_seq = _agg_weight(AGG, length, norms_ptr, dp_size, max_len, length_power)
+    w_ent = _agg_weight(ENT_AGG, length, norms_ptr, dp_size, max_len, length_power)
+
+    # GMPO: the whole sequence is one objective term
+    gmpo_coef = 0.0
+    loss_pg = 0.0
+    if LOSS == 9:
+        seq_ratio = tl.exp(sum_gmpo / len1)
+        seq_adv = sum_adv / len1
+        is_geo = 1.0
+        if HAS_ISW:
+            is_geo = tl.exp(sum_log_isw / len1)
+        keep = tl.where(length > 0, 1.0, 0.0)
+        if OFFPOL:
+            keep = keep * tl.maximum(offpol_seq_ok, any_nonneg)
+        scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
+        loss_pg = -seq_adv * seq_ratio * scale
+        # d loss / d lr_min_t = -Abar * ratio / |o| * scale for every valid token
+        gmpo_coef = -seq_adv * seq_ratio / len1 * scale
+
+    # ---------------- pass B: per token ----------------
+    acc_loss_pg = tl.zeros([BLOCK], tl.float32)
+    acc_loss_kl = tl.zeros([BLOCK], tl.float32)
+    acc_loss_ent = tl.zeros([BLOCK], tl.float32)
+    acc_valid = tl.zeros([BLOCK], tl.float32)
+    acc_ratio = tl.zeros([BLOCK], tl.float32)
+    ratio_min = tl.full([BLOCK], float("inf"), tl.float32)
+    ratio_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    acc_low = tl.zeros([BLOCK], tl.float32)
+    acc_high = tl.zeros([BLOCK], tl.float32)
+    acc_region = tl.zeros([BLOCK], tl.float32)
+    acc_dual = tl.zeros([BLOCK], tl.float32)
+    acc_any = tl.zeros([BLOCK], tl.float32)
+    acc_ppo_kl = tl.zeros([BLOCK], tl.float32)
+    acc_kl = tl.zeros([BLOCK], tl.float32)
+    acc_ent = tl.zeros([BLOCK], tl.float32)
+    acc_is = tl.zeros([BLOCK], tl.float32)
+    is_lo = tl.full([BLOCK], float("inf"), tl.float32)
+    is_hi = tl.full([BLOCK], float("-inf"), tl.float32)
+    acc_is_zero = tl.zeros([BLOCK], tl.float32)
+    acc_offpol = tl.zeros([BLOCK], tl.float32)
+    acc_ent_kept = tl.zeros([BLOCK], tl.float32)
+    acc_oldprob = tl.zeros([BLOCK], tl.float32)
+    acc_cov = tl.zeros([BLOCK], tl.float32)
+    acc_gmpo_hi = tl.zeros([BLOCK], tl.float32)
+    acc_gmpo_lo = tl.zeros([BLOCK], tl.float32)
+    acc_g_seq = tl.zeros([BLOCK], tl.float32)  # sum of dL/dlog_w over the sequence (sequence ratios)
+    carry = 0.0  # prefix trace value before this block
+    lower = 1.0 - clip_low
+    upper = 1.0 + clip_high
+    for off in tl.range(start, end, BLOCK):
+        idx = off + lane
+        inb = idx < end
+        m = (tl.load(mask_ptr + idx, mask=inb, other=0) != 0) & inb
+        mf = m.to(tl.float32)
+        lp = tl.where(m, tl.load(lp_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+        if HAS_OLD:
+            old = tl.where(m, tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+        else:
+            old = lp
+        adv = tl.where(m, tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+        lr = (lp - old) * mf
+
+        # importance ratio r (value) and dr / dlog_w
+        if LEVEL == 0:
+            log_w = lr
+        elif LEVEL == 4:  # discounted prefix sum, carried across blocks
+            decay = tl.where(inb, prefix_decay, 1.0)
+            a_scan, b_scan = tl.associative_scan((decay, lr), 0, _compose)
+            log_w = a_scan * carry + b_scan
+            carry = tl.sum(tl.where(idx == tl.minimum(off + BLOCK, end) - 1, log_w, 0.0))
+        else:
+            log_w = seq_log_w + 0.0 * lr
+        clamp_pass = tl.where((log_w >= -log_clamp) & (log_w <= log_clamp), 1.0, 0.0)
+        ratio = tl.exp(tl.minimum(tl.maximum(log_w, -log_clamp), log_clamp)) * mf
+
+        # per-token objective l_t, dl/dr (through the ratio) and dl/dlogp (direct)
+        g_r = tl.zeros([BLOCK], tl.float32)
+        g_direct = tl.zeros([BLOCK], tl.float32)
+        objective = tl.zeros([BLOCK], tl.float32)
+        low_bound = lower + 0.0 * lp
+        high_bound = upper + 0.0 * lp
+        metric_ratio = ratio
+        if LOSS == 0 or LOSS == 7:  # PPO clip (7: Clip-Cov, no delta / dual)
+            clipped = tl.minimum(tl.maximum(ratio, lower), upper)
+            d_clipped = tl.where((ratio >= lower) & (ratio <= upper), 1.0, 0.0)
+            unclipped = ratio
+            d_unclipped = 1.0 + 0.0 * lp
+            if LOSS == 0:
+                unclipped = tl.minimum(ratio, delta)
+                d_unclipped = tl.where(ratio <= delta, 1.0, 0.0)
+                metric_ratio = unclipped
+            w_u = _min_weight(unclipped * adv, clipped * adv)
+            objective = -tl.minimum(unclipped * adv, clipped * adv)
+            g_r = -adv * (w_u * d_unclipped + (1.0 - w_u) * d_clipped)
+        elif LOSS == 5:  # DCPO: bounds from the old probability q
+            q = tl.exp(old)
+            low_bound = 0.5 + 0.5 * tl.sqrt(tl.maximum(1.0 - 4.0 * clip_low / q, 0.0))
+            high_bound = tl.minimum(0.5 + 0.5 * tl.sqrt(1.0 + 4.0 * clip_high / q), dcpo_max)
+            inner = tl.maximum(ratio, low_bound)
+            clipped = tl.minimum(inner, high_bound)
+            d_clipped = _max_weight(ratio, low_bound) * _min_weight(inner, high_bound)
+            a = -adv * ratio
+            b = -adv * clipped
+            w_a = _max_weight(a, b)
+            objective = tl.maximum(a, b)
+            g_r = w_a * (-adv) + (1.0 - w_a) * (-adv * d_clipped)
+        elif LOSS == 1:  # CISPO: detached clipped weight times A logp
+            if CISPO_ABS:
+                weight = tl.minimum(ratio, cispo_cap)
+                low_bound = float("-inf") + 0.0 * lp
+                high_bound = cispo_cap + 0.0 * lp
+            else:
+                weight = tl.minimum(tl.maximum(ratio, lower), upper)
+            objective = -weight * adv * lp
+            g_direct = -weight * adv
+            acc_any += tl.where(m & ((ratio < low_bound) | (ratio > high_bound)), 1.0, 0.0)
+        elif LOSS == 2:  # GPG
+            objective = -adv * lp
+            g_direct = -adv
+        elif LOSS == 3:  # SAPO soft gate
+            tau = tl.where(adv > 0, tau_pos, tau_neg)
+            s = tl.sigmoid(tau * (ratio - 1.0))
+            objective = -s * 4.0 / tau * adv
+            g_r = -adv * 4.0 * s * (1.0 - s)
+        elif LOSS == 4:  # PSPO smoothing
+            objective = -((1.0 - pspo_alpha) * ratio + pspo_alpha) * adv
+            g_r = -(1.0 - pspo_alpha) * adv
+        elif LOSS == 6:  # VESPO
+            nonneg = adv >= 0
+            k = tl.where(nonneg, vk_pos, vk_neg)
+            lam = tl.maximum(tl.where(nonneg, vl_pos, vl_neg), 1e-4)
+            phi = tl.exp(lam + k * log_w_vespo - lam * tl.exp(log_w_vespo))
+            phi = tl.where(phi == phi, phi, 0.0)  # nan -> 0
+            phi = tl.where((phi < float("inf")) & (phi > float("-inf")), phi, 0.0) * mf
+            objective = -phi * adv * lp
+            g_direct = -phi * adv
+        elif LOSS == 8:  # KL-Cov: unclipped PG plus |log r| on the selected tokens
+            pen = tl.load(cov_ptr + idx, mask=inb, other=0.0).to(tl.float32) * mf
+            objective = -adv * ratio + pen * kl_cov_coef * tl.abs(lr)
+            g_r = -adv + 0.0 * lp
+            g_direct = pen * kl_cov_coef * tl.where(lr > 0, 1.0, tl.where(lr < 0, -1.0, 0.0))
+            acc_cov += pen
+        if LOSS == 7:
+            keep = tl.load(cov_ptr + idx, mask=inb, other=1.0).to(tl.float32)
+            objective = objective * keep
+            g_r = g_r * keep
+            acc_cov += (1.0 - keep) * mf
+        if LOSS == 0 or LOSS == 5:  # dual clip: for A < 0 the loss is at most -c A
+            dual_bound = -tl.minimum(dual_c, 3.0e38) * adv  # c = inf (off) stays finite: no inf * 0
+            neg = adv < 0
+            acc_dual += tl.where(m & neg & (objective > dual_bound), 1.0, 0.0)
+            g_r = tl.where(neg, g_r * _min_weight(objective, dual_bound), g_r)
+            objective = tl.where(neg, tl.minimum(objective, dual_bound), objective)
+        if LOSS == 0 or LOSS == 1 or LOSS == 5 or LOSS == 7:
+            low = tl.where(m & (ratio < low_bound) & (adv < 0), 1.0, 0.0)
+            high = tl.where(m & (metric_ratio > high_bound) & (adv > 0), 1.0, 0.0)
+            acc_low += low
+            acc_high += high
+            acc_region += tl.maximum(low, high)
+
+        # selection multiplier (off-policy mask, top-entropy, Lopti) and IS weights
+        selection = mf
+        if OFFPOL:
+            keep_tok = tl.maximum(offpol_seq_ok, tl.where(adv >= 0, 1.0, 0.0))
+            acc_offpol += (1.0 - keep_tok) * mf
+            selection = selection * keep_tok
+        ent_selected = mf
+        if HAS_SEL:
+            ent_selected = tl.load(sel_ptr + idx, mask=inb, other=0.0).to(tl.float32) * mf
+            acc_ent_kept += ent_selected
+            selection = selection * ent_selected
+        if OLDPROB != 0:
+            low_prob = tl.where(tl.exp(old) < oldprob_thr, 1.0, 0.0)
+            if OLDPROB == 1:
+                keep_p = low_prob
+            else:
+                keep_p = 1.0 - low_prob
+            acc_oldprob += keep_p * mf
+            selection = selection * keep_p
+        weights = 1.0 + 0.0 * lp
+        if IS_LEVEL == 1 and LOSS != 6:
+            rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+            rho = tl.exp(d)
+            if IS_MASK:
+                rho = tl.where((rho >= is_min) & (rho <= is_max), rho, 0.0)
+            else:
+                rho = tl.minimum(tl.maximum(rho, is_min), is_max)
+            weights = rho * mf
+        if IS_LEVEL == 2 and LOSS != 6:
+            weights = seq_is * mf
+        if HAS_ISW:
+            weights = weights * tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+        if IS_LEVEL != 0 or HAS_ISW:
+            acc_is += weights * mf
+            is_lo = tl.minimum(is_lo, tl.where(m, weights, float("inf")))
+            is_hi = tl.maximum(is_hi, tl.where(m, weights, float("-inf")))
+            acc_is_zero += tl.where(m & (weights == 0), 1.0, 0.0)
+        if HAS_TOKW:
+            weights = weights * tl.where(m, tl.load(tokw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+
+        # policy term and its gradient
+        scale = selection * weights * w_seq
+        g_logw = tl.zeros([BLOCK], tl.float32)
+        g_lp = tl.zeros([BLOCK], tl.float32)
+        if LOSS != 9 and LOSS != 10:
+            acc_loss_pg += objective * scale
+            g_logw = g_r * scale * ratio * clamp_pass
+            g_lp = g_direct * scale
+        if LOSS == 9:  # GMPO: through the sign-aware clipped log-ratio of each token
+            sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+            inside = (lr >= -clip_low) & (lr <= clip_high)
+            passes = tl.where(inside, 1.0, tl.where(sgn * lr < sgn * tl.minimum(tl.maximum(lr, -clip_low), clip_high), 1.0, 0.0))
+            g_lp = gmpo_coef * sgn * sgn * passes * mf
+            was_clipped = tl.where(m & ~inside, 1.0, 0.0)
+            acc_gmpo_hi += was_clipped * tl.where(adv > 0, 1.0, 0.0)
+            acc_gmpo_lo += was_clipped * tl.where(adv < 0, 1.0, 0.0)
+
+        # KL to the reference
+        if HAS_REF:
+            ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            x = ref - lp
+            if KL_EST == 0:
+                kl = -x
+                d_kl = 1.0 + 0.0 * x
+            elif KL_EST == 1:
+                kl = 0.5 * x * x
+                d_kl = -x
+            elif KL_EST == 2:
+                kl = tl.exp(x) - x - 1.0
+                d_kl = 1.0 - tl.exp(x)
+            elif KL_EST == 3:
+                xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
+                raw = tl.exp(xc) - xc - 1.0
+                kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
+                d_kl = (1.0 - tl.exp(xc)) * tl.where((x >= -20.0) & (x <= 20.0), 1.0, 0.0) * tl.where(
+                    (raw >= -10.0) & (raw <= 10.0), 1.0, 0.0
+                )
+            else:
+                kl = tl.abs(x)
+                d_kl = -tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+            if KL_ST:
+                d_kl = -x
+            kl = kl * mf
+            if KL_RATIO:
+                acc_kl += kl * ratio
+                if USE_KL:
+                    acc_loss_kl += kl * ratio * w_seq
+                    g_lp += kl_coef * w_seq * ratio * d_kl * mf
+                    g_logw += kl_coef * w_seq * kl * ratio * clamp_pass
+            else:
+                acc_kl += kl
+                if USE_KL:
+                    acc_loss_kl += kl * w_seq
+                    g_lp += kl_coef * w_seq * d_kl * mf
+
+        # entropy: metric and bonus
+        if HAS_ENT:
+            ent = tl.where(m, tl.load(ent_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            acc_ent += ent
+            if USE_ENT_BONUS:
+                acc_loss_ent += ent * ent_selected * w_ent
+                if NEED_GRAD:
+                    tl.store(gent_ptr + idx, -ent_coef * w_ent * ent_selected * mf, mask=inb)
+
+        # ratio metrics
+        acc_valid += mf
+        acc_ratio += ratio * mf
+        ratio_min = tl.minimum(ratio_min, tl.where(m, ratio, float("inf")))
+        ratio_max = tl.maximum(ratio_max, tl.where(m, ratio, float("-inf")))
+        acc_ppo_kl += -tl.minimum(tl.maximum(lr, -log_clamp), log_clamp) * mf
+
+        # gradient: everything that depends on this token alone
+        if NEED_GRAD:
+            if LEVEL == 0 or LEVEL == 2:
+                g_lp += g_logw * mf
+            elif LEVEL == 4:
+                tl.store(scratch_ptr + idx, g_logw, mask=inb)
+            else:
+                acc_g_seq += g_logw
+            tl.store(glp_ptr + idx, g_lp * mf, mask=inb)
+
+    # ---------------- pass C: gradient through a sequence-valued or prefix ratio ----------------
+    if NEED_GRAD and (LEVEL == 1 or LEVEL == 3):
+        g_seq = tl.sum(acc_g_seq)
+        if LEVEL == 1:
+            g_seq = g_seq / len1
+        for off in tl.range(start, end, BLOCK):
+            idx = off + lane
+            inb = idx < end
+            m = (tl.load(mask_ptr + idx, mask=inb, other=0) != 0) & inb
+            g = tl.load(glp_ptr + idx, mask=inb, other=0.0)
+            tl.store(glp_ptr + idx, g + g_seq * m.to(tl.float32), mask=inb)
+    if NEED_GRAD and LEVEL == 4:
+        n_blocks = tl.cdiv(end - start, BLOCK)
+        rev_carry = 0.0
+        for i in tl.range(0, n_blocks):
+            off = start + (n_blocks - 1 - i) * BLOCK
+            idx = off + lane
+            inb = idx < end
+            m = (tl.load(mask_ptr + idx, mask=inb, other=0) != 0) & inb
+            g_logw = tl.load(scratch_ptr + idx, mask=inb, other=0.0)
+            decay = tl.where(inb, prefix_decay, 1.0)
+            a_scan, b_scan = tl.associative_scan((decay, g_logw), 0, _compose, reverse=True)
+            total = a_scan * rev_carry + b_scan  # sum_{t >= k} decay^(t-k) g_logw_t
+            rev_carry = tl.sum(tl.where(lane == 0, total, 0.0))
+            g = tl.load(glp_ptr + idx, mask=inb, other=0.0)
+            tl.store(glp_ptr + idx, g + total * m.to(tl.float32), mask=inb)
+
+    # ---------------- partial sums of this sequence ----------------
+    out = part_ptr + seq * 32
+    tl.store(out + 0, tl.sum(acc_loss_pg) + loss_pg)
+    tl.store(out + 1, tl.sum(acc_loss_kl))
+    tl.store(out + 2, tl.sum(acc_loss_ent))
+    tl.store(out + 3, tl.sum(acc_valid))
+    tl.store(out + 4, tl.sum(acc_ratio))
+    tl.store(out + 5, tl.min(ratio_min))
+    tl.store(out + 6, tl.max(ratio_max))
+    tl.store(out + 7, tl.sum(acc_low))
+    tl.store(out + 8, tl.sum(acc_high))
+    tl.store(out + 9, tl.sum(acc_region))
+    tl.store(out + 10, tl.sum(acc_dual))
+    tl.store(out + 11, tl.sum(acc_any))
+    tl.store(out + 12, tl.sum(acc_ppo_kl))
+    tl.store(out + 13, tl.sum(acc_kl))
+    tl.store(out + 14, tl.sum(acc_ent))
+    tl.store(out + 15, tl.sum(acc_is))
+    tl.store(out + 16, tl.min(is_lo))
+    tl.store(out + 17, tl.max(is_hi))
+    tl.store(out + 18, tl.sum(acc_is_zero))
+    tl.store(out + 19, tl.sum(acc_offpol))
+    tl.store(out + 20, tl.sum(acc_ent_kept))
+    tl.store(out + 21, tl.sum(acc_oldprob))
+    tl.store(out + 22, tl.sum(acc_cov))
+    tl.store(out + 23, tl.sum(acc_gmpo_hi))
+    tl.store(out + 24, tl.sum(acc_gmpo_lo))
+    tl.store(out + 25, sum_lp)
+    tl.store(out + 26, sum_ref)
+    tl.store(out + 27, sum_adv)
+
+
+# ==================================================================================================
+# host side
+# ==================================================================================================
+
+DEFAULT_BLOCK = 256  # tokens per step of a program; every accumulator is a [BLOCK] fp32 vector
+
+
+def _float_or(value, default):
+    return default if value is None else float(value)
+
+
+def normalizer_tensor(valid, seq_len, cfg: PolicyLossConfig, num_tokens, num_sequences, grad_accum_steps,
+                      entropy_selected):  # fmt: skip
+    """The denominators of the aggregation modes, as a device tensor (no host sync):
+    [tokens, sequences, length-pow units, local entropy tokens]; every entry >= 1 (or > 0)."""
+    m = valid.float()
+    if num_tokens is not None:
+        n_tok = torch.full((), max(float(num_tokens), 1.0), device=valid.device)
+    else:
+        n_tok = m.sum().clamp(min=1.0) * grad_accum_steps
+    nonempty = (seq_len > 0).float()
+    if num_sequences is not None:
+        n_seq = torch.full((), max(float(num_sequences), 1.0), device=valid.device)
+    else:
+        n_seq = nonempty.sum().clamp(min=1.0) * grad_accum_steps
+    units = (nonempty * seq_len.clamp(min=1.0) ** (1.0 - cfg.length_power)).sum().clamp(min=1e-30)
+    units = units * grad_accum_steps
+    ent_local = (m if entropy_selected is None else entropy_selected).sum().clamp(min=1.0) * grad_accum_steps
+    return torch.stack([n_tok, n_seq, units, ent_local]).float()
+
+
+def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_ent, has_tokw, has_sel, has_cov,
+                      has_rollout, need_grad) -> dict:
+    """The constexpr arguments of the kernel for a config and the inputs present (one compiled
+    variant per distinct dict; hyperparameter values never appear here)."""
+    return dict(
+        LOSS=LOSS_IDS[cfg.loss_type], LEVEL=LEVEL_IDS[cfg.ratio_level], KL_EST=KL_IDS[cfg.kl_estimator],
+        AGG=AGG_IDS[cfg.loss_agg_mode], ENT_AGG=AGG_IDS[cfg.entropy_agg_mode or cfg.loss_agg_mode],
+        HAS_OLD=has_old, HAS_REF=has_ref, USE_KL=has_ref and cfg.kl_coef > 0, KL_RATIO=cfg.kl_ratio_correction,
+        KL_ST=cfg.kl_straight_through, IS_LEVEL={None: 0, "token": 1, "sequence": 2}[cfg.is_level],
+        IS_MASK=cfg.is_mode == "mask", HAS_ISW=has_isw, HAS_ENT=has_ent,
+        USE_ENT_BONUS=has_ent and cfg.entropy_coef > 0, HAS_TOKW=has_tokw, HAS_SEL=has_sel, HAS_COV=has_cov,
+        OFFPOL=cfg.off_policy_mask_threshold is not None, HAS_ROLLOUT=has_rollout,
+        OLDPROB=0 if cfg.old_prob_threshold is None else (1 if cfg.old_prob_side == "low" else 2),
+        CISPO_ABS=cfg.cispo_form == "absolute", NEED_GRAD=need_grad,
+    )  # fmt: skip
+
+
+def _launch(kernel, grid, args, num_warps, num_stages):
+    """The one place kernels are launched (the AOT compile tier records launches here)."""
+    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages)
+
+
+def loss_head_triton(
+    logprobs, advantages, valid, cu_seqlens, seq_index, num_seqs, cfg: PolicyLossConfig, *,
+    old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, is_weights=None, entropy=None,
+    token_weights=None, num_tokens=None, num_sequences=None, dp_size=1, grad_accum_steps=1,
+    need_grad_logprobs=True, need_grad_entropy=False, block=None,
+):  # fmt: skip
+    """Run the kernel on flat [N] inputs (validated by the functional layer).
+
+    Returns (loss 0-d, metrics dict, grad_logprobs [N] | None, grad_entropy [N] | None, partials [S, 32]).
+    The gradients are those of `loss` (multiply by grad_output in the autograd backward).
+    """
+    from .reference import clip_cov_keep, group_dpo_loss, kl_cov_selected, top_entropy_selection
+
+    device = logprobs.device
+    n = logprobs.shape[0]
+    m = valid.float()
+    seq_len = torch.zeros(num_seqs, device=device).index_add(0, seq_index, m)
+    need_grad = need_grad_logprobs or need_grad_entropy
+
+    # selections that need statistics of the whole batch are made here, in torch (as the reference)
+    entropy_selected = None
+    if cfg.top_entropy_quantile < 1.0:
+        entropy_selected = top_entropy_selection(entropy, valid, cfg.top_entropy_quantile)
+    cov = None
+    if cfg.loss_type in ("clip_cov", "kl_cov"):
+        lp_c = torch.where(valid, logprobs.float(), 0.0)
+        adv_c = torch.where(valid, advantages.float(), 0.0)
+        if cfg.loss_type == "kl_cov":
+            cov = kl_cov_selected(cfg, adv_c, lp_c, valid)
+        else:
+            old_c = torch.where(valid, old_logprobs.float(), 0.0) if old_logprobs is not None else lp_c
+            lr = (lp_c - old_c) * m
+            c = cfg.log_ratio_clamp
+            ratio = torch.exp(lr if c is None else lr.clamp(-c, c)) * m
+            clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+            cov = clip_cov_keep(cfg, adv_c, lp_c, m, valid, -adv_c * clipped > -adv_c * ratio)
+    norms = normalizer_tensor(valid, seq_len, cfg, num_tokens, num_sequences, grad_accum_steps, entropy_selected)
+
+    def ptr(x):
+        return x.contiguous() if x is not None else logprobs  # a dummy pointer for absent inputs
+
+    use_ent_bonus = entropy is not None and cfg.entropy_coef > 0
+    g_lp = torch.empty(n, dtype=torch.float32, device=device) if need_grad else logprobs
+    g_ent = torch.zeros(n, dtype=torch.float32, device=device) if (need_grad and use_ent_bonus) else logprobs
+    scratch = torch.empty(n, dtype=torch.float32, device=device) if (need_grad and cfg.ratio_level == "prefix") \
+        else logprobs  # fmt: skip
+    partials = torch.empty(num_seqs, NUM_PARTIALS, dtype=torch.float32, device=device)
+    inf = float("inf")
+    if num_seqs > 0:
+        args = dict(
+            lp_ptr=ptr(logprobs), adv_ptr=ptr(advantages), mask_ptr=valid.to(torch.uint8), old_ptr=ptr(old_logprobs),
+            ref_ptr=ptr(ref_logprobs), rollout_ptr=ptr(rollout_logprobs), isw_ptr=ptr(is_weights),
+            ent_ptr=ptr(entropy), tokw_ptr=ptr(token_weights), sel_ptr=ptr(entropy_selected), cov_ptr=ptr(cov),
+            cu_ptr=cu_seqlens, norms_ptr=norms, glp_ptr=g_lp, gent_ptr=g_ent, scratch_ptr=scratch,
+            part_ptr=partials,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_c=_float_or(cfg.dual_clip, inf),
+            delta=_float_or(cfg.delta, inf), log_clamp=_float_or(cfg.log_ratio_clamp, inf),
+            cispo_cap=_float_or(cfg.cispo_cap, inf), tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
+            pspo_alpha=cfg.pspo_alpha, dcpo_max=cfg.dcpo_max_ratio, prefix_decay=cfg.prefix_decay,
+            vk_pos=cfg.vespo_k_pos, vl_pos=cfg.vespo_lambda_pos, vk_neg=cfg.vespo_k_neg,
+            vl_neg=cfg.vespo_lambda_neg, kl_coef=cfg.kl_coef, is_min=_float_or(cfg.is_min, 0.0),
+            is_max=cfg.is_max, offpol_thr=_float_or(cfg.off_policy_mask_threshold, inf),
+            oldprob_thr=_float_or(cfg.old_prob_threshold, 0.0), kl_cov_coef=cfg.kl_cov_coef,
+            ent_coef=cfg.entropy_coef, max_len=float(cfg.max_completion_length or 1),
+            length_power=cfg.length_power, dp_size=float(dp_size),
+            **kernel_code_paths(cfg, has_old=old_logprobs is not None, has_ref=ref_logprobs is not None,
+                                has_isw=is_weights is not None, has_ent=entropy is not None,
+                                has_tokw=token_weights is not None, has_sel=entropy_selected is not None,
+                                has_cov=cov is not None, has_rollout=rollout_logprobs is not None,
+                                need_grad=need_grad),
+            BLOCK=block or DEFAULT_BLOCK,
+        )  # fmt: skip
+        _launch(loss_head_fwd_bwd_kernel, (num_seqs,), args, num_warps=4, num_stages=1)
+
+    metrics: dict[str, torch.Tensor] = {}
+    loss, extra_grad = _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad,
+                                 entropy is not None, ref_logprobs is not None, is_weights is not None)  # fmt: skip
+    if need_grad and extra_grad is not None:  # group DPO: the gradient of each sequence's summed log-probs
+        g_lp = g_lp + extra_grad[seq_index] * m
+    return (
+        loss,
+        metrics,
+        g_lp if need_grad_logprobs else None,
+        g_ent if (need_grad_entropy and use_ent_bonus) else None,
+        partials,
+    )
+
+
+def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad, has_ent, has_ref, has_isw):
+    """Reduce the per-sequence partials into the loss and the metrics of reference.py (same keys,
+    same definitions). Returns (loss, per-sequence gradient of the summed log-probs or None)."""
+    from .reference import group_dpo_loss
+
+    p = partials
+    nonempty = seq_len > 0
+    n_valid = p[:, P_VALID].sum()
+    denom = n_valid.clamp(min=1.0)
+    sequence_valued = cfg.ratio_level in ("sequence", "sequence_sum")
+    lengths = seq_len.clamp(min=1.0)
+
+    def token_mean(col):
+        return p[:, col].sum() / denom
+
+    def level_mean(col):
+        if sequence_valued:
+            per_seq = p[:, col] / lengths
+            return (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
+        return token_mean(col)
+
+    extra_grad = None
+    policy_loss = p[:, P_LOSS_PG].sum()
+    if cfg.loss_type == "group_dpo":
+        seq_sum_lp = p[:, P_SUM_LP].clone().requires_grad_(need_grad)
+        seq_adv = p[:, P_SUM_ADV] / lengths
+        with torch.enable_grad():
+            dpo = group_dpo_loss(cfg, seq_sum_lp, p[:, P_SUM_REF], seq_adv, seq_len, grad_accum_steps, dp_size,
+                                 metrics)  # fmt: skip
+        if need_grad:
+            (extra_grad,) = torch.autograd.grad(dpo, seq_sum_lp)
+        policy_loss = dpo.detach()
+
+    if cfg.loss_type in ("ppo_clip", "dcpo") and cfg.dual_clip is not None:
+        metrics["clip_ratio/dual_mean"] = level_mean(P_DUAL)
+    if cfg.loss_type == "cispo":
+        metrics["clip_ratio/any_mean"] = level_mean(P_ANY)
+    if cfg.loss_type in ("clip_cov", "kl_cov"):
+        metrics["selection/cov_frac"] = token_mean(P_COV)
+    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov", "dcpo"):
+        metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
+        metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
+        metrics["clip_ratio/region_mean"] = level_mean(P_REGION)
+        metrics["clip_ratio/low_min"] = _seq_min(p[:, P_LOW] / lengths, nonempty)
+        metrics["clip_ratio/high_max"] = _seq_max(p[:, P_HIGH] / lengths, nonempty)
+    if cfg.off_policy_mask_threshold is not None:
+        metrics["selection/off_policy_dropped_frac"] = token_mean(P_OFFPOL_DROP)
+    if cfg.top_entropy_quantile < 1.0:
+        metrics["selection/entropy_kept_frac"] = token_mean(P_ENT_KEPT)
+    if cfg.old_prob_threshold is not None:
+        metrics["selection/old_prob_kept_frac"] = token_mean(P_OLDPROB_KEPT)
+    if cfg.is_level is not None or has_isw:
+        metrics["is_weight/mean"] = token_mean(P_IS_SUM)
+        metrics["is_weight/min"] = _seq_min(p[:, P_IS_MIN], nonempty)
+        metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty)
+        if cfg.is_mode == "mask" and cfg.is_level is not None:
+            metrics["is_weight/masked_frac"] = token_mean(P_IS_ZERO)
+    if cfg.loss_type == "gmpo":
+        metrics["clip_ratio/high_mean"] = token_mean(P_GMPO_HIGH)
+        metrics["clip_ratio/low_mean"] = token_mean(P_GMPO_LOW)
+    loss = policy_loss
+    metrics["policy_loss"] = policy_loss
+    if has_ref:
+        metrics["kl"] = token_mean(P_KL)
+        if cfg.kl_coef > 0:
+            kl_loss = p[:, P_LOSS_KL].sum()
+            metrics["kl_loss"] = kl_loss
+            loss = loss + cfg.kl_coef * kl_loss
+    if has_ent:
+        metrics["entropy"] = token_mean(P_ENT)
+        if cfg.entropy_coef > 0:
+            entropy_loss = p[:, P_LOSS_ENT].sum()
+            metrics["entropy_loss"] = entropy_loss
+            loss = loss - cfg.entropy_coef * entropy_loss
+    metrics["ppo_kl"] = token_mean(P_PPO_KL)
+    metrics["ratio/mean"] = level_mean(P_RATIO_SUM)
+    metrics["ratio/min"] = _seq_min(p[:, P_RATIO_MIN], nonempty)
+    metrics["ratio/max"] = _seq_max(p[:, P_RATIO_MAX], nonempty)
+    return loss.detach(), extra_grad
+
+
+def _seq_min(values, nonempty):
+    v = values[nonempty]
+    return v.min() if v.numel() else torch.tensor(float("nan"), device=values.device)
+
+
+def _seq_max(values, nonempty):
+    v = values[nonempty]
+    return v.max() if v.numel() else torch.tensor(float("nan"), device=values.device)

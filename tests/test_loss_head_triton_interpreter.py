@@ -1,0 +1,59 @@
+"""Tier 2: the Triton loss head (grpo_loss(backend="triton")) under TRITON_INTERPRET=1 on CPU equals
+the fp32 reference for every configuration and both layouts: loss, metrics and both gradients.
+
+The cases run in one subprocess (tests/_loss_head_interpreter_cases.py) because the interpreter must
+be on before triton is imported; each test here asserts on its JSON report. Inputs are fp32, so the
+only differences are fp32 summation order: |diff| <= 1e-5 (1 + |expected|).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from .test_loss_head import CONFIGS  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.interpreter
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run([sys.executable, str(HERE / "_loss_head_interpreter_cases.py")], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def close(got, expected):
+    if got is None:
+        return False
+    if isinstance(expected, float) and math.isnan(expected):
+        return isinstance(got, float) and math.isnan(got)
+    return abs(got - expected) <= TOL * (1.0 + abs(expected))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_triton_loss_head_matches_reference(name, layout, report):
+    r = report[f"{name}-{layout}"]
+    assert "error" not in r, r.get("error")
+    got, expected = r["loss"]
+    assert close(got, expected), f"loss: triton {got!r}, reference {expected!r}"
+    for label in ("dL/dlogp", "dL/dentropy"):
+        got, expected, index = r[label]
+        assert close(got, expected), f"{label}: worst element at flat index {index}: triton {got!r}, reference {expected!r}"
+    for key, (got, expected) in r["metrics"].items():
+        assert close(got, expected), f"metric {key}: triton {got!r}, reference {expected!r}"
+    assert not r["extra_metrics"], f"metrics the reference does not have: {r['extra_metrics']}"
