@@ -249,7 +249,7 @@ class PolicyLossConfig:
     def needs_global_statistics(self) -> bool:
         """True when the loss of one token depends on statistics of the whole batch (not only its own
         sequence): such variants cannot be computed chunk by chunk (fused path: two passes)."""
-        return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov")
+        return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov", "group_dpo")
 
     @property
     def needs_reference(self) -> bool:
