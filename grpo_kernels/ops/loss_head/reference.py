@@ -134,6 +134,8 @@ def policy_loss_reference(
     elif cfg.loss_type == "kl_cov":
         penalised = _kl_cov_selected(cfg, adv, lp, valid)
         metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
+        # the mean |log r| the penalty acts on (verl logs it as actor/ppo_kl for kl_cov)
+        metrics["ppo_kl_abs"] = (log_ratio.abs() * m).sum() / m.sum().clamp(min=1.0)
         objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
     elif cfg.loss_type == "gmpo":
         objective = None  # sequence-level objective, below
