@@ -124,7 +124,10 @@ def policy_loss_reference(
     elif cfg.loss_type == "dcpo":
         raise NotImplementedError("dcpo: formula being pinned down (see README)")
     elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
-        objective = -_vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout) * adv * lp
+        phi = _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout)
+        objective = -phi * adv * lp
+        per_seq_phi = seq_sum(phi) / seq_len.clamp(min=1.0)
+        metrics["vespo/phi_seq_mean"] = (per_seq_phi * seq_nonempty).sum() / seq_nonempty.sum().clamp(min=1.0)
     elif cfg.loss_type == "clip_cov":
         clipped = ratio.clamp(lower, upper)
         loss_unclipped, loss_clipped = -adv * ratio, -adv * clipped
