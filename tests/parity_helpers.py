@@ -30,7 +30,9 @@ def require_peer(dist: str, module: str):
     """Import a peer for a parity module, or skip the whole module saying why."""
     version = installed_version(dist)
     if version is None:
-        pytest.skip(f"{dist} is not installed (parity pinned to {dist}=={PINS[dist]})", allow_module_level=True)
+        pytest.skip(
+            f"{dist} is not installed (parity pinned to {dist}=={PINS[dist]})", allow_module_level=True
+        )
     if version != PINS[dist]:
         pytest.skip(
             f"{dist}=={version} is installed but the parity suite is pinned to {dist}=={PINS[dist]}",
@@ -52,14 +54,23 @@ ATOL = 1e-6
 
 
 def assert_close(
-    name: str, ours, theirs, *, scale: float = 1.0, rtol: float = RTOL, atol: float = ATOL, equal_nan: bool = False
+    name: str,
+    ours,
+    theirs,
+    *,
+    scale: float = 1.0,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    equal_nan: bool = False,
 ) -> None:
     """|ours - theirs| <= atol * scale + rtol * |theirs| elementwise. NaN never passes, except NaN on
     both sides with equal_nan (metrics that are undefined on both sides, e.g. a min over nothing).
     On failure, report the worst element: its index, both values and the bound."""
     ours_t = torch.as_tensor(ours).detach().double().cpu()
     theirs_t = torch.as_tensor(theirs).detach().double().cpu()
-    assert ours_t.shape == theirs_t.shape, f"{name}: shape {tuple(ours_t.shape)} (ours) != {tuple(theirs_t.shape)}"
+    assert ours_t.shape == theirs_t.shape, (
+        f"{name}: shape {tuple(ours_t.shape)} (ours) != {tuple(theirs_t.shape)}"
+    )
     both_nan = torch.isnan(ours_t) & torch.isnan(theirs_t) & equal_nan
     err = (ours_t - theirs_t).abs()
     bound = atol * scale + rtol * theirs_t.abs()
@@ -67,7 +78,11 @@ def assert_close(
     if bad.any():
         excess = torch.where(bad, torch.nan_to_num(err - bound, nan=float("inf")), torch.full_like(err, -1.0))
         flat = int(excess.reshape(-1).argmax())
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ours_t.shape)) if ours_t.dim() else ()
+        idx = (
+            tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ours_t.shape))
+            if ours_t.dim()
+            else ()
+        )
         o, t = ours_t.reshape(-1)[flat].item(), theirs_t.reshape(-1)[flat].item()
         raise AssertionError(
             f"{name}: {int(bad.sum())} of {bad.numel()} element(s) differ; worst at index {idx}: "
@@ -119,7 +134,11 @@ def make_token_inputs(seed: int, lengths=LENGTHS, T: int = 9, hole=HOLE) -> dict
     old = logp - log_ratio
     ref = logp + 0.3 * torch.randn(B, T, generator=g)
     rollout = old + 0.3 * torch.randn(B, T, generator=g)
-    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0][:B]) if B <= 7 else torch.sign(torch.randn(B, generator=g))
+    signs = (
+        torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0][:B])
+        if B <= 7
+        else torch.sign(torch.randn(B, generator=g))
+    )
     adv_seq = signs * u(0.3, 1.5, B)
     adv_tok = torch.randn(B, T, generator=g)
     entropy = u(0.05, 2.5, B, T)

@@ -43,14 +43,24 @@ from collections import defaultdict
 
 import pytest
 import torch
-
-from parity_helpers import EMPTY_ROW, HOLE, LENGTHS, SEED, assert_close, grad_scale, leaf, make_mask, make_token_inputs, require_peer
+from parity_helpers import (
+    EMPTY_ROW,
+    HOLE,
+    LENGTHS,
+    SEED,
+    assert_close,
+    grad_scale,
+    leaf,
+    make_mask,
+    make_token_inputs,
+    require_peer,
+)
 
 require_peer("trl", "trl")
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer
 
-import grpo_kernels as gk  # noqa: E402
+import grpo_kernels as gk
 
 pytestmark = pytest.mark.parity
 
@@ -91,12 +101,27 @@ class _Accelerator:
 def trl_case(loss_type, **overrides) -> dict:
     """The TRL settings of one case (GRPOConfig names where there is one)."""
     case = dict(
-        loss_type=loss_type, importance_sampling_level="token", beta=0.0, use_bias_correction_kl=True, delta=None,
-        epsilon=EPSILON, epsilon_high=CISPO_CAP if loss_type == "cispo" else EPSILON_HIGH,
-        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, grad_accum=1, steps_per_generation=None,
-        num_processes=1, vllm_mode=None, clip_min=None, clip_max=IS_CLIP_MAX, off_policy_mask_threshold=None,
-        top_entropy_quantile=1.0, entropy_coef=0.0, training=True, advantages="seq",
-    )  # fmt: skip
+        loss_type=loss_type,
+        importance_sampling_level="token",
+        beta=0.0,
+        use_bias_correction_kl=True,
+        delta=None,
+        epsilon=EPSILON,
+        epsilon_high=CISPO_CAP if loss_type == "cispo" else EPSILON_HIGH,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        grad_accum=1,
+        steps_per_generation=None,
+        num_processes=1,
+        vllm_mode=None,
+        clip_min=None,
+        clip_max=IS_CLIP_MAX,
+        off_policy_mask_threshold=None,
+        top_entropy_quantile=1.0,
+        entropy_coef=0.0,
+        training=True,
+        advantages="seq",
+    )
     case.update(overrides)
     if case["steps_per_generation"] is None:  # GRPOConfig default: steps_per_generation = GA
         case["steps_per_generation"] = case["grad_accum"]
@@ -106,24 +131,41 @@ def trl_case(loss_type, **overrides) -> dict:
 def trl_trainer(case: dict, per_token_logps, entropies):
     """A stand-in for `self` with exactly the attributes `_compute_loss` reads."""
     args = types.SimpleNamespace(
-        delta=case["delta"], use_bias_correction_kl=case["use_bias_correction_kl"],
-        sapo_temperature_pos=case["sapo_temperature_pos"], sapo_temperature_neg=case["sapo_temperature_neg"],
-        steps_per_generation=case["steps_per_generation"], entropy_target=0.2,
-        vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-    )  # fmt: skip
+        delta=case["delta"],
+        use_bias_correction_kl=case["use_bias_correction_kl"],
+        sapo_temperature_pos=case["sapo_temperature_pos"],
+        sapo_temperature_neg=case["sapo_temperature_neg"],
+        steps_per_generation=case["steps_per_generation"],
+        entropy_target=0.2,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+    )
     trainer = types.SimpleNamespace(
-        args=args, loss_type=case["loss_type"], beta=case["beta"], epsilon_low=case["epsilon"],
-        epsilon_high=case["epsilon_high"], importance_sampling_level=case["importance_sampling_level"],
+        args=args,
+        loss_type=case["loss_type"],
+        beta=case["beta"],
+        epsilon_low=case["epsilon"],
+        epsilon_high=case["epsilon_high"],
+        importance_sampling_level=case["importance_sampling_level"],
         top_entropy_quantile=case["top_entropy_quantile"],
-        off_policy_mask_threshold=case["off_policy_mask_threshold"], use_vllm=case["vllm_mode"] is not None,
-        vllm_importance_sampling_correction=True, max_completion_length=MAX_COMPLETION_LENGTH,
-        current_gradient_accumulation_steps=case["grad_accum"], aux_loss_enabled=False,
-        _entropy_bonus_enabled=case["entropy_coef"] != 0.0, entropy_coef=case["entropy_coef"],
-        use_adaptive_entropy=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        model=types.SimpleNamespace(training=case["training"]), accelerator=_Accelerator(case["num_processes"]),
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        off_policy_mask_threshold=case["off_policy_mask_threshold"],
+        use_vllm=case["vllm_mode"] is not None,
+        vllm_importance_sampling_correction=True,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        current_gradient_accumulation_steps=case["grad_accum"],
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=case["entropy_coef"] != 0.0,
+        entropy_coef=case["entropy_coef"],
+        use_adaptive_entropy=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        model=types.SimpleNamespace(training=case["training"]),
+        accelerator=_Accelerator(case["num_processes"]),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (per_token_logps, entropies, None),
-    )  # fmt: skip
+    )
     trainer.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, trainer)
     return trainer
 
@@ -168,19 +210,27 @@ def run_trl(case: dict, x: dict):
     completion_mask, tool_mask = completion_and_tool_masks()
     adv = x["adv_seq"] if case["advantages"] == "seq" else x["adv_tok"]
     inputs = dict(
-        prompt_ids=torch.ones(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.int32),
-        completion_ids=torch.ones(B, T, dtype=torch.long), completion_mask=completion_mask, tool_mask=tool_mask,
-        advantages=adv.double(), num_items_in_batch=torch.tensor(num_items_in_batch(case)),
+        prompt_ids=torch.ones(B, 1, dtype=torch.long),
+        prompt_mask=torch.ones(B, 1, dtype=torch.int32),
+        completion_ids=torch.ones(B, T, dtype=torch.long),
+        completion_mask=completion_mask,
+        tool_mask=tool_mask,
+        advantages=adv.double(),
+        num_items_in_batch=torch.tensor(num_items_in_batch(case)),
         old_per_token_logps=x["old"].double(),
-    )  # fmt: skip
+    )
     if case["beta"] != 0.0:
         inputs["ref_per_token_logps"] = x["ref"].double()
     if case["vllm_mode"] is not None:
         inputs["sampling_per_token_logps"] = x["rollout"].double()
         inputs["importance_sampling_ratio"] = trl_vllm_is_ratio(
-            x["old"].double(), x["rollout"].double(), completion_mask * tool_mask, case["vllm_mode"],
-            case["clip_min"], case["clip_max"],
-        )  # fmt: skip
+            x["old"].double(),
+            x["rollout"].double(),
+            completion_mask * tool_mask,
+            case["vllm_mode"],
+            case["clip_min"],
+            case["clip_max"],
+        )
     trainer = trl_trainer(case, lp, ent)
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     loss.backward()
@@ -194,27 +244,45 @@ def run_trl(case: dict, x: dict):
 # Our side
 # ---------------------------------------------------------------------------------------------------
 AGG = {
-    "grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm", "dapo": "token-mean", "cispo": "token-mean", "vespo": "token-mean",
+    "grpo": "seq-mean-token-mean",
+    "sapo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "dapo": "token-mean",
+    "cispo": "token-mean",
+    "vespo": "token-mean",
     "luspo": "seq-mean-token-sum",
-}  # fmt: skip
+}
 
 
 def our_config(case: dict) -> gk.PolicyLossConfig:
     lt = case["loss_type"]
     fields = dict(
-        loss_agg_mode=AGG[lt], ratio_level=case["importance_sampling_level"], log_ratio_clamp=None,
-        kl_coef=case["beta"], kl_estimator="k3", kl_ratio_correction=case["use_bias_correction_kl"],
+        loss_agg_mode=AGG[lt],
+        ratio_level=case["importance_sampling_level"],
+        log_ratio_clamp=None,
+        kl_coef=case["beta"],
+        kl_estimator="k3",
+        kl_ratio_correction=case["use_bias_correction_kl"],
         off_policy_mask_threshold=case["off_policy_mask_threshold"],
-        top_entropy_quantile=case["top_entropy_quantile"], entropy_coef=case["entropy_coef"],
-    )  # fmt: skip
+        top_entropy_quantile=case["top_entropy_quantile"],
+        entropy_coef=case["entropy_coef"],
+    )
     if lt in CLIP_LOSSES:
-        fields.update(loss_type="ppo_clip", clip_low=case["epsilon"], clip_high=case["epsilon_high"], delta=case["delta"])
+        fields.update(
+            loss_type="ppo_clip",
+            clip_low=case["epsilon"],
+            clip_high=case["epsilon_high"],
+            delta=case["delta"],
+        )
     elif lt == "cispo":
         fields.update(loss_type="cispo", cispo_form="absolute", cispo_cap=case["epsilon_high"])
     elif lt == "sapo":
-        fields.update(loss_type="sapo", sapo_tau_pos=case["sapo_temperature_pos"],
-                      sapo_tau_neg=case["sapo_temperature_neg"])  # fmt: skip
+        fields.update(
+            loss_type="sapo",
+            sapo_tau_pos=case["sapo_temperature_pos"],
+            sapo_tau_neg=case["sapo_temperature_neg"],
+        )
     else:
         fields.update(loss_type="vespo")
     if lt == "dr_grpo":
@@ -243,10 +311,17 @@ def run_ours(case: dict, x: dict):
     lp, ent = leaf(x["logp"], torch.float32), leaf(x["entropy"], torch.float32)
     adv = x["adv_seq"] if case["advantages"] == "seq" else x["adv_tok"]
     out = gk.grpo_loss(
-        lp, adv, x["mask"], old_logprobs=x["old"], ref_logprobs=x["ref"] if case["beta"] != 0.0 else None,
-        rollout_logprobs=x["rollout"] if case["vllm_mode"] is not None else None, entropy=ent,
-        config=our_config(case), backend="torch", **our_normalizers(case),
-    )  # fmt: skip
+        lp,
+        adv,
+        x["mask"],
+        old_logprobs=x["old"],
+        ref_logprobs=x["ref"] if case["beta"] != 0.0 else None,
+        rollout_logprobs=x["rollout"] if case["vllm_mode"] is not None else None,
+        entropy=ent,
+        config=our_config(case),
+        backend="torch",
+        **our_normalizers(case),
+    )
     out.loss.backward()
     return out, lp.grad, ent.grad
 
@@ -320,7 +395,9 @@ def test_inputs_visit_every_regime(inputs):
     assert ((r > CISPO_CAP) & (a > 0)).any() and ((r < CISPO_CAP) & (a > 0)).any()
     assert ((r > 1.6) & (a > 0)).any(), "delta=1.6 never binds"
     seq_r = ((lr * m).sum(1) / m.sum(1).clamp(min=1)).exp()
-    assert ((seq_r < 1 - EPSILON) & (x["adv_seq"] < 0)).any() and ((seq_r > 1 + EPSILON_HIGH) & (x["adv_seq"] > 0)).any()
+    assert ((seq_r < 1 - EPSILON) & (x["adv_seq"] < 0)).any() and (
+        (seq_r > 1 + EPSILON_HIGH) & (x["adv_seq"] > 0)
+    ).any()
     mask = m.double()
     for mode in ("token_mask", "sequence_mask"):  # no bounds: the raw ratio
         rho = trl_vllm_is_ratio(x["old"].double(), x["rollout"].double(), mask, mode, None, None)
@@ -329,7 +406,9 @@ def test_inputs_visit_every_regime(inputs):
         assert ((rho > IS_CLIP_MIN) & (rho < IS_CLIP_MAX)).any()
     seq_kl = ((x["old"] - x["logp"]) * m).sum(1) / m.sum(1).clamp(min=1)
     negative = (x["adv_seq"] < 0) & m.any(1)
-    assert (seq_kl[negative] > OFF_POLICY_THRESHOLD).any() and (seq_kl[negative] <= OFF_POLICY_THRESHOLD).any()
+    assert (seq_kl[negative] > OFF_POLICY_THRESHOLD).any() and (
+        seq_kl[negative] <= OFF_POLICY_THRESHOLD
+    ).any()
     assert not m[EMPTY_ROW].any()
 
 
@@ -352,7 +431,12 @@ def test_loss_type_matches_trl(loss_type, level, grad_accum, inputs):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
 def test_kl_matches_trl(loss_type, level, bias_correction, inputs):
-    check(trl_case(loss_type, importance_sampling_level=level, beta=0.1, use_bias_correction_kl=bias_correction), inputs)
+    check(
+        trl_case(
+            loss_type, importance_sampling_level=level, beta=0.1, use_bias_correction_kl=bias_correction
+        ),
+        inputs,
+    )
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -369,7 +453,9 @@ def _vllm_cases():
             if loss_type == "vespo" and vllm_mode.startswith("sequence"):
                 continue  # TRL's __init__ refuses it (grpo_trainer.py:936-940), and so does our config
             for clip_min in (None, IS_CLIP_MIN):
-                yield pytest.param(loss_type, vllm_mode, clip_min, id=f"{loss_type}-{vllm_mode}-min{clip_min}")
+                yield pytest.param(
+                    loss_type, vllm_mode, clip_min, id=f"{loss_type}-{vllm_mode}-min{clip_min}"
+                )
 
 
 @pytest.mark.parametrize(("loss_type", "vllm_mode", "clip_min"), list(_vllm_cases()))
@@ -382,8 +468,12 @@ def test_vllm_importance_sampling_matches_trl(loss_type, vllm_mode, clip_min, in
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_off_policy_mask_matches_trl(loss_type, with_vllm, inputs):
     """DeepSeek-V3.2 off-policy sequence masking; with vLLM it measures the KL to the sampler."""
-    case = trl_case(loss_type, off_policy_mask_threshold=OFF_POLICY_THRESHOLD, beta=0.04,
-                    vllm_mode="token_truncate" if with_vllm else None)  # fmt: skip
+    case = trl_case(
+        loss_type,
+        off_policy_mask_threshold=OFF_POLICY_THRESHOLD,
+        beta=0.04,
+        vllm_mode="token_truncate" if with_vllm else None,
+    )
     check(case, inputs)
 
 
@@ -411,8 +501,12 @@ def test_per_token_advantages_match_trl(loss_type, inputs):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
 def test_eval_mode_matches_trl(loss_type, inputs):
     """model.training False: no GA division and the dapo normalizer without GA / steps_per_generation."""
-    check(trl_case(loss_type, training=False, grad_accum=2, steps_per_generation=4, beta=0.04, entropy_coef=0.05),
-          inputs)  # fmt: skip
+    check(
+        trl_case(
+            loss_type, training=False, grad_accum=2, steps_per_generation=4, beta=0.04, entropy_coef=0.05
+        ),
+        inputs,
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
@@ -425,8 +519,16 @@ def test_generation_batch_normalizer_matches_trl(loss_type, inputs):
 def test_everything_on_matches_trl(loss_type, inputs):
     """All of the above at once, in TRL's order (off-policy mask, entropy mask, IS ratio, then KL)."""
     case = trl_case(
-        loss_type, beta=0.04, delta=1.6, grad_accum=2, steps_per_generation=4, vllm_mode="token_mask",
-        clip_min=IS_CLIP_MIN, off_policy_mask_threshold=OFF_POLICY_THRESHOLD, top_entropy_quantile=0.6,
-        entropy_coef=0.05, advantages="token",
-    )  # fmt: skip
+        loss_type,
+        beta=0.04,
+        delta=1.6,
+        grad_accum=2,
+        steps_per_generation=4,
+        vllm_mode="token_mask",
+        clip_min=IS_CLIP_MIN,
+        off_policy_mask_threshold=OFF_POLICY_THRESHOLD,
+        top_entropy_quantile=0.6,
+        entropy_coef=0.05,
+        advantages="token",
+    )
     check(case, inputs)

@@ -50,11 +50,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from parity_helpers import (
     EMPTY_ROW,
-    SEED,
     LENGTHS,
+    SEED,
     assert_close,
     grad_scale,
     leaf,
@@ -64,17 +63,23 @@ from parity_helpers import (
 
 require_peer("verl", "verl")
 
-from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config.actor import ActorConfig  # noqa: E402
-from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.trainer.ppo import core_algos
+from verl.utils import tensordict_utils as tu
+from verl.workers.config.actor import ActorConfig
+from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
 
-import grpo_kernels as gk  # noqa: E402
+import grpo_kernels as gk
 
 pytestmark = pytest.mark.parity
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+)
 MODES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo")
 SEQ_MODES = tuple(m for m in AGG_MODES if m.startswith("seq"))
 
@@ -85,7 +90,9 @@ HPARAMS = {
     "vanilla": dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0),
     "gspo": dict(clip_ratio_low=0.2, clip_ratio_high=0.28),
     "gpg": dict(),
-    "clip_cov": dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=0.2, clip_cov_lb=0.05, clip_cov_ub=2.0),
+    "clip_cov": dict(
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=0.2, clip_cov_lb=0.05, clip_cov_ub=2.0
+    ),
     "kl_cov": dict(kl_cov_ratio=0.15, ppo_kl_coef=0.7),
     "geo_mean": dict(clip_ratio_low=0.3, clip_ratio_high=0.4),
     "cispo": dict(clip_ratio_low=0.2, clip_ratio_high=0.28),
@@ -101,7 +108,11 @@ VERL_METRICS = {
         "actor/ppo_kl": "ppo_kl",  # mean of -(clamped) log-ratio
         "actor/pg_clipfrac_lower": "clip_ratio/dual_mean",  # A < 0 and the dual bound -c A is active
     },
-    "gspo": {"actor/pg_clipfrac": "clip_ratio/region_mean", "actor/ppo_kl": "ppo_kl", "actor/pg_clipfrac_lower": 0.0},
+    "gspo": {
+        "actor/pg_clipfrac": "clip_ratio/region_mean",
+        "actor/ppo_kl": "ppo_kl",
+        "actor/pg_clipfrac_lower": 0.0,
+    },
     "gpg": {},
     "clip_cov": {"actor/pg_clipfrac": "selection/cov_frac", "actor/ppo_kl": "ppo_kl"},
     "kl_cov": {"actor/ppo_kl": "ppo_kl_abs"},  # verl logs the mean |log-ratio| under this name for kl_cov
@@ -110,7 +121,11 @@ VERL_METRICS = {
         "actor/ppo_kl": "ppo_kl",
         "actor/pg_clipfrac_lower": "clip_ratio/low_mean",  # log-ratio clipped and A < 0
     },
-    "cispo": {"actor/pg_clipfrac": "clip_ratio/any_mean", "actor/ppo_kl": "ppo_kl", "actor/pg_clipfrac_lower": 0.0},
+    "cispo": {
+        "actor/pg_clipfrac": "clip_ratio/any_mean",
+        "actor/ppo_kl": "ppo_kl",
+        "actor/pg_clipfrac_lower": 0.0,
+    },
     "sapo": {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": "ppo_kl", "actor/pg_clipfrac_lower": 0.0},
 }
 # ppo_loss's own metrics -> ours.
@@ -118,11 +133,21 @@ ACTOR_METRICS = {"actor/pg_loss": "policy_loss", "actor/entropy_loss": "entropy_
 
 # kl_loss_type -> (our kl_estimator, kl_straight_through)
 VERL_KL = {
-    "kl": ("k1", False), "k1": ("k1", False), "abs": ("abs", False), "mse": ("k2", False), "k2": ("k2", False),
-    "low_var_kl": ("low_var_kl", False), "k3": ("low_var_kl", False),
-    "kl+": ("k1", True), "k1+": ("k1", True), "abs+": ("abs", True), "mse+": ("k2", False), "k2+": ("k2", False),
-    "low_var_kl+": ("low_var_kl", True), "k3+": ("low_var_kl", True),
-}  # fmt: skip
+    "kl": ("k1", False),
+    "k1": ("k1", False),
+    "abs": ("abs", False),
+    "mse": ("k2", False),
+    "k2": ("k2", False),
+    "low_var_kl": ("low_var_kl", False),
+    "k3": ("low_var_kl", False),
+    "kl+": ("k1", True),
+    "k1+": ("k1", True),
+    "abs+": ("abs", True),
+    "mse+": ("k2", False),
+    "k2+": ("k2", False),
+    "low_var_kl+": ("low_var_kl", True),
+    "k3+": ("low_var_kl", True),
+}
 
 B, T = len(LENGTHS), 9
 # Global normalisation: the micro-batch is one of several on 2 ranks. The counts are deliberately
@@ -137,12 +162,20 @@ def verl_info(scope: str) -> dict:
 
 def actor_config(mode: str, agg: str, scope: str, hp: dict | None = None, **actor_fields) -> ActorConfig:
     hp = HPARAMS[mode] if hp is None else hp
-    policy_loss = VerlPolicyLossConfig(loss_mode=mode, **{k: v for k, v in hp.items() if k in POLICY_LOSS_FIELDS})
+    policy_loss = VerlPolicyLossConfig(
+        loss_mode=mode, **{k: v for k, v in hp.items() if k in POLICY_LOSS_FIELDS}
+    )
     fields = {k: v for k, v in hp.items() if k not in POLICY_LOSS_FIELDS}
     return ActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=agg, policy_loss=policy_loss,
-        global_batch_info=verl_info(scope), **fields, **actor_fields,
-    )  # fmt: skip
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=agg,
+        policy_loss=policy_loss,
+        global_batch_info=verl_info(scope),
+        **fields,
+        **actor_fields,
+    )
 
 
 def our_config(mode: str, agg: str, scope: str, hp: dict | None = None, **extra) -> gk.PolicyLossConfig:
@@ -153,15 +186,29 @@ def our_config(mode: str, agg: str, scope: str, hp: dict | None = None, **extra)
         "vanilla": dict(loss_type="ppo_clip", dual_clip=hp.get("clip_ratio_c"), log_ratio_clamp=20.0, **clip),
         "gspo": dict(loss_type="ppo_clip", ratio_level="sequence_token", log_ratio_clamp=None, **clip),
         "gpg": dict(loss_type="gpg"),
-        "clip_cov": dict(loss_type="clip_cov", log_ratio_clamp=None, clip_cov_ratio=hp.get("clip_cov_ratio"),
-                         clip_cov_lb=hp.get("clip_cov_lb"), clip_cov_ub=hp.get("clip_cov_ub"), **clip),
-        "kl_cov": dict(loss_type="kl_cov", log_ratio_clamp=None, kl_cov_ratio=hp.get("kl_cov_ratio"),
-                       kl_cov_coef=hp.get("ppo_kl_coef")),
+        "clip_cov": dict(
+            loss_type="clip_cov",
+            log_ratio_clamp=None,
+            clip_cov_ratio=hp.get("clip_cov_ratio"),
+            clip_cov_lb=hp.get("clip_cov_lb"),
+            clip_cov_ub=hp.get("clip_cov_ub"),
+            **clip,
+        ),
+        "kl_cov": dict(
+            loss_type="kl_cov",
+            log_ratio_clamp=None,
+            kl_cov_ratio=hp.get("kl_cov_ratio"),
+            kl_cov_coef=hp.get("ppo_kl_coef"),
+        ),
         "geo_mean": dict(loss_type="gmpo", log_ratio_clamp=None, **clip),
         "cispo": dict(loss_type="cispo", cispo_form="relative", log_ratio_clamp=20.0, **clip),
-        "sapo": dict(loss_type="sapo", sapo_tau_pos=hp.get("tau_pos"), sapo_tau_neg=hp.get("tau_neg"),
-                     log_ratio_clamp=20.0),
-    }[mode]  # fmt: skip
+        "sapo": dict(
+            loss_type="sapo",
+            sapo_tau_pos=hp.get("tau_pos"),
+            sapo_tau_neg=hp.get("tau_neg"),
+            log_ratio_clamp=20.0,
+        ),
+    }[mode]
     fields["loss_agg_mode"] = agg
     if mode == "sapo":  # verl forces seq-mean-token-mean on the policy term; entropy keeps the mode
         fields["loss_agg_mode"] = "seq-mean-token-mean"
@@ -190,9 +237,14 @@ def run_verl_policy(mode, agg, scope, x, adv, use_is, hp=None):
     cfg = actor_config(mode, agg, scope, hp)
     lp = leaf(x["logp"])
     loss, metrics = core_algos.get_policy_loss_fn(mode)(
-        old_log_prob=x["old"].double(), log_prob=lp, advantages=adv.double(), response_mask=x["mask"],
-        loss_agg_mode=agg, config=cfg, rollout_is_weights=x["is_weights"].double() if use_is else None,
-    )  # fmt: skip
+        old_log_prob=x["old"].double(),
+        log_prob=lp,
+        advantages=adv.double(),
+        response_mask=x["mask"],
+        loss_agg_mode=agg,
+        config=cfg,
+        rollout_is_weights=x["is_weights"].double() if use_is else None,
+    )
     loss.backward()
     return loss.detach(), metrics, lp.grad
 
@@ -201,15 +253,25 @@ def run_ours(cfg, x, adv, normalizers, *, use_is=False, ref=False, entropy=False
     lp = leaf(x["logp"], torch.float32)
     ent = leaf(x["entropy"], torch.float32) if entropy else None
     out = gk.grpo_loss(
-        lp, adv, x["mask"], old_logprobs=x["old"], ref_logprobs=x["ref"] if ref else None, entropy=ent,
-        config=cfg, is_weights=x["is_weights"] if use_is else None, backend="torch", **normalizers,
-    )  # fmt: skip
+        lp,
+        adv,
+        x["mask"],
+        old_logprobs=x["old"],
+        ref_logprobs=x["ref"] if ref else None,
+        entropy=ent,
+        config=cfg,
+        is_weights=x["is_weights"] if use_is else None,
+        backend="torch",
+        **normalizers,
+    )
     out.loss.backward()
     return out, lp.grad, None if ent is None else ent.grad
 
 
 def check_metrics(mapping: dict, theirs: dict, ours: dict, context: str) -> None:
-    assert set(theirs) == set(mapping), f"{context}: verl returned metrics {sorted(theirs)}, mapping has {sorted(mapping)}"
+    assert set(theirs) == set(mapping), (
+        f"{context}: verl returned metrics {sorted(theirs)}, mapping has {sorted(mapping)}"
+    )
     for name, our_name in mapping.items():
         value = theirs[name]
         value = value.aggregate() if hasattr(value, "aggregate") else value
@@ -251,7 +313,9 @@ def test_policy_loss_matches_verl(mode, agg, scope, use_is, inputs):
     torch.manual_seed(1234)  # clip_cov draws torch.randperm from the default generator
     loss_v, metrics_v, grad_v = run_verl_policy(mode, agg, scope, x, adv, use_is)
     torch.manual_seed(1234)
-    out, grad_o, _ = run_ours(our_config(mode, agg, scope), x, adv, our_normalizers(mode, scope), use_is=use_is)
+    out, grad_o, _ = run_ours(
+        our_config(mode, agg, scope), x, adv, our_normalizers(mode, scope), use_is=use_is
+    )
     ctx = f"verl {mode} {agg} {scope}"
     assert_close(f"{ctx} loss", out.loss, loss_v)
     assert_close(f"{ctx} dloss/dlogp", grad_o, grad_v, scale=grad_scale(grad_v))
@@ -309,27 +373,42 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
 
 def run_verl_actor(mode, agg, scope, x, adv, *, kl_type=None, kl_coef=0.0, entropy_coeff=0.0, use_is=False):
     cfg = actor_config(
-        mode, agg, "local", use_kl_loss=kl_type is not None, kl_loss_type=kl_type or "low_var_kl",
-        kl_loss_coef=kl_coef, entropy_coeff=entropy_coeff,
+        mode,
+        agg,
+        "local",
+        use_kl_loss=kl_type is not None,
+        kl_loss_type=kl_type or "low_var_kl",
+        kl_loss_coef=kl_coef,
+        entropy_coeff=entropy_coeff,
         loss_scale_factor=GLOBAL_INFO["loss_scale_factor"] if scope == "global" else None,
-    )  # fmt: skip
+    )
     lp, ent = leaf(x["logp"]), leaf(x["entropy"])
     response_len = torch.tensor(LENGTHS)
-    attention = torch.cat([torch.ones(B, PROMPT_LEN, dtype=torch.long),
-                           (torch.arange(T)[None] < response_len[:, None]).long()], dim=1)  # fmt: skip
+    attention = torch.cat(
+        [torch.ones(B, PROMPT_LEN, dtype=torch.long), (torch.arange(T)[None] < response_len[:, None]).long()],
+        dim=1,
+    )
     tensors = dict(
-        prompts=torch.ones(B, PROMPT_LEN, dtype=torch.long), responses=torch.ones(B, T, dtype=torch.long),
-        attention_mask=attention, response_mask=x["mask"], old_log_probs=x["old"].double(), advantages=adv.double(),
-    )  # fmt: skip
+        prompts=torch.ones(B, PROMPT_LEN, dtype=torch.long),
+        responses=torch.ones(B, T, dtype=torch.long),
+        attention_mask=attention,
+        response_mask=x["mask"],
+        old_log_probs=x["old"].double(),
+        advantages=adv.double(),
+    )
     if kl_type is not None:
         tensors["ref_log_prob"] = x["ref"].double()
     if use_is:
         tensors["rollout_is_weights"] = x["is_weights"].double()
     info = verl_info(scope)
     data = tu.get_tensordict(
-        tensors, non_tensor_dict=dict(dp_size=info.get("dp_size", 1), batch_num_tokens=info.get("batch_num_tokens"),
-                                      global_batch_size=info.get("global_batch_size")),
-    )  # fmt: skip
+        tensors,
+        non_tensor_dict=dict(
+            dp_size=info.get("dp_size", 1),
+            batch_num_tokens=info.get("batch_num_tokens"),
+            global_batch_size=info.get("global_batch_size"),
+        ),
+    )
     loss, metrics = ppo_loss(cfg, dict(log_probs=_pack(lp), entropy=_pack(ent)), data)
     loss.backward()
     return loss.detach(), metrics, lp.grad, ent.grad
@@ -346,9 +425,14 @@ def check_actor(mode, agg, scope, x, adv, *, kl_type, kl_coef, entropy_coeff, us
         extra.update(kl_coef=kl_coef, kl_estimator=estimator, kl_straight_through=straight_through)
     torch.manual_seed(seed)
     out, grad_o, grad_ent_o = run_ours(
-        our_config(mode, agg, scope, **extra), x, adv, our_normalizers(mode, scope), use_is=use_is,
-        ref=kl_type is not None, entropy=True,
-    )  # fmt: skip
+        our_config(mode, agg, scope, **extra),
+        x,
+        adv,
+        our_normalizers(mode, scope),
+        use_is=use_is,
+        ref=kl_type is not None,
+        entropy=True,
+    )
     ctx = f"verl ppo_loss {mode} {agg} {scope} kl={kl_type}"
     scale = max(1.0, abs(float(loss_v)))
     assert_close(f"{ctx} loss", out.loss, loss_v, scale=scale)
@@ -373,8 +457,17 @@ def test_kl_penalty_matches_verl_ppo_loss(kl_type, agg, scope, inputs):
     ref[0, 0] = x["logp"][0, 0] - 12.0  # k3 = e^-12 + 11 > 10: clamped to 10 by low_var_kl
     ref[2, 1] = x["logp"][2, 1] + 23.0  # x = 23: clamped to 20 first
     x["ref"] = ref
-    check_actor("vanilla", agg, scope, x, advantages(x, "seq"), kl_type=kl_type, kl_coef=0.05, entropy_coeff=0.01,
-                use_is=False)  # fmt: skip
+    check_actor(
+        "vanilla",
+        agg,
+        scope,
+        x,
+        advantages(x, "seq"),
+        kl_type=kl_type,
+        kl_coef=0.05,
+        entropy_coeff=0.01,
+        use_is=False,
+    )
 
 
 def _actor_cases():
@@ -392,8 +485,17 @@ def test_actor_loss_matches_verl_ppo_loss(mode, agg, scope, kl, inputs):
     """Every policy mode composed with the entropy bonus and (where expressible) the KL loss, with
     rollout IS weights, through verl's ppo_loss."""
     x = inputs
-    check_actor(mode, agg, scope, x, advantages(x, "seq"), kl_type="low_var_kl" if kl else None, kl_coef=0.1,
-                entropy_coeff=0.02, use_is=True)  # fmt: skip
+    check_actor(
+        mode,
+        agg,
+        scope,
+        x,
+        advantages(x, "seq"),
+        kl_type="low_var_kl" if kl else None,
+        kl_coef=0.1,
+        entropy_coeff=0.02,
+        use_is=True,
+    )
 
 
 def test_dual_clip_bound_is_verl_clip_ratio_c(inputs):
