@@ -237,7 +237,27 @@ def run_trl(case: dict, x: dict):
     mode = "train" if case["training"] else "eval"
     metrics = {k: v for k, v in trainer._metrics[mode].items()}
     assert all(len(v) == 1 for v in metrics.values()), metrics
-    return loss.detach(), {k: v[0] for k, v in metrics.items()}, lp.grad, ent.grad
+    metrics = {k: v[0] for k, v in metrics.items()}
+    if case["vllm_mode"] in ("token_truncate", "token_mask") and case["loss_type"] != "vespo":
+        metrics.update(
+            trl_vllm_is_ratio_metrics(inputs["importance_sampling_ratio"], completion_mask * tool_mask)
+        )
+    return loss.detach(), metrics, lp.grad, ent.grad
+
+
+def trl_vllm_is_ratio_metrics(ratio, mask):
+    """The IS-ratio statistics _generate_and_score_completions logs for token-level modes
+    (grpo_trainer.py:2874-2896; one process). At sequence level TRL takes them over the B rows, an
+    all-masked row's ratio 1 included, and its mean is per row where ours is per token: not compared.
+    vespo: ours applies no IS weight to the loss (it folds the ratio into phi), so its is_weight
+    statistics are those of a weight 1, not comparable either."""
+    flat = ratio[mask.bool()]
+    prefix = "sampling/importance_sampling_ratio/"
+    return {
+        prefix + "min": flat.min().item(),
+        prefix + "mean": flat.mean().item(),
+        prefix + "max": flat.max().item(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,6 +359,9 @@ TRL_METRICS = {
     "vespo/phi_seq_mean": "vespo/phi_seq_mean",
     "policy_loss": "policy_loss",  # TRL: before the entropy bonus, KL included, before / GA (see trl_view)
     "entropy_coef": "entropy_coef",
+    "sampling/importance_sampling_ratio/min": "is_weight/min",  # token-level modes only
+    "sampling/importance_sampling_ratio/mean": "is_weight/mean",
+    "sampling/importance_sampling_ratio/max": "is_weight/max",
 }
 
 
@@ -354,7 +377,7 @@ def trl_view(trl_name: str, case: dict, ours: dict) -> float:
     value = float(ours[our_name])
     nonempty = sum(n > 0 for n in LENGTHS)
     per_row = case["importance_sampling_level"] == "sequence" and our_name.startswith("clip_ratio")
-    if per_row or our_name == "vespo/phi_seq_mean":  # TRL averages over all B rows (module doc)
+    if (per_row or our_name == "vespo/phi_seq_mean") and nonempty < B:  # TRL counts all B rows (module doc)
         empty_value = 1.0 if our_name == "vespo/phi_seq_mean" else 0.0
         if our_name.endswith("_min"):
             return min(value, empty_value)

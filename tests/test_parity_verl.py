@@ -10,7 +10,8 @@ What is called (verl's code, not a copy):
     + kl_loss_coef * agg_loss(kl_penalty(log_prob, ref, kl_loss_type)), on packed (no-padding)
     log-probs exactly as the engine hands them over, for every kl_loss_type.
 Compared: the loss, every metric verl returns (VERL_METRICS says which of ours it equals) and the
-gradient w.r.t. the log-probs (and the entropy).
+gradient w.r.t. the log-probs (and the entropy). Ours runs on the padded [B, T] layout and, for the
+policy losses, also on the packed [N] + cu_seqlens layout.
 
 How verl's configuration maps to ours (`our_config`):
   vanilla  -> ppo_clip, dual_clip = clip_ratio_c (always on in verl), log-ratio clamp +-20
@@ -317,6 +318,46 @@ def test_policy_loss_matches_verl(mode, agg, scope, use_is, inputs):
         our_config(mode, agg, scope), x, adv, our_normalizers(mode, scope), use_is=use_is
     )
     ctx = f"verl {mode} {agg} {scope}"
+    assert_close(f"{ctx} loss", out.loss, loss_v)
+    assert_close(f"{ctx} dloss/dlogp", grad_o, grad_v, scale=grad_scale(grad_v))
+    check_metrics(VERL_METRICS[mode], metrics_v, out.metrics, ctx)
+
+
+def run_ours_packed(cfg, x, adv_seq, normalizers, *, use_is):
+    """Ours on the packed layout: row b contributes its first LENGTHS[b] positions (the hole stays a
+    masked token, the empty row an empty segment), per-sequence advantages [S], cu_seqlens [S + 1]."""
+    keep = torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]  # [B, T] positions that are packed
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    lp = leaf(x["logp"][keep], torch.float32)
+    out = gk.grpo_loss(
+        lp,
+        adv_seq,
+        x["mask"][keep],
+        old_logprobs=x["old"][keep],
+        config=cfg,
+        cu_seqlens=cu_seqlens,
+        is_weights=x["is_weights"][keep] if use_is else None,
+        backend="torch",
+        **normalizers,
+    )
+    out.loss.backward()
+    grad = torch.zeros(B, T, dtype=lp.grad.dtype).masked_scatter(keep, lp.grad)  # back to [B, T]
+    return out, grad
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_layout_matches_verl(mode, agg, scope, inputs):
+    """The same batch packed ([N] + cu_seqlens, as the engines' no-padding layout) gives verl's
+    padded result: the layout changes nothing but the storage."""
+    x = inputs
+    torch.manual_seed(4321)
+    loss_v, metrics_v, grad_v = run_verl_policy(mode, agg, scope, x, advantages(x, "seq"), use_is=True)
+    torch.manual_seed(4321)
+    cfg = our_config(mode, agg, scope)
+    out, grad_o = run_ours_packed(cfg, x, x["adv_seq"], our_normalizers(mode, scope), use_is=True)
+    ctx = f"verl {mode} {agg} {scope} packed"
     assert_close(f"{ctx} loss", out.loss, loss_v)
     assert_close(f"{ctx} dloss/dlogp", grad_o, grad_v, scale=grad_scale(grad_v))
     check_metrics(VERL_METRICS[mode], metrics_v, out.metrics, ctx)
