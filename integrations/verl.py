@@ -110,17 +110,15 @@ def policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_ag
         log_prob, advantages, response_mask.bool(), old_logprobs=old_log_prob, config=cfg,
         is_weights=rollout_is_weights, num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
     )  # fmt: skip
-    return out.loss, _verl_metrics(mode, out.metrics, old_log_prob, log_prob, response_mask)
+    return out.loss, _verl_metrics(mode, out.metrics)
 
 
-def _verl_metrics(mode, m, old_log_prob, log_prob, response_mask) -> dict:
+def _verl_metrics(mode, m) -> dict:
     """verl's pg metrics from ours (floats, as verl returns them)."""
     if mode == "gpg":
         return {}
     if mode == "kl_cov":  # verl logs the mean |log r| here
-        mask = response_mask.float()
-        abs_kl = ((log_prob.detach() - old_log_prob).abs() * mask).sum() / (mask.sum() + 1e-8)
-        return {"actor/ppo_kl": abs_kl.item()}
+        return {"actor/ppo_kl": m["ppo_kl_abs"].item()}
     if mode == "clip_cov":
         return {"actor/pg_clipfrac": m["selection/cov_frac"].item(), "actor/ppo_kl": m["ppo_kl"].item()}
     clipfrac = {

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from grpo_kernels import BackendFallbackWarning
+from parity_helpers import PINS, installed_version
 
 
 @pytest.fixture(autouse=True)
@@ -16,12 +17,22 @@ def _seed_and_quiet_fallback():
 
 
 def pytest_report_header(config):
+    """torch / triton versions, and the peer versions the parity suite ran against (marker `parity`)."""
     import importlib.metadata as md
 
-    lines = [f"torch {torch.__version__}"]
-    for dist in ("triton", "trl", "verl", "liger-kernel", "transformers"):
+    base = [f"torch {torch.__version__}"]
+    for dist in ("triton", "transformers"):
         try:
-            lines.append(f"{dist} {md.version(dist)}")
+            base.append(f"{dist} {md.version(dist)}")
         except md.PackageNotFoundError:
-            lines.append(f"{dist} not installed")
-    return "grpo_kernels test environment: " + ", ".join(lines)
+            base.append(f"{dist} not installed")
+    peers = []
+    for dist, pin in PINS.items():
+        version = installed_version(dist)
+        if version is None:
+            peers.append(f"{dist}: not installed (pin {pin}, its parity tests skip)")
+        elif version != pin:
+            peers.append(f"{dist}=={version} (pin {pin}: its parity tests skip)")
+        else:
+            peers.append(f"{dist}=={version}")
+    return ["grpo_kernels tests: " + ", ".join(base), "parity peers: " + ", ".join(peers)]

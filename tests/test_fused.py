@@ -8,7 +8,7 @@ import grpo_kernels as gk
 from grpo_kernels import PolicyLossConfig as C
 from grpo_kernels.testing import assert_close
 
-from .test_loss_head import CONFIGS
+from test_loss_head import CONFIGS
 
 
 def inputs(b=4, t=7, h=24, v=301, dtype=torch.float32, bias=True, seed=0):

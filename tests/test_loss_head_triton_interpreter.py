@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from .test_loss_head import CONFIGS  # noqa: E402
+from test_loss_head import CONFIGS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.interpreter

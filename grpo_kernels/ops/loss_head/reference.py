@@ -133,7 +133,10 @@ def policy_loss_reference(
             metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
             objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
     elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
-        objective = -_vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout) * adv * lp
+        phi = _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout)
+        objective = -phi * adv * lp
+        per_seq_phi = seq_sum(phi) / seq_len.clamp(min=1.0)
+        metrics["vespo/phi_seq_mean"] = (per_seq_phi * seq_nonempty).sum() / seq_nonempty.sum().clamp(min=1.0)
     elif cfg.loss_type == "clip_cov":
         clipped = ratio.clamp(lower, upper)
         loss_unclipped, loss_clipped = -adv * ratio, -adv * clipped
@@ -143,6 +146,8 @@ def policy_loss_reference(
     elif cfg.loss_type == "kl_cov":
         penalised = kl_cov_selected(cfg, adv, lp, valid)
         metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
+        # the mean |log r| the penalty acts on (verl logs it as actor/ppo_kl for kl_cov)
+        metrics["ppo_kl_abs"] = (log_ratio.abs() * m).sum() / m.sum().clamp(min=1.0)
         objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
     elif cfg.loss_type in ("gmpo", "group_dpo"):
         objective = None  # sequence-level objectives, below

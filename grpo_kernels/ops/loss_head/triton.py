@@ -39,7 +39,7 @@ AGG_IDS = {"token-mean": 0, "token-sum": 1, "seq-mean-token-sum": 2, "seq-mean-t
 # ---- per-sequence partial sums written by the kernel ---------------------------------------------
 (P_LOSS_PG, P_LOSS_KL, P_LOSS_ENT, P_VALID, P_RATIO_SUM, P_RATIO_MIN, P_RATIO_MAX, P_LOW, P_HIGH, P_REGION,
  P_DUAL, P_ANY, P_PPO_KL, P_KL, P_ENT, P_IS_SUM, P_IS_MIN, P_IS_MAX, P_IS_ZERO, P_OFFPOL_DROP, P_ENT_KEPT,
- P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV) = range(28)  # fmt: skip
+ P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV, P_ABS_LR, P_PHI) = range(30)  # fmt: skip
 NUM_PARTIALS = 32
 # normalizer slots (a small device tensor, so no host sync is needed to build it)
 N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
@@ -237,6 +237,8 @@ def loss_head_fwd_bwd_kernel(
     acc_gmpo_hi = tl.zeros([BLOCK], tl.float32)
     acc_gmpo_lo = tl.zeros([BLOCK], tl.float32)
     acc_g_seq = tl.zeros([BLOCK], tl.float32)  # sum of dL/dlog_w over the sequence (sequence ratios)
+    acc_abs_lr = tl.zeros([BLOCK], tl.float32)
+    acc_phi = tl.zeros([BLOCK], tl.float32)
     carry = 0.0  # prefix trace value before this block
     lower = 1.0 - clip_low
     upper = 1.0 + clip_high
@@ -327,12 +329,14 @@ def loss_head_fwd_bwd_kernel(
             phi = tl.where((phi < float("inf")) & (phi > float("-inf")), phi, 0.0) * mf
             objective = -phi * adv * lp
             g_direct = -phi * adv
+            acc_phi += phi
         elif LOSS == 8:  # KL-Cov: unclipped PG plus |log r| on the selected tokens
             pen = tl.load(cov_ptr + idx, mask=inb, other=0.0).to(tl.float32) * mf
             objective = -adv * ratio + pen * kl_cov_coef * tl.abs(lr)
             g_r = -adv + 0.0 * lp
             g_direct = pen * kl_cov_coef * tl.where(lr > 0, 1.0, tl.where(lr < 0, -1.0, 0.0))
             acc_cov += pen
+            acc_abs_lr += tl.abs(lr)
         if LOSS == 7:
             keep = tl.load(cov_ptr + idx, mask=inb, other=1.0).to(tl.float32)
             objective = objective * keep
@@ -530,6 +534,8 @@ def loss_head_fwd_bwd_kernel(
     tl.store(out + 25, sum_lp)
     tl.store(out + 26, sum_ref)
     tl.store(out + 27, sum_adv)
+    tl.store(out + 28, tl.sum(acc_abs_lr))
+    tl.store(out + 29, tl.sum(acc_phi))
 
 
 # ==================================================================================================
@@ -712,6 +718,11 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["clip_ratio/any_mean"] = level_mean(P_ANY)
     if cfg.loss_type in ("clip_cov", "kl_cov"):
         metrics["selection/cov_frac"] = token_mean(P_COV)
+    if cfg.loss_type == "kl_cov":
+        metrics["ppo_kl_abs"] = token_mean(P_ABS_LR)
+    if cfg.loss_type == "vespo":  # mean over non-empty sequences of the sequence's phi
+        per_seq = p[:, P_PHI] / lengths
+        metrics["vespo/phi_seq_mean"] = (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
     if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov", "dcpo"):
         metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
         metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
