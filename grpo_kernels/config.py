@@ -96,6 +96,7 @@ class PolicyLossConfig:
     kl_estimator: str = "k3"  # k1, k2, k3 (unclamped, TRL), low_var_kl (k3 clamped, verl), abs
     kl_ratio_correction: bool = False  # TRL use_bias_correction_kl: KL times the (differentiable) ratio
     kl_straight_through: bool = False  # verl "<name>+": the estimator's value with k2's gradient
+    kl_agg_mode: str | None = None  # aggregation of the KL term; None: loss_agg_mode (verl sapo: differs)
     # --- sampler / trainer mismatch (rollout_logprobs from vLLM etc.) -----------------------------
     is_level: str | None = None  # None (off), "token" or "sequence" importance weights old / rollout
     is_mode: str = "truncate"  # "truncate" (TIS: clamp) or "mask" (MIS / IcePop: zero outside)
@@ -133,6 +134,10 @@ class PolicyLossConfig:
         _check(
             self.loss_agg_mode in LOSS_AGG_MODES,
             f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {LOSS_AGG_MODES}",
+        )
+        _check(
+            self.kl_agg_mode is None or self.kl_agg_mode in LOSS_AGG_MODES,
+            f"unknown kl_agg_mode {self.kl_agg_mode!r}; known: {LOSS_AGG_MODES}",
         )
         _check(
             self.entropy_agg_mode in ENTROPY_AGG_MODES,
@@ -225,11 +230,11 @@ class PolicyLossConfig:
         _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "clip_cov_ratio and kl_cov_ratio must be > 0")
         _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
         _check(self.kl_cov_coef >= 0, "kl_cov_coef must be >= 0")
-        if self.loss_agg_mode == "length-pow" or self.entropy_agg_mode == "length-pow":
+        if "length-pow" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode):
             _check(self.loss_type != "gmpo", "gmpo averages over sequences; length-pow does not apply")
         if self.old_prob_threshold is not None:
             _check(0 < self.old_prob_threshold < 1, "old_prob_threshold must be in (0, 1)")
-        uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode)
+        uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode)
         if uses_norm:
             _check(
                 self.max_completion_length is not None,

@@ -215,12 +215,15 @@ def _flatten_batch(
         chk.check_shape(name, x, token_shape, "logprobs")
         flat[name] = x.reshape(-1)
         if check_finite:
-            chk.check_finite(name, flat[name], valid)
+            # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled
+            where = valid & ~torch.isnan(flat[name]) if name == "rollout_logprobs" else valid
+            chk.check_finite(name, flat[name], where)
 
     for name in ("num_tokens", "num_sequences"):
         chk.check_count(name, normalizers[name], minimum=0)
     chk.check_count("dp_size", normalizers["dp_size"], integer=True)
-    local_only = "length-pow" in (config.loss_agg_mode, config.entropy_agg_mode) or config.loss_type == "group_dpo"
+    local_only = ("length-pow" in (config.loss_agg_mode, config.entropy_agg_mode, config.kl_agg_mode)
+                  or config.loss_type == "group_dpo")  # fmt: skip
     if local_only and (normalizers["num_tokens"] is not None or normalizers["num_sequences"] is not None):
         chk.fail(
             "num_tokens / num_sequences are not defined for loss_agg_mode='length-pow' or loss_type='group_dpo': "

@@ -75,6 +75,21 @@ def main():
             }
             errors["extra_metrics"] = sorted(set(tri.metrics) - set(ref.metrics))
             report[case] = errors
+    # NaN sampler log-probs: tokens the sampler could not score are neutral (TRL's convention)
+    for name in ("tis_token", "mis_sequence", "off_policy_mask"):
+        cfg = CONFIGS[name]
+        d = batch(per_token_adv=True, seed=13)
+        d["rollout"][0, 2] = float("nan")
+        d["rollout"][4, 0] = float("nan")
+        ref, g_ref = run(cfg, d, "torch", "padded")
+        tri, g_tri = run(cfg, d, "triton", "padded")
+        report[f"{name}-nan-rollout"] = {
+            "loss": [tri.loss.item(), ref.loss.item()],
+            "dL/dlogp": [(g_tri[0] - g_ref[0]).abs().max().item(), 0.0, -1],
+            "dL/dentropy": [(g_tri[1] - g_ref[1]).abs().max().item(), 0.0, -1],
+            "metrics": {k: [tri.metrics[k].item() if k in tri.metrics else None, v.item()] for k, v in ref.metrics.items()},
+            "extra_metrics": sorted(set(tri.metrics) - set(ref.metrics)),
+        }
     print(json.dumps(report))
 
 

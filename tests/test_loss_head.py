@@ -52,6 +52,7 @@ CONFIGS = {
     "kl_k2": C(kl_coef=0.1, kl_estimator="k2"),
     "kl_low_var_straight_through": C(kl_coef=0.1, kl_estimator="low_var_kl", kl_straight_through=True),
     "kl_abs": C(kl_coef=0.1, kl_estimator="abs"),
+    "kl_own_aggregation": C(kl_coef=0.1, kl_agg_mode="seq-mean-token-mean", loss_agg_mode="token-mean"),
     "entropy_bonus": C(entropy_coef=0.01),
     "entropy_bonus_trl": C(entropy_coef=0.01, entropy_agg_mode="token-mean-local", loss_agg_mode="seq-mean-token-sum"),
     "top_entropy": C(top_entropy_quantile=0.5, entropy_coef=0.02),
@@ -286,6 +287,27 @@ def test_truncated_and_masked_importance_weights_by_hand():
     seq = C(loss_type="gpg", is_level="sequence", is_mode="truncate", is_max=2.0)
     out = gk.grpo_loss(lp, adv, mask, old, rollout_logprobs=rollout, config=seq, backend="torch")
     assert_close("sequence IS (sum of log-diffs = 0)", out.metrics["is_weight/mean"], torch.tensor(1.0), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["tis_token", "mis_sequence", "off_policy_mask"])
+def test_unscored_rollout_tokens_are_neutral(name):
+    """NaN sampler log-probs (tokens vLLM could not score, TRL's convention) carry no evidence: the
+    IS weight of such a token is that of rollout = old, its off-policy divergence that of rollout = logp."""
+    cfg = CONFIGS[name]
+    d = batch(per_token_adv=True)
+    nan_at = (0, 2)
+    with_nan = {k: v.clone() for k, v in d.items()}
+    with_nan["rollout"][nan_at] = float("nan")
+    neutral = {k: v.clone() for k, v in d.items()}
+    neutral["rollout"][nan_at] = d["lp"][nan_at] if name == "off_policy_mask" else d["old"][nan_at]
+    out_nan, g_nan, _ = call(cfg, with_nan)
+    out_ref, g_ref, _ = call(cfg, neutral)
+    assert_close("loss", out_nan.loss, out_ref.loss, atol=0, rtol=1e-7)
+    assert_close("dL/dlogp", g_nan, g_ref, atol=0, rtol=1e-7)
+    with pytest.raises(ValueError, match="rollout_logprobs has 1 non-finite"):
+        inf = {k: v.clone() for k, v in d.items()}
+        inf["rollout"][nan_at] = float("inf")
+        call(cfg, inf)
 
 
 def test_dual_clip_caps_negative_advantage_loss():

@@ -44,10 +44,14 @@ def close(got, expected):
     return abs(got - expected) <= TOL * (1.0 + abs(expected))
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_triton_loss_head_matches_reference(name, layout, report):
-    r = report[f"{name}-{layout}"]
+CASES = [f"{name}-{layout}" for name in sorted(CONFIGS) for layout in ("padded", "packed")] + [
+    f"{name}-nan-rollout" for name in ("tis_token", "mis_sequence", "off_policy_mask")
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_loss_head_matches_reference(case, report):
+    r = report[case]
     assert "error" not in r, r.get("error")
     got, expected = r["loss"]
     assert close(got, expected), f"loss: triton {got!r}, reference {expected!r}"

@@ -61,6 +61,9 @@ def policy_loss_reference(
     old = clean(old_logprobs) if old_logprobs is not None else lp.detach()
     ref = clean(ref_logprobs)
     rollout = clean(rollout_logprobs)
+    # NaN sampler log-probs mark tokens the sampler could not score (TRL): no IS correction and no
+    # off-policy evidence for them
+    scored = None if rollout is None else ~torch.isnan(rollout)
     ent = clean(entropy)
     seq_len = seq_sum(m)  # [S] valid tokens per sequence
     seq_nonempty = (seq_len > 0).float()
@@ -133,7 +136,7 @@ def policy_loss_reference(
             metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
             objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
     elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
-        phi = _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout)
+        phi = _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout, scored)
         objective = -phi * adv * lp
         per_seq_phi = seq_sum(phi) / seq_len.clamp(min=1.0)
         metrics["vespo/phi_seq_mean"] = (per_seq_phi * seq_nonempty).sum() / seq_nonempty.sum().clamp(min=1.0)
@@ -169,8 +172,11 @@ def policy_loss_reference(
     # ---- token selection (each a {0,1} multiplier on the policy term) ----------------------------
     selection = m.clone()
     if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence masking
-        behaviour = rollout if rollout is not None else old
-        seq_kl = (seq_sum((behaviour - lp.detach()) * m) / seq_len.clamp(min=1.0))[seq_index]
+        if rollout is not None:
+            divergence = torch.where(scored, rollout - lp.detach(), torch.zeros_like(lp)) * m
+        else:
+            divergence = (old - lp.detach()) * m
+        seq_kl = (seq_sum(divergence) / seq_len.clamp(min=1.0))[seq_index]
         keep = ((adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)).float()
         metrics["selection/off_policy_dropped_frac"] = ((1.0 - keep) * m).sum() / m.sum().clamp(min=1.0)
         selection = selection * keep
@@ -188,7 +194,7 @@ def policy_loss_reference(
     # ---- sampler mismatch: importance weights old / rollout (TIS, MIS), or given ------------------
     weights = torch.ones_like(m)
     if cfg.is_level is not None and cfg.loss_type != "vespo":  # VESPO folds them into phi instead
-        weights = _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index)
+        weights = _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index)
     if is_weights is not None:
         weights = weights * clean(is_weights)
     if cfg.is_level is not None or is_weights is not None:
@@ -222,7 +228,7 @@ def policy_loss_reference(
             kl = kl * ratio
         metrics["kl"] = kl.detach().sum() / m.sum().clamp(min=1.0)
         if cfg.kl_coef > 0:
-            kl_loss = normalizers.aggregate(kl, cfg.loss_agg_mode)
+            kl_loss = normalizers.aggregate(kl, cfg.kl_agg_mode or cfg.loss_agg_mode)
             metrics["kl_loss"] = kl_loss.detach()
             loss = loss + cfg.kl_coef * kl_loss
 
@@ -350,13 +356,13 @@ def _kl(cfg, lp, ref):
     return value
 
 
-def _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index):
+def _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index):
     """Detached importance weights pi_old / pi_rollout (TRL vllm_importance_sampling_*):
     token level rho_t = exp(old_t - rollout_t); sequence level rho_i = exp(sum_t (old_t - rollout_t)).
     "truncate" clamps rho to [is_min, is_max] (TIS); "mask" zeroes it outside (MIS / IcePop)."""
     if rollout is None:
         raise ValueError("is_level is set but rollout_logprobs were not given")
-    log_rho = ((old - rollout) * m).detach()
+    log_rho = torch.where(scored, (old - rollout) * m, torch.zeros_like(old)).detach()
     if cfg.log_ratio_clamp is not None:  # the same guard as every exponent of a log-ratio
         log_rho = log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.is_level == "sequence":
@@ -372,7 +378,7 @@ def _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index):
     return rho * m
 
 
-def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout):
+def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout, scored):
     """TRL 1.16 GRPOTrainer.get_gamma_weights: phi(w) = exp(lambda + k log w - lambda w), with
     log w = clamp(sum_t clamp(lr_t, +-20) [+ sum_t clamp(log IS_t, log 1e-8, 20)], log 1e-8, 20),
     k, lambda chosen by the sign of A (A >= 0: pos). Detached: it only scales A grad log pi."""
@@ -384,7 +390,7 @@ def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout):
         if cfg.is_level is not None:
             if cfg.is_level != "token":
                 raise ValueError("vespo folds token-level IS weights only (is_level='token')")
-            is_w = _sampler_is_weights(cfg, old, rollout, m, seq_sum, seq_index)
+            is_w = _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index)
             # masked tokens carry weight 1 in TRL (their log-diff is 0), i.e. log 1 = 0
             log_is = torch.where(m > 0, torch.log(is_w).clamp(lower, 20.0), torch.zeros_like(is_w))
             seq_log_ratio = seq_log_ratio + seq_sum(log_is)

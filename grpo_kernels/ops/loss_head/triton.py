@@ -93,6 +93,7 @@ def loss_head_fwd_bwd_kernel(
     prefix_decay, vk_pos, vl_pos, vk_neg, vl_neg, kl_coef, is_min, is_max, offpol_thr, oldprob_thr,
     kl_cov_coef, ent_coef, max_len, length_power, dp_size,
     LOSS: tl.constexpr, LEVEL: tl.constexpr, KL_EST: tl.constexpr, AGG: tl.constexpr, ENT_AGG: tl.constexpr,
+    KL_AGG: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, USE_KL: tl.constexpr, KL_RATIO: tl.constexpr,
     KL_ST: tl.constexpr, IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_ENT: tl.constexpr, USE_ENT_BONUS: tl.constexpr, HAS_TOKW: tl.constexpr, HAS_SEL: tl.constexpr,
@@ -105,7 +106,8 @@ def loss_head_fwd_bwd_kernel(
     lane = tl.arange(0, BLOCK)
     # ratio_level: 0 token, 1 sequence, 2 sequence_token, 3 sequence_sum, 4 prefix
     SEQ_RATIO: tl.constexpr = LEVEL == 1 or LEVEL == 2 or LEVEL == 3
-    NEED_LEN: tl.constexpr = AGG >= 4 or ENT_AGG == 4 or ENT_AGG == 5 or LEVEL == 1 or LEVEL == 2 or LOSS == 9
+    NEED_LEN: tl.constexpr = (AGG >= 4 or ENT_AGG == 4 or ENT_AGG == 5 or KL_AGG >= 4 or LEVEL == 1 or LEVEL == 2
+                              or LOSS == 9)  # fmt: skip
     PASS_A: tl.constexpr = (NEED_LEN or SEQ_RATIO or IS_LEVEL == 2 or OFFPOL or LOSS == 6 or LOSS == 9
                             or LOSS == 10)  # fmt: skip
 
@@ -141,17 +143,18 @@ def loss_head_fwd_bwd_kernel(
             any_nonneg = tl.maximum(any_nonneg, tl.max(tl.where(m & (adv >= 0), 1.0, 0.0)))
             if HAS_ROLLOUT:
                 rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+                scored = rollout == rollout  # NaN: the sampler could not score the token (TRL)
                 if IS_LEVEL == 2:
-                    d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+                    d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
                     sum_is += tl.sum(d)
                 if OFFPOL:
-                    sum_beh += tl.sum((rollout - lp) * mf)
+                    sum_beh += tl.sum(tl.where(scored, (rollout - lp) * mf, 0.0))
             elif OFFPOL:
                 sum_beh += tl.sum((old - lp) * mf)
             if LOSS == 6:  # VESPO: sequence log-ratio with TRL's +-20 token clamp
                 sum_vespo += tl.sum(tl.minimum(tl.maximum(lr, -20.0), 20.0) * mf)
                 if IS_LEVEL == 1:
-                    d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+                    d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
                     rho = tl.exp(d)
                     lo = is_min
                     if IS_MASK:
@@ -192,6 +195,7 @@ def loss_head_fwd_bwd_kernel(
 
     w_seq = _agg_weight(AGG, length, norms_ptr, dp_size, max_len, length_power)
     w_ent = _agg_weight(ENT_AGG, length, norms_ptr, dp_size, max_len, length_power)
+    w_kl = _agg_weight(KL_AGG, length, norms_ptr, dp_size, max_len, length_power)
 
     # GMPO: the whole sequence is one objective term
     gmpo_coef = 0.0
@@ -377,7 +381,8 @@ def loss_head_fwd_bwd_kernel(
         weights = 1.0 + 0.0 * lp
         if IS_LEVEL == 1 and LOSS != 6:
             rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-            d = tl.minimum(tl.maximum((old - rollout) * mf, -log_clamp), log_clamp)
+            d = tl.where(rollout == rollout, (old - rollout) * mf, 0.0)
+            d = tl.minimum(tl.maximum(d, -log_clamp), log_clamp)
             rho = tl.exp(d)
             if IS_MASK:
                 rho = tl.where((rho >= is_min) & (rho <= is_max), rho, 0.0)
@@ -442,14 +447,14 @@ def loss_head_fwd_bwd_kernel(
             if KL_RATIO:
                 acc_kl += kl * ratio
                 if USE_KL:
-                    acc_loss_kl += kl * ratio * w_seq
-                    g_lp += kl_coef * w_seq * ratio * d_kl * mf
-                    g_logw += kl_coef * w_seq * kl * ratio * clamp_pass
+                    acc_loss_kl += kl * ratio * w_kl
+                    g_lp += kl_coef * w_kl * ratio * d_kl * mf
+                    g_logw += kl_coef * w_kl * kl * ratio * clamp_pass
             else:
                 acc_kl += kl
                 if USE_KL:
-                    acc_loss_kl += kl * w_seq
-                    g_lp += kl_coef * w_seq * d_kl * mf
+                    acc_loss_kl += kl * w_kl
+                    g_lp += kl_coef * w_kl * d_kl * mf
 
         # entropy: metric and bonus
         if HAS_ENT:
@@ -576,6 +581,7 @@ def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_e
     return dict(
         LOSS=LOSS_IDS[cfg.loss_type], LEVEL=LEVEL_IDS[cfg.ratio_level], KL_EST=KL_IDS[cfg.kl_estimator],
         AGG=AGG_IDS[cfg.loss_agg_mode], ENT_AGG=AGG_IDS[cfg.entropy_agg_mode or cfg.loss_agg_mode],
+        KL_AGG=AGG_IDS[cfg.kl_agg_mode or cfg.loss_agg_mode],
         HAS_OLD=has_old, HAS_REF=has_ref, USE_KL=has_ref and cfg.kl_coef > 0, KL_RATIO=cfg.kl_ratio_correction,
         KL_ST=cfg.kl_straight_through, IS_LEVEL={None: 0, "token": 1, "sequence": 2}[cfg.is_level],
         IS_MASK=cfg.is_mode == "mask", HAS_ISW=has_isw, HAS_ENT=has_ent,
