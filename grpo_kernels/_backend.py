@@ -24,7 +24,7 @@ _notified: set[str] = set()
 def notify_once(reason: str) -> None:
     if reason not in _notified:
         _notified.add(reason)
-        warnings.warn(f"grpo_kernels: {reason}", BackendFallbackWarning, stacklevel=3)
+        warnings.warn(f"grpo_kernels: {reason}", BackendFallbackWarning, stacklevel=4)  # the user's call
 
 
 @functools.lru_cache(maxsize=None)

@@ -449,3 +449,15 @@ def test_garbage_at_masked_positions_passes_the_finite_check():
     d["lp"][~d["mask"]] = float("nan")
     out = gk.grpo_loss(d["lp"], d["adv"], d["mask"], config=C.dapo(), backend="torch")
     assert torch.isfinite(out.loss)
+
+
+def test_kernel_covers_every_config_value():
+    """Every value a config field may take has a code path in the Triton kernel."""
+    from grpo_kernels import config
+    from grpo_kernels.ops.loss_head import triton as kernel
+
+    assert set(kernel.LOSS_IDS) == set(config.LOSS_TYPES)
+    assert set(kernel.LEVEL_IDS) == set(config.RATIO_LEVELS)
+    assert set(kernel.KL_IDS) == set(config.KL_ESTIMATORS)
+    assert set(kernel.AGG_IDS) == set(config.LOSS_AGG_MODES) | {"token-mean-local"}
+    assert set(config.ENTROPY_AGG_MODES) - {None} <= set(kernel.AGG_IDS)
