@@ -382,6 +382,7 @@ def fused_linear_grpo_loss(
     grad_accum_steps: int = 1,
     check_finite: bool = True,
     backend: str = "auto",
+    schedule: str = "auto",
 ) -> GRPOLossOutput:
     """From the last hidden states to the GRPO-family loss in one call: LM-head statistics (log-probs,
     entropy from fp32 accumulators), loss head, and the LM-head gradients, without [tokens, V] logits.
@@ -389,9 +390,13 @@ def fused_linear_grpo_loss(
     hidden [B, T, H] (or [N, H] with cu_seqlens), weight [V, H], bias [V], targets [B, T] token ids
     (only positions with mask 1 are read). Differentiable w.r.t. hidden, weight and bias; the
     gradients are computed inside the forward and scaled by grad_output in backward.
-    The temperature is config.temperature.
+    The temperature is config.temperature. schedule: "auto" (one pass over the vocabulary per chunk
+    of sequences when valid, else two passes; the choice is logged at DEBUG), "one_pass" or "two_pass".
     """
-    from .ops.fused.function import fused_grpo_forward
+    from .ops.fused.function import SCHEDULES, run_fused
+
+    if schedule not in SCHEDULES:
+        chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
     cfg = _check_config(config)
     chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
@@ -428,9 +433,9 @@ def fused_linear_grpo_loss(
         if bias is not None:
             chk.check_finite("bias", bias)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
-    loss, metrics, logprobs, entropy = fused_grpo_forward(
+    loss, metrics, logprobs, entropy = run_fused(
         flat_hidden, weight, bias, flat_targets, batch, cfg, lm_head_ops.get_impl(resolved),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved),
+        lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

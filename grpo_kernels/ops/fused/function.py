@@ -1,12 +1,17 @@
 """fused_linear_grpo_loss: gradients computed inside the forward, backward only scales them.
 
-Schedule (DESIGN.md §1), on the compacted valid rows [Nv, H]:
-  A  LM-head statistics of every valid token (log-prob, entropy, lse, E_p[z]; no logits kept)
-  B  the loss head on the per-token values -> loss, metrics, g_lp = dL/dlogp, g_H = dL/dH
-  C  LM-head gradients from (g_lp, g_H), logits recomputed tile by tile; grad_weight in fp32
-This is the two-pass form (4 GEMM units); it is exact for every variant, including those that need
-batch-global statistics. The chunked one-pass form (3 units) is chosen by the Triton backend when
-valid and gives the same result.
+Three stages (DESIGN.md §1) on the valid rows (masked tokens are never multiplied):
+  A  LM-head statistics (log-prob, entropy, lse, E_p[z]; no logits kept)
+  B  the loss head -> loss, metrics, g_lp = dL/dlogp, g_H = dL/dH per token
+  C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32, cast once
+Two schedules give the same result:
+  two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
+            variant, including those whose loss needs statistics of the whole batch (top-entropy
+            quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
+  one-pass  chunks of whole sequences, A -> B -> C per chunk with the batch's normalizers; the
+            loss head's per-sequence partial sums of every chunk are reduced once at the end. Chosen
+            by the Triton backend whenever it is valid (no batch-global statistics, every sequence
+            fits in a chunk), and logged at DEBUG on the "grpo_kernels" logger either way.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ class _Saved:
     grad_hidden: torch.Tensor | None = None
     grad_weight: torch.Tensor | None = None
     grad_bias: torch.Tensor | None = None
+
+
+# Valid tokens per one-pass chunk: large enough that re-reading W and the fp32 grad_weight
+# read-modify-write per chunk stay far below the chunk's GEMM time (perf-state-of-the-art.md §4.2:
+# C >= ~1024 on an H200), small enough that the per-chunk loss-head launch is cheap.
+ONE_PASS_CHUNK_TOKENS = 8192
+SCHEDULES = ("auto", "one_pass", "two_pass")
 
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):
@@ -78,10 +90,6 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     ent_leaf = entropy.clone().requires_grad_(needs_grad and cfg.entropy_coef > 0)
     with torch.enable_grad():
         out = loss_head(lp_leaf, ent_leaf)
-    logger.debug(
-        "fused_linear_grpo_loss: two-pass schedule (LM head: %s, %d of %d tokens valid)",
-        lm_impl.__name__, hidden_rows.shape[0], n_tokens,
-    )
     if not needs_grad:
         return out.loss.detach(), out.metrics, logprobs, entropy
 
@@ -108,3 +116,129 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     saved.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
     loss = FusedLinearGRPOLossFunction.apply(hidden_rows, weight, bias, out.loss.detach(), saved)
     return loss, out.metrics, logprobs, entropy
+
+
+def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int):
+    """Consecutive runs of whole sequences with at most `chunk_tokens` valid tokens each, as
+    (first_seq, end_seq, first_token, end_token); None if one sequence alone exceeds the budget."""
+    cu = cu_seqlens.tolist()
+    prefix = [0] + valid.long().cumsum(0).tolist()
+    counts = [prefix[cu[i + 1]] - prefix[cu[i]] for i in range(len(cu) - 1)]
+    if counts and max(counts) > chunk_tokens:
+        return None
+    chunks, start, filled = [], 0, 0
+    for i, count in enumerate(counts):
+        if filled + count > chunk_tokens and i > start:
+            chunks.append((start, i, cu[start], cu[i]))
+            start, filled = i, 0
+        filled += count
+    if counts:
+        chunks.append((start, len(counts), cu[start], cu[-1]))
+    return chunks
+
+
+def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int):
+    """(schedule, chunks or None, reason)."""
+    if requested not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {requested!r}")
+    if requested == "two_pass":
+        return "two_pass", None, "requested"
+    why_not = None
+    if backend != "triton":
+        why_not = "the PyTorch backend computes the loss head with the reference"
+    elif cfg.needs_global_statistics:
+        why_not = f"loss_type={cfg.loss_type!r} / top_entropy_quantile needs statistics of the whole batch"
+    chunks = None
+    if why_not is None:
+        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
+        if chunks is None:
+            why_not = f"a sequence has more than {chunk_tokens} valid tokens"
+    if why_not is not None:
+        if requested == "one_pass":
+            raise ValueError(f"schedule='one_pass' is not valid here: {why_not}")
+        return "two_pass", None, why_not
+    return "one_pass", chunks, f"{len(chunks)} chunk(s) of at most {chunk_tokens} valid tokens"
+
+
+def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks):
+    """A -> B -> C per chunk of whole sequences (Triton backend). Returns what fused_grpo_forward does."""
+    from ..loss_head import triton as loss_head
+
+    valid = batch.valid
+    n_tokens = valid.shape[0]
+    device = flat_hidden.device
+    temperature = float(cfg.temperature)
+    norm = batch.normalizers
+    m = valid.float()
+    seq_len = torch.zeros(batch.num_seqs, device=device).index_add(0, batch.seq_index, m)
+    norms = loss_head.normalizer_tensor(valid, seq_len, cfg, norm["num_tokens"], norm["num_sequences"],
+                                        norm["grad_accum_steps"], None)  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat_hidden, weight, bias))
+    need_h = needs_grad and flat_hidden.requires_grad
+    need_w = needs_grad and weight.requires_grad
+    need_b = needs_grad and bias is not None and bias.requires_grad
+    grad_hidden = torch.zeros_like(flat_hidden) if need_h else None
+    grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    grad_bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_b else None
+    logprobs = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    partials = []
+    hidden_d, weight_d = flat_hidden.detach(), weight.detach()
+    bias_d = None if bias is None else bias.detach()
+
+    def part(x, t0, t1):
+        return None if x is None else x[t0:t1]
+
+    for s0, s1, t0, t1 in chunks:
+        chunk_valid = valid[t0:t1]
+        rows = chunk_valid.nonzero().squeeze(-1) + t0  # the valid rows of this chunk, flat indices
+        stats = lm_impl.lm_head_forward(hidden_d.index_select(0, rows), weight_d, bias_d,
+                                        flat_targets.index_select(0, rows).long(), temperature)  # fmt: skip
+        logprobs[rows] = stats.logprobs
+        entropy[rows] = stats.entropy
+        use_ent = cfg.entropy_coef > 0
+        _, _, g_lp, g_ent, chunk_partials = loss_head.loss_head_triton(
+            logprobs[t0:t1], batch.advantages[t0:t1], chunk_valid, batch.cu_seqlens[s0:s1 + 1] - t0,
+            batch.seq_index[t0:t1] - s0, s1 - s0, cfg,
+            old_logprobs=part(batch.old_logprobs, t0, t1), ref_logprobs=part(batch.ref_logprobs, t0, t1),
+            rollout_logprobs=part(batch.rollout_logprobs, t0, t1), is_weights=part(batch.is_weights, t0, t1),
+            entropy=entropy[t0:t1], token_weights=part(batch.token_weights, t0, t1),
+            dp_size=norm["dp_size"], grad_accum_steps=norm["grad_accum_steps"],
+            need_grad_logprobs=needs_grad, need_grad_entropy=needs_grad and use_ent, norms=norms, finalize=False,
+        )  # fmt: skip
+        partials.append(chunk_partials)
+        if not needs_grad or rows.numel() == 0:
+            continue
+        local = rows - t0
+        gh, grad_weight_acc, grad_bias_acc = lm_impl.lm_head_backward(
+            hidden_d.index_select(0, rows), weight_d, bias_d, flat_targets.index_select(0, rows).long(),
+            temperature, stats.lse, stats.expected_logit, g_lp.index_select(0, local),
+            None if g_ent is None else g_ent.index_select(0, local),
+            need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
+            grad_weight_acc=grad_weight_acc, grad_bias_acc=grad_bias_acc,
+        )  # fmt: skip
+        if need_h:
+            grad_hidden.index_copy_(0, rows, gh)
+    loss, metrics = loss_head.finalize_partials(
+        torch.cat(partials), seq_len, cfg, dp_size=norm["dp_size"], grad_accum_steps=norm["grad_accum_steps"],
+        has_entropy=True, has_ref=batch.ref_logprobs is not None, has_is_weights=batch.is_weights is not None,
+    )  # fmt: skip
+    if not needs_grad:
+        return loss, metrics, logprobs, entropy
+    saved = _Saved()
+    saved.grad_hidden = grad_hidden
+    saved.grad_weight = None if grad_weight_acc is None else grad_weight_acc.to(weight.dtype)
+    saved.grad_bias = None if grad_bias_acc is None else grad_bias_acc.to(bias.dtype)
+    loss = FusedLinearGRPOLossFunction.apply(flat_hidden, weight, bias, loss, saved)
+    return loss, metrics, logprobs, entropy
+
+
+def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, backend, schedule,
+              chunk_tokens=None):  # fmt: skip
+    """Pick the schedule (see the module docstring), say which at DEBUG, run it."""
+    chunk_tokens = chunk_tokens or ONE_PASS_CHUNK_TOKENS
+    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
+    logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
+    if chosen == "one_pass":
+        return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks)
+    return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head)

@@ -601,12 +601,15 @@ def loss_head_triton(
     logprobs, advantages, valid, cu_seqlens, seq_index, num_seqs, cfg: PolicyLossConfig, *,
     old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, is_weights=None, entropy=None,
     token_weights=None, num_tokens=None, num_sequences=None, dp_size=1, grad_accum_steps=1,
-    need_grad_logprobs=True, need_grad_entropy=False, block=None,
+    need_grad_logprobs=True, need_grad_entropy=False, block=None, norms=None, finalize=True,
 ):  # fmt: skip
     """Run the kernel on flat [N] inputs (validated by the functional layer).
 
     Returns (loss 0-d, metrics dict, grad_logprobs [N] | None, grad_entropy [N] | None, partials [S, 32]).
     The gradients are those of `loss` (multiply by grad_output in the autograd backward).
+    For a chunk of the batch's sequences (the fused one-pass path): pass the batch's `norms`
+    (normalizer_tensor) and finalize=False, then `finalize_partials` on the concatenated partials of
+    all chunks; loss and metrics are then None here.
     """
     from .reference import clip_cov_keep, group_dpo_loss, kl_cov_selected, top_entropy_selection
 
@@ -633,7 +636,8 @@ def loss_head_triton(
             ratio = torch.exp(lr if c is None else lr.clamp(-c, c)) * m
             clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
             cov = clip_cov_keep(cfg, adv_c, lp_c, m, valid, -adv_c * clipped > -adv_c * ratio)
-    norms = normalizer_tensor(valid, seq_len, cfg, num_tokens, num_sequences, grad_accum_steps, entropy_selected)
+    if norms is None:
+        norms = normalizer_tensor(valid, seq_len, cfg, num_tokens, num_sequences, grad_accum_steps, entropy_selected)
 
     def ptr(x):
         return x.contiguous() if x is not None else logprobs  # a dummy pointer for absent inputs
@@ -671,6 +675,11 @@ def loss_head_triton(
         )  # fmt: skip
         _launch(loss_head_fwd_bwd_kernel, (num_seqs,), args, num_warps=4, num_stages=1)
 
+    if not finalize:
+        if cfg.loss_type == "group_dpo":
+            raise ValueError("group_dpo pairs sequences across the batch: it cannot be finalised per chunk")
+        return None, None, g_lp if need_grad_logprobs else None, \
+            g_ent if (need_grad_entropy and use_ent_bonus) else None, partials  # fmt: skip
     metrics: dict[str, torch.Tensor] = {}
     loss, extra_grad = _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad,
                                  entropy is not None, ref_logprobs is not None, is_weights is not None)  # fmt: skip
@@ -683,6 +692,14 @@ def loss_head_triton(
         g_ent if (need_grad_entropy and use_ent_bonus) else None,
         partials,
     )
+
+
+def finalize_partials(partials, seq_len, cfg, *, dp_size, grad_accum_steps, has_entropy, has_ref, has_is_weights):
+    """(loss, metrics) of the batch from the per-sequence partials of all its chunks (no group DPO)."""
+    metrics: dict[str, torch.Tensor] = {}
+    loss, _ = _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, False, has_entropy, has_ref,
+                        has_is_weights)  # fmt: skip
+    return loss, metrics
 
 
 def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad, has_ent, has_ref, has_isw):
