@@ -134,3 +134,27 @@ def test_fused_bad_input():
         h = d["hidden"].clone()
         h[0, 0, 0] = float("inf")
         gk.fused_linear_grpo_loss(h, d["weight"], d["targets"], d["adv"], d["mask"], backend="torch")
+
+
+def test_schedule_choice_is_logged_and_validated(caplog):
+    d = inputs()
+    with caplog.at_level("DEBUG", logger="grpo_kernels"):
+        gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                  config=C.dapo(), backend="torch")  # fmt: skip
+    assert any("two_pass schedule (the PyTorch backend" in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(ValueError, match="schedule='one_pass' is not valid here: the PyTorch backend"):
+        gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                  config=C.dapo(), backend="torch", schedule="one_pass")  # fmt: skip
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                  config=C.dapo(), backend="torch", schedule="fast")  # fmt: skip
+
+
+def test_plan_chunks_keeps_sequences_whole():
+    from grpo_kernels.ops.fused.function import plan_chunks
+
+    cu = torch.tensor([0, 4, 6, 13, 14])  # sequences of 4, 2, 7, 1 tokens
+    valid = torch.ones(14, dtype=torch.bool)
+    valid[5] = False  # the second sequence has 1 valid token
+    assert plan_chunks(cu, valid, 7) == [(0, 2, 0, 6), (2, 3, 6, 13), (3, 4, 13, 14)]
+    assert plan_chunks(cu, valid, 6) is None  # the 7-token sequence does not fit
