@@ -59,6 +59,8 @@ def bench_settings(request) -> RunSettings:
     opt = request.config.getoption
     cuda = _device().type == "cuda"
     named = opt("--bench-providers")
+    if not cuda:
+        torch.set_num_threads(1)  # as the CLI: tiny CPU shapes gain nothing from threads
     return RunSettings(
         dtype=DTYPES[opt("--bench-dtype")],
         device=_device(),

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed calls (default 10 on CUDA, 3 on CPU)")
     p.add_argument("--json-only", action="store_true", help="write only the JSON: no console tables, no PNGs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU runs: torch intra-op threads (default 1: the tiny shapes gain nothing from more, "
+                        "and OpenMP spin-waits dominate on a busy machine)")  # fmt: skip
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the torch-compile provider ('aot_eager' traces without "
                         "code generation: a quick check of the provider on CPU)")  # fmt: skip
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     from .providers import REGISTRY
 
     settings = _settings(args)
+    if settings.device.type == "cpu":
+        torch.set_num_threads(args.threads)
     if args.list:
         return _list(settings)
     ops = list(OPS) if args.op == "all" else _csv(args.op)

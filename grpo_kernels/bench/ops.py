@@ -77,7 +77,7 @@ OPS: dict[str, OpSpec] = {
             compared=("loss", "grad_logprobs"),
             max_tokens=None,
         ),
-    )  # fmt: skip
+    )
 }
 
 # The loss every loss op computes. Chosen so that every peer's formula gives the same value on the

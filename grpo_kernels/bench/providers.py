@@ -160,9 +160,8 @@ def _same_as_auto(settings: RunSettings) -> str | None:
 # PyTorch eager and torch.compile of the same composition (oracle.eager_lm_head + the fp32 loss head)
 # ------------------------------------------------------------------------------------------------
 def _eager_fused_loss(hidden, weight, targets, inp: BenchInputs):
-    logprobs, _ = oracle.eager_lm_head(
-        hidden, weight, targets, with_entropy=False
-    )  # the loss needs no entropy
+    # log-probs only: this loss has no entropy term
+    logprobs, _ = oracle.eager_lm_head(hidden, weight, targets, with_entropy=False)
     return oracle.loss_head(logprobs, inp).loss
 
 
