@@ -10,7 +10,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and which backend each op uses here")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmarks against every peer (same as python -m benchmarks; bench --help)",
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(rest)
     if args.command == "info":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,0 +1,1 @@
+"""The benchmark suite: `python -m benchmarks` (CLI) and `python -m pytest benchmarks/` (pytest-benchmark)."""

@@ -1,0 +1,586 @@
+"""Every implementation the suite measures, in one registry: adding a provider is one entry.
+
+A provider maps each op it implements to a setup factory `(inputs, settings) -> Forward`. The
+factory does everything that is not part of a training step (building modules, configs, padded
+layouts, compiling wrappers); `Forward.fn()` is the step's forward and returns
+  logprobs / logprobs_grad: (logprobs [N] fp32, entropy [N] or None)
+  fused_grpo / loss_head:   the loss, a 0-d tensor
+The runner adds the backward (loss.backward() or the fixed cotangents) for the backward ops, so
+speed, memory and the parity gate all run the very same call (Liger's one-setup-factory rule).
+
+Peers are imported only inside their factories; `unavailable()` answers without importing them.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+
+from . import oracle
+from .ops import BenchInputs
+
+# The peer versions this suite's adapters were written against (pyproject extras `parity`).
+PINS = {"trl": "1.16.0", "verl": "0.9.1", "liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
+TRL_CHUNK_SIZE = 32768  # trl/trainer/utils.py:1506 _CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16.0)
+VERL_TORCH_CHUNK_SIZE = (
+    512  # verl FusedLinearForPPO default (verl/utils/experimental/torch_functional.py:221)
+)
+
+
+class ProviderSkip(Exception):
+    """The provider cannot run this op at this shape here; the message says why."""
+
+
+@dataclass
+class RunSettings:
+    dtype: torch.dtype
+    device: torch.device
+    warmup: int
+    iters: int
+    compile_backend: str = "inductor"
+    explicit: frozenset = frozenset()  # provider names the user asked for by name
+    seed: int = 0
+
+
+@dataclass
+class Forward:
+    fn: Callable
+    impl: str = ""  # which implementation ran, when the provider dispatches (shown in the report)
+
+
+@dataclass
+class Provider:
+    name: str
+    summary: str
+    setups: dict[str, Callable[[BenchInputs, RunSettings], Forward]]
+    outputs: tuple[str, ...] = ("logprobs", "entropy")  # per-token outputs of the LM-head ops
+    dist: str | None = None  # the pip distribution it comes from (None: torch / grpo_kernels)
+    needs_cuda: str | None = None  # why it needs a CUDA device, if it does
+    cuda_ops: tuple[str, ...] | None = None  # the ops needs_cuda applies to (None: all)
+    extra_check: Callable[[RunSettings], str | None] | None = None
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(self.setups)
+
+    def version(self) -> str | None:
+        return installed_version(self.dist) if self.dist else None
+
+    def unavailable(self, settings: RunSettings, op: str) -> str | None:
+        """Why this provider cannot run `op` on this machine at all (None if it can)."""
+        if self.dist is not None and self.version() is None:
+            pin = f"=={PINS[self.dist]}" if self.dist in PINS else ""
+            return f"{self.dist} is not installed (pip install {self.dist}{pin})"
+        cuda_op = self.cuda_ops is None or op in self.cuda_ops
+        if self.needs_cuda and cuda_op and settings.device.type != "cuda":
+            return f"needs a CUDA device: {self.needs_cuda}"
+        if self.extra_check is not None:
+            return self.extra_check(settings)
+        return None
+
+    def version_note(self) -> str | None:
+        version = self.version()
+        if self.dist is None or version is None or version == PINS.get(self.dist, version):
+            return None
+        return f"{self.dist} {version} installed; the adapter is written against {PINS[self.dist]}"
+
+
+def installed_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _bt(inp: BenchInputs):
+    return inp.shape.batch, inp.shape.seq_len
+
+
+# ------------------------------------------------------------------------------------------------
+# grpo_kernels
+# ------------------------------------------------------------------------------------------------
+def _resolved_backend(backend: str, device: torch.device) -> str:
+    from .._backend import triton_available
+
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and triton_available()[0] else "torch"
+
+
+def _ours(backend: str) -> dict:
+    import grpo_kernels as gk
+
+    def logprobs(inp, s):
+        def fn():
+            out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend=backend)
+            return out.logprobs, out.entropy
+
+        return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}")
+
+    def fused(inp, s):
+        b, t = _bt(inp)
+
+        def fn():
+            hidden = inp.hidden.view(b, t, -1)
+            targets = inp.targets.view(b, t)
+            return gk.fused_linear_grpo_loss(
+                hidden, inp.weight, targets, inp.advantages, inp.mask, inp.old_logprobs, inp.ref_logprobs,
+                config=inp.config, backend=backend,
+            ).loss  # fmt: skip
+
+        return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}")
+
+    def head(inp, s):
+        def fn():
+            return gk.grpo_loss(
+                inp.logprobs, inp.advantages, inp.mask, inp.old_logprobs, inp.ref_logprobs, config=inp.config,
+                backend=backend,
+            ).loss  # fmt: skip
+
+        return Forward(fn, f"backend={backend}")
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
+
+
+def _same_as_auto(settings: RunSettings) -> str | None:
+    if _resolved_backend("auto", settings.device) == "torch":
+        return (
+            f"same code path as grpo_kernels on {settings.device.type} (backend='auto' resolves to 'torch')"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch eager and torch.compile of the same composition (oracle.eager_lm_head + the fp32 loss head)
+# ------------------------------------------------------------------------------------------------
+def _eager_fused_loss(hidden, weight, targets, inp: BenchInputs):
+    # log-probs only: this loss has no entropy term
+    logprobs, _ = oracle.eager_lm_head(hidden, weight, targets, with_entropy=False)
+    return oracle.loss_head(logprobs, inp).loss
+
+
+def _torch_setups(compile_it: bool) -> dict:
+    def wrap(fn, s: RunSettings):
+        if not compile_it:
+            return fn
+        import torch._dynamo.config as dynamo_config
+
+        # one static graph per shape: the sweep needs more entries than the default recompile limit
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+        return torch.compile(fn, backend=s.compile_backend, dynamic=False)
+
+    def impl(s):
+        return f"torch.compile(backend={s.compile_backend!r})" if compile_it else ""
+
+    def logprobs(inp, s):
+        lm_head = wrap(oracle.eager_lm_head, s)
+        return Forward(lambda: lm_head(inp.hidden, inp.weight, inp.targets), impl(s))
+
+    def fused(inp, s):
+        loss = wrap(functools.partial(_eager_fused_loss, inp=inp), s)
+        return Forward(lambda: loss(inp.hidden, inp.weight, inp.targets), impl(s))
+
+    def head(inp, s):
+        loss = wrap(lambda lp: oracle.loss_head(lp.view(-1), inp).loss, s)
+        return Forward(lambda: loss(inp.logprobs), impl(s))
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
+
+
+def _compile_check(settings: RunSettings) -> str | None:
+    slow = settings.device.type == "cpu" and settings.compile_backend == "inductor"
+    if slow and "torch-compile" not in settings.explicit:
+        return (
+            "torch.compile on CPU: inductor spends 15-75 s per graph generating C++; "
+            "name it in --providers to run it anyway"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL 1.16: ChunkedLogProbFunction as add_fused_lm_head calls it, GRPOTrainer._compute_loss unbound
+# ------------------------------------------------------------------------------------------------
+def _trl_lm_head(hidden, weight, targets, mask):
+    """trl/trainer/utils.py:1638-1659 (add_fused_lm_head's fused forward, trl 1.16.0): only the valid
+    positions are scored on Triton devices, every position elsewhere; results scattered to `mask`."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction, _use_triton
+
+    compact = _use_triton(hidden.device)
+    flat_mask = mask.reshape(-1)
+    per_token = ChunkedLogProbFunction.apply(
+        hidden[flat_mask] if compact else hidden, weight, None,
+        targets[flat_mask] if compact else targets.clamp(min=0), 1.0, TRL_CHUNK_SIZE, None, 1.0,
+        ("log_probs", "entropy"),  # what GRPOTrainer installs (grpo_trainer.py:1066-1077)
+    )  # fmt: skip
+    if compact:
+        per_token = [
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token
+        ]
+    else:
+        per_token = [None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in per_token]
+    return per_token[0], per_token[1]
+
+
+class _OneProcess:
+    """accelerate's Accelerator for one process: gather / reduce / pad are identities."""
+
+    num_processes = 1
+    sync_gradients = True
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+
+def _trl_loss(inp: BenchInputs, per_token_logps_and_entropies: Callable):
+    """GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py:3020-3292, trl 1.16.0) called unbound on
+    a stand-in `self` with exactly the attributes it reads. loss_type "dapo" with num_items_in_batch =
+    the valid tokens of this micro-batch (one process, no accumulation): the token mean."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    b, t = _bt(inp)
+    cfg = inp.config
+    args = types.SimpleNamespace(
+        delta=None, use_bias_correction_kl=False, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        steps_per_generation=1, entropy_target=0.2,
+    )  # fmt: skip
+    trainer = types.SimpleNamespace(
+        args=args, loss_type="dapo", beta=cfg.kl_coef, epsilon_low=cfg.clip_low, epsilon_high=cfg.clip_high,
+        importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        use_vllm=False, vllm_importance_sampling_correction=False, max_completion_length=t,
+        current_gradient_accumulation_steps=1, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        entropy_coef=0.0, use_adaptive_entropy=False, model=types.SimpleNamespace(training=True),
+        accelerator=_OneProcess(), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (*per_token_logps_and_entropies(), None),
+    )  # fmt: skip
+    ones = torch.ones(b, 1, dtype=torch.long, device=inp.device)
+    inputs = {
+        "prompt_ids": ones,
+        "prompt_mask": ones,
+        "completion_ids": torch.zeros(b, t, dtype=torch.long, device=inp.device),
+        "completion_mask": inp.mask.long(),
+        "advantages": inp.advantages,
+        "num_items_in_batch": inp.mask.sum(),
+        "old_per_token_logps": inp.old_logprobs,
+        "ref_per_token_logps": inp.ref_logprobs,
+    }
+
+    def fn():
+        trainer._metrics["train"].clear()  # TRL appends one float per metric per call
+        return GRPOTrainer._compute_loss(trainer, None, inputs)
+
+    return fn
+
+
+def _trl_setups() -> dict:
+    def logprobs(inp, s):
+        mask = torch.ones(inp.shape.tokens, dtype=torch.bool, device=inp.device)
+        return Forward(lambda: _trl_lm_head(inp.hidden, inp.weight, inp.targets, mask), _trl_impl(inp.device))
+
+    def fused(inp, s):
+        def per_token():
+            return _trl_lm_head(inp.hidden, inp.weight, inp.targets, inp.mask)
+
+        return Forward(_trl_loss(inp, per_token), _trl_impl(inp.device))
+
+    def head(inp, s):
+        return Forward(_trl_loss(inp, lambda: (inp.logprobs, inp.entropy)), "_compute_loss")
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
+
+
+def _trl_impl(device: torch.device) -> str:
+    from trl.kernels.chunked_logprob import _use_triton
+
+    return "cuBLAS tiles + Triton fold" if _use_triton(device) else "torch tiles (no Triton on this device)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Liger 0.8.5
+# ------------------------------------------------------------------------------------------------
+def _liger_chunked(inp, s):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    cfg = inp.config
+    b, t = _bt(inp)
+    compiled = inp.device.type == "cuda"
+    loss_module = LigerFusedLinearGRPOLoss(
+        beta=cfg.kl_coef, compiled=compiled, use_ref_model=True, epsilon_low=cfg.clip_low,
+        epsilon_high=cfg.clip_high, loss_type="dapo", temperature=cfg.temperature,
+    )  # fmt: skip
+    mask = inp.mask.long()
+    count = inp.mask.sum()
+
+    def fn():
+        loss, _ = loss_module(
+            inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), mask, inp.advantages,
+            ref_per_token_logps=inp.ref_logprobs, old_per_token_logps=inp.old_logprobs,
+            num_items_in_batch=count,
+        )  # fmt: skip
+        return loss
+
+    return Forward(fn, f"compiled={compiled}" + ("" if compiled else " (no torch.compile off CUDA)"))
+
+
+def _liger_triton(inp, s):
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    cfg = inp.config
+    b, t = _bt(inp)
+    # The kernel reads logits [B, T + 1, V] and drops the last position, as the model emits it.
+    last_position = torch.zeros(b, 1, inp.shape.hidden, dtype=inp.dtype, device=inp.device)
+    mask = inp.mask.int()
+    count = inp.mask.sum()
+
+    def fn():
+        hidden = torch.cat([inp.hidden.view(b, t, -1), last_position], dim=1)  # [B, T + 1, H]
+        logits = hidden @ inp.weight.t()  # [B, T + 1, V] in the input dtype
+        loss, _ = triton_grpo_loss(
+            logits, inp.old_logprobs, inp.ref_logprobs, inp.targets.view(b, t), inp.advantages, mask,
+            temperature=cfg.temperature, beta=cfg.kl_coef, eps_low=cfg.clip_low, eps_high=cfg.clip_high,
+            inplace=True, loss_type="dapo", reduce=True, num_items_in_batch=count,
+        )  # fmt: skip
+        return loss
+
+    return Forward(fn, "materialised logits + Triton loss kernel (inplace dlogits)")
+
+
+def _liger_flsce(inp, s):
+    from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import _resolve_implementation
+
+    impl = getattr(_resolve_implementation(inp.device), "__name__", "?")
+
+    def fn():
+        nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(
+            inp.hidden, inp.weight, inp.targets, 1.0, -100, 1, True
+        )
+        return -nll, entropy
+
+    return Forward(fn, impl)
+
+
+# ------------------------------------------------------------------------------------------------
+# verl 0.9.1
+# ------------------------------------------------------------------------------------------------
+def _verl_loss(inp: BenchInputs):
+    """verl/workers/utils/losses.py:57-144 (ppo_loss, verl 0.9.1) on padded [B, T] tensors: the policy
+    loss from the registry, the entropy term, the KL loss; the engine's no-padding -> padded
+    conversion is left out (it is layout plumbing, not loss math)."""
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config.actor import ActorConfig
+    from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
+
+    cfg = inp.config
+    b, t = _bt(inp)
+    # what ppo_loss writes into global_batch_info for one rank with local counts (losses.py:62-66)
+    local_batch_info = {
+        "dp_size": 1,
+        "batch_num_tokens": None,
+        "global_batch_size": None,
+        "loss_scale_factor": None,
+    }
+    actor = ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean",
+        policy_loss=VerlPolicyLossConfig(loss_mode="vanilla"), clip_ratio_low=cfg.clip_low,
+        clip_ratio_high=cfg.clip_high, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=cfg.kl_coef,
+        entropy_coeff=0.0, global_batch_info=local_batch_info,
+    )  # fmt: skip
+    policy_loss_fn = core_algos.get_policy_loss_fn("vanilla")
+    advantages = inp.advantages[:, None].expand(b, t).contiguous()  # verl's data holds [B, T] advantages
+    mask = inp.mask
+
+    def loss(log_prob, entropy):
+        pg_loss, _ = policy_loss_fn(
+            old_log_prob=inp.old_logprobs, log_prob=log_prob, advantages=advantages, response_mask=mask,
+            loss_agg_mode=actor.loss_agg_mode, config=actor, rollout_is_weights=None,
+        )  # fmt: skip
+        policy_loss = pg_loss
+        if entropy is not None:
+            entropy_loss = core_algos.agg_loss(
+                loss_mat=entropy, loss_mask=mask, loss_agg_mode=actor.loss_agg_mode, **actor.global_batch_info
+            )
+            policy_loss -= actor.entropy_coeff * entropy_loss
+        kld = core_algos.kl_penalty(
+            logprob=log_prob, ref_logprob=inp.ref_logprobs, kl_penalty=actor.kl_loss_type
+        )
+        kl_loss = core_algos.agg_loss(
+            loss_mat=kld, loss_mask=mask, loss_agg_mode=actor.loss_agg_mode, **actor.global_batch_info
+        )
+        return policy_loss + kl_loss * actor.kl_loss_coef
+
+    return loss
+
+
+def _verl_lm_head(kind: str, inp: BenchInputs):
+    if kind == "triton":
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        if inp.shape.hidden % 128:
+            raise ProviderSkip(f"verl's kernel needs H % 128 == 0, H = {inp.shape.hidden}")
+        return lambda: linear_cross_entropy(inp.hidden, inp.weight, inp.targets, 1.0, "none")
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    module = FusedLinearForPPO(chunk_size=VERL_TORCH_CHUNK_SIZE, impl_backend="torch")
+    return lambda: module(inp.hidden, inp.weight, inp.targets, 1.0)
+
+
+def _verl_setups(kind: str) -> dict:
+    impl = "linear_cross_entropy (Triton)" if kind == "triton" else "FusedLinearForPPO(impl_backend='torch')"
+
+    def logprobs(inp, s):
+        return Forward(_verl_lm_head(kind, inp), impl)
+
+    def fused(inp, s):
+        b, t = _bt(inp)
+        lm_head, loss = _verl_lm_head(kind, inp), _verl_loss(inp)
+
+        def fn():
+            logprobs, entropy = lm_head()
+            return loss(logprobs.view(b, t), entropy.view(b, t))
+
+        return Forward(fn, impl)
+
+    setups = {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
+    if kind == "triton":  # the loss head alone is the same code for both LM heads: listed once
+        setups["loss_head"] = lambda inp, s: Forward(
+            functools.partial(_verl_loss(inp), inp.logprobs, None),
+            "core_algos (vanilla + low_var_kl + agg_loss)",
+        )
+    return setups
+
+
+# ------------------------------------------------------------------------------------------------
+# cut-cross-entropy
+# ------------------------------------------------------------------------------------------------
+def _cce(inp, s):
+    from cut_cross_entropy import linear_cross_entropy
+
+    def fn():
+        nll = linear_cross_entropy(
+            inp.hidden, inp.weight, inp.targets, reduction="none"
+        )  # -log p, no entropy
+        return -nll.float(), None
+
+    return Forward(fn, "impl='cce', filter_eps default (approximate gradient filtering)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The registry
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Registry:
+    providers: dict[str, Provider] = field(default_factory=dict)
+
+    def add(self, provider: Provider) -> None:
+        self.providers[provider.name] = provider
+
+    def for_op(self, op: str) -> list[Provider]:
+        return [p for p in self.providers.values() if op in p.setups]
+
+
+REGISTRY = Registry()
+REGISTRY.add(
+    Provider(
+        "grpo_kernels", "grpo_kernels, backend='auto' (Triton on CUDA, PyTorch elsewhere)", _ours("auto")
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-torch",
+        "grpo_kernels, backend='torch' (chunked PyTorch)",
+        _ours("torch"),
+        extra_check=_same_as_auto,
+    )
+)
+REGISTRY.add(
+    Provider(
+        "torch-eager",
+        "PyTorch eager: [N, V] logits in the input dtype, fp32 log-softmax, fp32 reference loss head",
+        _torch_setups(compile_it=False),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "torch-compile",
+        "torch.compile of the torch-eager composition",
+        _torch_setups(compile_it=True),
+        extra_check=_compile_check,
+    )
+)
+REGISTRY.add(
+    Provider(
+        "trl",
+        "TRL 1.16: ChunkedLogProbFunction (as add_fused_lm_head calls it) + GRPOTrainer._compute_loss",
+        _trl_setups(),
+        dist="trl",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "liger-chunked",
+        "Liger 0.8.5 LigerFusedLinearGRPOLoss (chunked, grads in forward)",
+        {"fused_grpo": _liger_chunked},
+        dist="liger-kernel",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "liger-triton",
+        "Liger 0.8.5 triton_grpo_loss on materialised logits",
+        {"fused_grpo": _liger_triton},
+        dist="liger-kernel",
+        needs_cuda="Triton kernel",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "liger-flsce",
+        "Liger 0.8.5 LigerFusedLinearScaledCrossEntropyFunction: NLL + entropy (CuTe on sm90, else PyTorch)",
+        {"logprobs": _liger_flsce, "logprobs_grad": _liger_flsce},
+        dist="liger-kernel",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "verl",
+        "verl 0.9.1 linear_cross_entropy (Triton) + core_algos loss (ppo_loss's lines)",
+        _verl_setups("triton"),
+        dist="verl",
+        needs_cuda="Triton kernel (asserts CUDA tensors)",
+        cuda_ops=("logprobs", "logprobs_grad", "fused_grpo"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "verl-torch",
+        "verl 0.9.1 FusedLinearForPPO(impl_backend='torch'), verl's default fused backend, + core_algos loss",
+        _verl_setups("torch"),
+        dist="verl",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "cce",
+        "cut-cross-entropy linear_cross_entropy(reduction='none'): log-probs only",
+        {"logprobs": _cce, "logprobs_grad": _cce},
+        outputs=("logprobs",),
+        dist="cut-cross-entropy",
+        needs_cuda="Triton kernels (Ampere or newer)",
+    )
+)

@@ -1,0 +1,258 @@
+"""One benchmark run: for every op and shape, the floor, then every provider: parity gate, time, memory.
+
+Order per (op, shape): build the inputs; compute the fp32 truth and PyTorch's same-dtype result
+(oracle.py); time the floor (ops.make_floor); then per provider: set up, one call checked against
+the truth (a provider that fails is reported, never timed), `warmup` + `iters` timed calls, one call
+for peak memory. Ratios to the floor and to grpo_kernels are filled in at the end of each shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .._backend import BackendFallbackWarning
+from . import environment, oracle
+from .ops import OPS, BenchInputs, build_inputs, compulsory_bytes, make_floor, op_flops
+from .parity import check_outputs
+from .providers import REGISTRY, Provider, ProviderSkip, RunSettings
+from .shapes import BenchShape
+from .timing import free_memory, peak_extra_bytes, time_call
+
+OURS = "grpo_kernels"
+FLOOR = "floor"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ShapeContext:
+    """The inputs of one (op, shape) and their reference results, shared by every provider."""
+
+    inputs: BenchInputs
+    _truth: dict = field(default_factory=dict)
+    _yardstick: dict = field(default_factory=dict)
+
+    def truth(self, outputs: tuple[str, ...]) -> dict:
+        if outputs not in self._truth:
+            self._truth[outputs] = oracle.truth(self.inputs, outputs)
+        return self._truth[outputs]
+
+    def yardstick(self, outputs: tuple[str, ...]) -> dict:
+        if outputs not in self._yardstick:
+            self._yardstick[outputs] = oracle.same_dtype(self.inputs, outputs)
+        return self._yardstick[outputs]
+
+
+def prepare_shape(op: str, shape: BenchShape, settings: RunSettings) -> ShapeContext:
+    return ShapeContext(build_inputs(OPS[op], shape, settings.dtype, settings.device, settings.seed))
+
+
+def reset_grads(inp: BenchInputs) -> None:
+    for leaf in inp.leaves:
+        leaf.grad = None
+
+
+def make_call(inp: BenchInputs, fn, outputs: tuple[str, ...]):
+    """The provider's forward plus the op's backward; returns the outputs the parity gate reads."""
+    op = inp.op.name
+    if op == "logprobs":
+
+        def call():
+            with torch.no_grad():
+                logprobs, entropy = fn()
+            return {"logprobs": logprobs, "entropy": entropy}
+
+    elif op == "logprobs_grad":
+
+        def call():
+            logprobs, entropy = fn()
+            tensors, cotangents = [logprobs], [inp.cot_logprobs.view_as(logprobs).to(logprobs.dtype)]
+            if "entropy" in outputs and entropy is not None:
+                tensors.append(entropy)
+                cotangents.append(inp.cot_entropy.view_as(entropy).to(entropy.dtype))
+            torch.autograd.backward(tensors, cotangents)
+            return {
+                "logprobs": logprobs.detach(),
+                "entropy": None if entropy is None else entropy.detach(),
+                "grad_hidden": inp.hidden.grad,
+                "grad_weight": inp.weight.grad,
+            }
+
+    else:
+
+        def call():
+            loss = fn()
+            loss.backward()
+            grads = {"grad_logprobs": inp.logprobs.grad} if op == "loss_head" else {
+                "grad_hidden": inp.hidden.grad, "grad_weight": inp.weight.grad}  # fmt: skip
+            return {"loss": loss.detach(), **grads}
+
+    return call
+
+
+def compared_outputs(op: str, provider: Provider) -> tuple[str, ...]:
+    per_token = ("logprobs", "entropy")
+    return tuple(n for n in OPS[op].compared if n not in per_token or n in provider.outputs)
+
+
+def _row(op: str, shape: BenchShape, provider: str, **fields) -> dict:
+    row = {
+        "op": op,
+        "shape": shape.as_dict(),
+        "shape_label": shape.label,
+        "provider": provider,
+        "status": "ok",
+    }
+    return {**row, "reason": "", "impl": "", "parity": None, "time": None, "memory": None, **fields}
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _error_text(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def measure_floor(ctx: ShapeContext, settings: RunSettings) -> dict:
+    inp = ctx.inputs
+    row = _row(inp.op.name, inp.shape, FLOOR, impl=inp.op.floor_label)
+    try:
+        floor = make_floor(inp)
+        row["time"] = time_call(
+            floor, lambda: None, settings.device, settings.warmup, settings.iters
+        ).as_dict()
+    except Exception as exc:  # noqa: BLE001 - reported in the results, the run goes on
+        row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc))
+    free_memory(settings.device)
+    return row
+
+
+def gate(provider: Provider, ctx: ShapeContext, settings: RunSettings):
+    """Set the provider up and check one call against the truth. Returns (call, forward, parity);
+    raises ProviderSkip, or whatever the provider raises."""
+    inp = ctx.inputs
+    op = inp.op.name
+    forward = provider.setups[op](inp, settings)
+    call = make_call(inp, forward.fn, provider.outputs)
+    reset_grads(inp)
+    result = call()
+    dtype = torch.float32 if op == "loss_head" else settings.dtype
+    truth, yardstick = ctx.truth(provider.outputs), ctx.yardstick(provider.outputs)
+    parity = check_outputs(result, truth, yardstick, compared_outputs(op, provider), dtype)
+    del result
+    reset_grads(inp)
+    return call, forward, parity
+
+
+def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -> dict:
+    inp = ctx.inputs
+    row = _row(inp.op.name, inp.shape, provider.name)
+    try:
+        call, forward, parity = gate(provider, ctx, settings)
+    except ProviderSkip as exc:
+        row.update(status="skipped", reason=str(exc))
+        return row
+    except Exception as exc:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
+        row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc))
+        _log(
+            f"    {provider.name}: {row['reason']}\n" + "".join(traceback.format_exception(exc)[-3:]).rstrip()
+        )
+        reset_grads(inp)
+        free_memory(settings.device)
+        return row
+    row.update(impl=forward.impl, parity=parity.as_dict(), parity_summary=parity.summary())
+    if not parity.passed:
+        row.update(status="parity-failed", reason=parity.summary())
+        _log(f"    {provider.name}: parity FAILED, not timed\n{parity.failure_message()}")
+        free_memory(settings.device)
+        return row
+    reset = functools.partial(reset_grads, inp)
+    try:
+        row["time"] = time_call(call, reset, settings.device, settings.warmup, settings.iters).as_dict()
+        extra = peak_extra_bytes(call, reset, settings.device)
+        if extra is not None:
+            grads = inp.grad_bytes()
+            row["memory"] = {
+                "peak_extra_bytes": extra,
+                "grad_bytes": grads,
+                "beyond_grads_bytes": extra - grads,
+            }
+    except Exception as exc:  # noqa: BLE001
+        row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
+    reset_grads(inp)
+    free_memory(settings.device)
+    return row
+
+
+def add_ratios(rows: list[dict], inp: BenchInputs) -> None:
+    """x_floor = time / floor time; ours_speedup = time / grpo_kernels' time (> 1: ours is faster);
+    throughput at the op's minimal work (GEMM FLOPs, or compulsory bytes for the loss head)."""
+    by_name = {r["provider"]: r for r in rows if r["time"]}
+    floor = by_name.get(FLOOR)
+    ours = by_name.get(OURS)
+    for r in rows:
+        if not r["time"]:
+            continue
+        seconds = r["time"]["median_ms"] * 1e-3
+        r["x_floor"] = r["time"]["median_ms"] / floor["time"]["median_ms"] if floor else None
+        r["ours_speedup"] = (
+            r["time"]["median_ms"] / ours["time"]["median_ms"] if ours and r is not floor else None
+        )
+        if inp.op.gemm_units:
+            r["tflops"] = op_flops(inp.op, inp.shape) / seconds / 1e12
+        else:
+            r["gbps"] = compulsory_bytes(inp.shape) / seconds / 1e9
+
+
+def run_suite(ops: list[str], shapes: list[BenchShape], provider_names: list[str], settings: RunSettings,
+              presets: list[str]) -> dict:  # fmt: skip
+    report = environment.describe(settings, ops, provider_names, presets)
+    with warnings.catch_warnings():
+        # the implementations legend of each table already says which backend "auto" resolved to
+        warnings.simplefilter("ignore", BackendFallbackWarning)
+        _run_ops(report, ops, shapes, provider_names, settings)
+    return report
+
+
+def _run_ops(report: dict, ops: list[str], shapes: list[BenchShape], provider_names: list[str],
+             settings: RunSettings) -> None:  # fmt: skip
+    for op in ops:
+        providers = []
+        for p in REGISTRY.for_op(op):
+            if p.name not in provider_names:
+                continue
+            reason = p.unavailable(settings, op)
+            if reason:
+                report["skipped"].append({"op": op, "provider": p.name, "reason": reason})
+            else:
+                providers.append(p)
+                note = p.version_note()
+                if note and note not in report["notes"]:
+                    report["notes"].append(note)
+        limit = OPS[op].max_tokens
+        for shape in shapes:
+            if limit is not None and shape.tokens > limit:
+                _log(f"[{op}] {shape.label}: beyond this op's token range ({limit}), not run")
+                continue
+            _log(f"[{op}] {shape.label}")
+            ctx = prepare_shape(op, shape, settings)
+            rows = [measure_floor(ctx, settings)]
+            for provider in providers:
+                rows.append(run_provider(provider, ctx, settings))
+                r = rows[-1]
+                shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
+                _log(f"    {provider.name:<20} {shown}")
+            add_ratios(rows, ctx.inputs)
+            report["results"] += rows
+            del ctx
+            free_memory(settings.device)
