@@ -75,6 +75,7 @@ class CompileResult:
     mma: str  # tensor-core instruction family found in the PTX: "wgmma", "mma.sync" or "none"
     seconds: float
     signature: dict = field(default_factory=dict)
+    ttir: str = field(default="", repr=False)  # Triton IR before any lowering (not in as_dict)
 
     @property
     def spills(self) -> bool:
@@ -82,6 +83,8 @@ class CompileResult:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("ttir")
+        d["kernel_name"] = d.pop("kernel")
         d["constexprs"] = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v))
                            for k, v in self.constexprs.items()}
         d["spills"] = self.spills
@@ -154,4 +157,5 @@ def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
         mma=mma,
         seconds=seconds,
         signature={k: v for k, v in signature.items() if v != "constexpr"},
+        ttir=compiled.asm["ttir"],
     )

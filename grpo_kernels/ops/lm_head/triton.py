@@ -29,6 +29,9 @@ import triton.language as tl
 from ..._backend import interpreter_enabled
 from .reference import LMHeadStats
 
+# exp(x) is computed as exp2(x * LOG2E), which is what tl.exp lowers to (mul + ex2.approx.f32); written out,
+# it keeps the backward epilogue at 128 registers where tl.exp's lowering needed 192 (sm_90, 128x128 tile).
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Additive column term of logits outside [0, V): exp2 of it is exactly 0, and 0 * (it - max) is -0, never
 # NaN (which -inf would give). Finite logits are always far above it.
 NEG_BIG = -1.0e30
@@ -98,11 +101,24 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
     ),
     # tf32x3 on mma.sync splits both register operands into high and low parts: 128x128 tiles spill
-    # hundreds of bytes, 64x64 do not.
+    # hundreds of bytes; 64x64x16 needs 125 registers.
     ("sm80", "fp32"): LMHeadTritonConfig(
         "sm80-fp32",
-        forward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=3),
-        backward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=3),
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+    ),
+    # Inputs Triton cannot prove 16-element aligned (H or a row stride not a multiple of 16, or a base
+    # pointer off 16 bytes): no vectorised cp.async, so no software pipeline and scalar pointer registers.
+    # Small tiles keep that slow path spill-free on sm_90 and sm_80. No LLM head has such an H.
+    ("unaligned", "16bit"): LMHeadTritonConfig(
+        "unaligned-16bit",
+        forward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=1),
+        backward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=1),
+    ),
+    ("unaligned", "fp32"): LMHeadTritonConfig(
+        "unaligned-fp32",
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
     ),
     # TRITON_INTERPRET=1 on CPU: small tiles so odd test shapes cross many tile edges quickly.
     ("interpreter", "16bit"): LMHeadTritonConfig(
@@ -131,11 +147,21 @@ def arch_class(capability: tuple[int, int]) -> str:
     return "sm80"
 
 
-def pick_config(device: torch.device, dtype: torch.dtype) -> LMHeadTritonConfig:
-    """The tile configuration for tensors of `dtype` on `device` (README.md, "Tile configurations")."""
+def is_aligned(*tensors: torch.Tensor) -> bool:
+    """What Triton's specialisation must see for vectorised, pipelined loads of [rows, H] operands: base
+    pointers 16-byte aligned, row strides and H multiples of 16 elements."""
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors
+    )
+
+
+def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) -> LMHeadTritonConfig:
+    """The tile configuration for [rows, H] operands of `dtype` on `device` (README.md, "Tile configurations")."""
     operands = "fp32" if dtype == torch.float32 else "16bit"
     if device.type != "cuda":
         return CONFIGS[("interpreter", operands)]
+    if not aligned:
+        return CONFIGS[("unaligned", operands)]
     return CONFIGS[(arch_class(torch.cuda.get_device_capability(device)), operands)]
 
 
@@ -245,7 +271,7 @@ def _logits_tile_acc(
     x_ptrs,  # [BM, BK] pointers into hidden at k = 0
     w_ptrs,  # [BN, BK] pointers into weight at k = 0
     hidden_size,
-    k_tiles,
+    live,  # False: skip the GEMM, the tile stays 0
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -253,24 +279,32 @@ def _logits_tile_acc(
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # [BM, H] @ [H, BN] -> [BM, BN] fp32. Row and column indices are clamped by the caller, so only a
-    # ragged last K slice needs a mask.
+    # [BM, H] @ [H, BN] -> [BM, BN] fp32. Row and column indices are clamped by the caller, so the
+    # pipelined loop runs unmasked over the whole BLOCK_K slices; a ragged last slice is peeled off
+    # (masks inside the loop cost the registers that 128-wide tiles do not have).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k in range(0, k_tiles):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < hidden_size - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+    k_full = tl.where(live, hidden_size // BLOCK_K, 0)
+    x_tail = x_ptrs + k_full * BLOCK_K
+    w_tail = w_ptrs + k_full * BLOCK_K
+    for k in range(0, k_full):
+        x = tl.load(x_ptrs)
+        w = tl.load(w_ptrs)
         if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if not EVEN_K:
+        # the ragged last K slice, from its own pointers so the pipelined loop above stays self-contained
+        if live:
+            k_ok = tl.arange(0, BLOCK_K) < hidden_size - k_full * BLOCK_K
+            x = tl.load(x_tail, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_tail, mask=k_ok[None, :], other=0.0)
+            if UPCAST_OPERANDS:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -322,7 +356,6 @@ def lm_head_fwd_kernel_partial(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :]  # [BM, BK]
     target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)  # V < 2^31
-    k_tiles = tl.cdiv(hidden_size, BLOCK_K)
 
     num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
     first_tile = pid_split * tiles_per_split
@@ -339,15 +372,15 @@ def lm_head_fwd_kernel_partial(
         w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
         w_ptrs = weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :]  # [BN, BK]
         acc = _logits_tile_acc(
-            x_ptrs, w_ptrs, hidden_size, k_tiles,
+            x_ptrs, w_ptrs, hidden_size, True,
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST_OPERANDS, DOT_PRECISION,
         )
         # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
         z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        rescale = tl.exp(run_max - new_max)
+        rescale = tl.exp2((run_max - new_max) * LOG2E)
         shifted = z - new_max[:, None]  # [BM, BN], <= 0
-        e = tl.exp(shifted)
+        e = tl.exp2(shifted * LOG2E)
         # re-centre the deviation sum on new_max: (z - old) = (z - new) + (new - old)
         run_dev = rescale * (run_dev + (run_max - new_max) * run_sum) + tl.sum(e * shifted, axis=1)
         run_sum = rescale * run_sum + tl.sum(e, axis=1)
@@ -389,8 +422,8 @@ def lm_head_fwd_kernel_merge(
         s_k = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
         d_k = tl.load(part_dev_ptr + part, mask=ok, other=0.0)
         new_max = tl.maximum(run_max, m_k)
-        a = tl.exp(run_max - new_max)
-        b = tl.exp(m_k - new_max)
+        a = tl.exp2((run_max - new_max) * LOG2E)
+        b = tl.exp2((m_k - new_max) * LOG2E)
         run_dev = a * (run_dev + (run_max - new_max) * run_sum) + b * (d_k + (m_k - new_max) * s_k)
         run_sum = a * run_sum + b * s_k
         run_max = new_max
@@ -461,7 +494,6 @@ def lm_head_bwd_kernel_dlogits(
     # A tile whose rows all have zero upstream gradient skips its GEMM: with acc = 0 every factor below is
     # finite and multiplied by a zero coefficient, so its dL/dlogit is exactly 0.
     any_live = tl.sum(live.to(tl.int32), axis=0) > 0
-    k_tiles = tl.where(any_live, tl.cdiv(hidden_size, BLOCK_K), 0)
 
     rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
     w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
@@ -469,11 +501,11 @@ def lm_head_bwd_kernel_dlogits(
     acc = _logits_tile_acc(
         hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :],
         weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :],
-        hidden_size, k_tiles,
+        hidden_size, any_live,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST_OPERANDS, DOT_PRECISION,
     )
     z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
-    p = tl.exp(z - lse[:, None])  # [BM, BN] softmax probabilities
+    p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
     if HAS_GRAD_ENTROPY:
         if HAS_GRAD_LOGPROBS:
             dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
@@ -615,7 +647,7 @@ def lm_head_forward(
     weight = _unit_stride_rows(weight)
     targets = targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    cfg = config or pick_config(device, hidden.dtype)
+    cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     tile = cfg.forward
     if num_sms is None:
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -754,7 +786,7 @@ def lm_head_backward(
     expected_logit = expected_logit.contiguous()
     grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
     grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-    cfg = config or pick_config(device, hidden.dtype)
+    cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     tile = cfg.backward
     store_dlogits = need_grad_hidden or need_grad_weight
     plan = plan_backward(
