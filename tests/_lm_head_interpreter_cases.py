@@ -40,9 +40,13 @@ CASES = [
     dict(id="fp16-N37-H64-V3000-no_upstream_grad", dtype="float16", N=37, H=64, V=3000, bias=True, T=1.0,
          grads="none"),
     dict(id="bf16-N37-H64-V1001-bias-T0.7", dtype="bfloat16", N=37, H=64, V=1001, bias=True, T=0.7),
+    # through grpo_kernels.ops.lm_head.function.LMHeadFunction (get_impl("triton")) and torch.autograd
+    dict(id="autograd-fp32-N37-H48-V1001-bias-T0.7", dtype="float32", N=37, H=48, V=1001, bias=True, T=0.7,
+         autograd=True),
 ]
 
 FORWARD_FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
+AUTOGRAD_FIELDS = ("logprobs", "entropy")
 
 
 def _make_inputs(case, torch):
@@ -143,6 +147,8 @@ def run_case(case):
     dtype = x.dtype
     out = {}
 
+    if case.get("autograd"):
+        return _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch)
     stats = tri.lm_head_forward(x, w, b, y, T, num_sms=case.get("num_sms", 8))
     gt_stats, gt_grads = _stats_and_grads(
         x.double(), w.double(), b.double() if b is not None else None, y, T,
@@ -205,6 +211,33 @@ def run_case(case):
     if g_bias is not None:
         got = g_bias - acc_b0 if acc_b0 is not None else g_bias
         out["grad_bias"] = _compare(got, gt_gb, base_grads[2], torch)
+    return out
+
+
+def _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch):
+    from grpo_kernels.ops.lm_head import get_impl
+    from grpo_kernels.ops.lm_head.function import LMHeadFunction
+
+    T = case["T"]
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    logprobs, entropy = LMHeadFunction.apply(*leaves, y, T, get_impl("triton"), True)
+    loss = (logprobs * g_lp).sum() + (entropy * g_h).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    gt_stats, gt_grads = _stats_and_grads(
+        x.double(), w.double(), b.double(), y, T, g_lp.double(), g_h.double(), torch
+    )
+    ref_stats, ref_grads = _stats_and_grads(x, w, b, y, T, g_lp, g_h, torch, compute_dtype=torch.float32)
+    out = {
+        "logprobs": _compare(logprobs.detach(), gt_stats["logprobs"], ref_stats["logprobs"], torch),
+        "entropy": _compare(entropy.detach(), gt_stats["entropy"], ref_stats["entropy"], torch),
+        "invariants": dict(max_logprob=logprobs.max().item(), min_entropy=entropy.min().item()),
+        "returned": dict(grad_hidden=True, grad_weight=True, grad_bias=True, acc_in_place=None,
+                         grad_hidden_dtype=str(grads[0].dtype), grad_weight_dtype="torch.float32"),
+        "expected_returned": dict(grad_hidden=True, grad_weight=True, grad_bias=True),
+        "autograd_dtypes": [str(g.dtype) for g in grads],
+    }
+    for name, got, gt, ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, gt_grads, ref_grads):
+        out[name] = _compare(got, gt, ref, torch)
     return out
 
 

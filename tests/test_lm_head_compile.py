@@ -73,7 +73,10 @@ def test_lm_head_huge_shape_planning_fits_int32(bias):
     names = [la.name for la in launches]
     assert names[:2] == ["lm_head_fwd_kernel_partial", "lm_head_fwd_kernel_merge"]
     bwd = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
-    plan = tri.plan_backward(65536, 256000, 2, config.backward.block_m, tri.DEFAULT_WORKSPACE_BYTES, True, bias)
+    plan = tri.plan_backward(
+        65536, 256000, 8192, 2, config.backward.block_m, tri.DEFAULT_WORKSPACE_BYTES,
+        store_dlogits=True, need_bias_grad=bias, need_hidden_grad=True,
+    )
     assert len(bwd) == plan.num_chunks > 1
     assert sum(la.args["n_rows"] for la in bwd) == 65536
     assert plan.workspace_bytes <= tri.DEFAULT_WORKSPACE_BYTES
@@ -83,7 +86,8 @@ def test_lm_head_huge_shape_planning_fits_int32(bias):
             if isinstance(value, int) and not isinstance(value, bool):
                 assert abs(value) <= INT32_MAX, f"{la.name}.{name} = {value} would be passed as int64"
     # the whole [N, V] problem never exists: the workspace is one chunk, the forward partials are O(N)
-    fwd = tri.plan_forward(65536, 256000, config.forward.block_m, config.forward.block_n, tri.DEFAULT_NUM_SMS)
+    t = config.forward
+    fwd = tri.plan_forward(65536, 256000, t.block_m, t.block_n, tri.DEFAULT_NUM_SMS, t.group_m)
     assert fwd.partial_bytes(65536) < 64 * 2**20
     assert plan.rows_per_chunk * plan.workspace_row_stride < 65536 * 256000
 

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _lm_head_interpreter_cases import CASES, FORWARD_FIELDS  # noqa: E402
+from _lm_head_interpreter_cases import AUTOGRAD_FIELDS, CASES, FORWARD_FIELDS  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -63,7 +63,7 @@ def _check(name: str, m: dict) -> None:
 def test_lm_head_triton_interpreter(case, report):
     r = report[case["id"]]
     assert "error" not in r, r.get("error")
-    for name in FORWARD_FIELDS:
+    for name in AUTOGRAD_FIELDS if case.get("autograd") else FORWARD_FIELDS:
         _check(name, r[name])
     # logp = (z_y - max) - log(sum) <= 0 and entropy = log(sum) - E[z - max] >= 0 hold exactly
     assert r["invariants"]["max_logprob"] <= 0.0, r["invariants"]
@@ -78,6 +78,8 @@ def test_lm_head_triton_interpreter(case, report):
         assert returned["grad_hidden_dtype"] == f"torch.{case['dtype']}"
     if returned["grad_weight"]:
         assert returned["grad_weight_dtype"] == "torch.float32"  # the fp32 accumulator, cast by the caller
+    if case.get("autograd"):  # LMHeadFunction casts the fp32 accumulators once, to the parameters' dtype
+        assert r["autograd_dtypes"] == [f"torch.{case['dtype']}"] * 3
     if returned["acc_in_place"] is not None:
         assert returned["acc_in_place"], "grad_weight_acc must be accumulated into in place and returned"
     if "zero_rows" in case and "zero_rows_grad_hidden_max_abs" in r:

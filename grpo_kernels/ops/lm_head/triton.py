@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,9 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # NaN (which -inf would give). Finite logits are always far above it.
 NEG_BIG = -1.0e30
 
-# Backward workspace: the [token_chunk, V] dL/dlogit slab in the input dtype. 1 GiB holds 3456 tokens at
-# V = 151936 in bf16, enough that re-reading the fp32 grad_weight accumulator once per chunk stays under
-# ~7 % of the chunk's GEMM time on H100/H200 (README.md, "Backward schedule").
+# Backward workspace budget (plan_backward): mostly the [token_chunk, V] dL/dlogit slab in the input dtype.
+# 1 GiB holds 3328 tokens at V = 151936, H = 4096 in bf16, enough that re-reading the fp32 grad_weight
+# accumulator once per chunk costs well under 10 % of the chunk's GEMM time on H100/H200 (README.md).
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 # Forward split planning: assumed SM count when the device has none (interpreter, AOT planning).
 DEFAULT_NUM_SMS = 132
@@ -84,7 +85,7 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
     # stages: 128 registers and 96 KiB, two CTAs per SM, one's epilogue overlapping the other's GEMM.
     ("sm90", "16bit"): LMHeadTritonConfig(
         "sm90-16bit",
-        forward=TileConfig(128, 256, 64, 8, num_warps=8, num_stages=3),
+        forward=TileConfig(128, 256, 64, 16, num_warps=8, num_stages=3),
         backward=TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
     ),
     # fp32 operands (tf32x3, or tf32 where torch allows it): 4-byte elements, so half-width tiles.
@@ -199,18 +200,23 @@ class ForwardPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_forward(n_tokens: int, vocab: int, block_m: int, block_n: int, num_sms: int) -> ForwardPlan:
+def plan_forward(
+    n_tokens: int, vocab: int, block_m: int, block_n: int, num_sms: int, group_m: int
+) -> ForwardPlan:
     """Split the vocabulary so that (token tiles x splits) programs fill the SMs with little tail.
 
     Program p runs tiles_per_split vocabulary tiles; with P programs on S SMs the makespan is about
     ceil(P / S) * tiles_per_split tile-times. Pick the split length with the best utilisation
-    (total tiles / (S * makespan)), preferring longer splits (fewer partials to merge) among near-ties.
+    (total tiles / (S * makespan)), preferring longer splits (fewer partials to merge) among near-ties,
+    with at least ceil(S / group_m) splits: the programs running at once are then group_m token tiles x
+    S / group_m splits, which share hidden and weight tiles in L2 (README.md, "Forward schedule").
     """
     num_m_tiles = max(1, math.ceil(n_tokens / block_m))
     num_vocab_tiles = math.ceil(vocab / block_n)
+    min_splits = min(num_vocab_tiles, math.ceil(num_sms / group_m))
     total = num_m_tiles * num_vocab_tiles
-    best_tps, best_util = num_vocab_tiles, -1.0
-    for tps in range(num_vocab_tiles, 0, -1):
+    best_tps, best_util = 1, -1.0
+    for tps in range(num_vocab_tiles // min_splits, 0, -1):
         splits = math.ceil(num_vocab_tiles / tps)
         makespan = math.ceil(num_m_tiles * splits / num_sms) * tps
         util = total / (num_sms * makespan)
@@ -222,31 +228,41 @@ def plan_forward(n_tokens: int, vocab: int, block_m: int, block_n: int, num_sms:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    rows_per_chunk: int  # tokens per workspace slab (a multiple of block_m unless it is all of N)
+    rows_per_chunk: int  # tokens per chunk (a multiple of block_m unless it is all of N)
     num_chunks: int
     workspace_row_stride: int  # V rounded up to WORKSPACE_ROW_ALIGN
-    workspace_bytes: int  # rows_per_chunk * workspace_row_stride * element size
-    bias_partial_bytes: int  # fp32 [ceil(rows_per_chunk / block_m), V] column sums, 0 without bias grad
+    workspace_bytes: int  # everything the backward allocates besides its outputs, per the formula below
 
 
 def plan_backward(
     n_tokens: int,
     vocab: int,
+    hidden_size: int,
     element_size: int,
     block_m: int,
     workspace_bytes: int,
+    *,
     store_dlogits: bool,
     need_bias_grad: bool,
+    need_hidden_grad: bool,
 ) -> BackwardPlan:
-    """Chunk the tokens so one [rows, V] dL/dlogit slab fits the budget (never less than one tile row)."""
+    """Chunk the tokens so the backward's transient memory fits the budget (never less than one tile row).
+
+    Per chunk of r rows it allocates (README.md, "Workspace"):
+      r * V_pad * element_size        dL/dlogit slab in the input dtype      (when grad_hidden/grad_weight)
+      ceil(r / block_m) * V * 4       fp32 column sums for grad_bias         (when grad_bias)
+      r * H * 4                       fp32 grad_hidden of the chunk before its single cast (half precision)
+    """
     row_stride = math.ceil(vocab / WORKSPACE_ROW_ALIGN) * WORKSPACE_ROW_ALIGN
-    rows = workspace_bytes // (row_stride * element_size) if store_dlogits else n_tokens
-    rows = max(block_m, rows // block_m * block_m)
+    per_row = (row_stride * element_size if store_dlogits else 0) + (
+        hidden_size * 4 if need_hidden_grad and element_size < 4 else 0
+    )
+    per_tile = block_m * per_row + (vocab * 4 if need_bias_grad else 0)  # per block_m rows
+    rows = max(1, workspace_bytes // max(per_tile, 1)) * block_m
     rows = max(1, min(rows, n_tokens))
     num_chunks = math.ceil(n_tokens / rows) if n_tokens else 0
-    ws = rows * row_stride * element_size if store_dlogits else 0
-    bias_bytes = math.ceil(rows / block_m) * vocab * 4 if need_bias_grad else 0
-    return BackwardPlan(rows, num_chunks, row_stride, ws, bias_bytes)
+    used = rows * per_row + (math.ceil(rows / block_m) * vocab * 4 if need_bias_grad else 0)
+    return BackwardPlan(rows, num_chunks, row_stride, used)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -652,7 +668,7 @@ def lm_head_forward(
     if num_sms is None:
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else DEFAULT_NUM_SMS
-    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms)
+    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
     partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
     target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
     inv_t = 1.0 / float(temperature)
@@ -691,25 +707,58 @@ def lm_head_forward(
 
 
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
+# Fallback GEMMs (no out_dtype): operands are upcast this many vocabulary entries at a time, so the
+# extra fp32 memory stays rows x 8192 x 4 bytes.
+_UPCAST_SLAB = 8192
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b accumulated and returned in fp32 (added into `acc` in place when given), never rounded to
-    the operands' dtype in between. Half-precision operands use cuBLAS's fp32 output (out_dtype); where
-    that is unavailable (CPU, old torch) the operands are upcast."""
-    if a.dtype != torch.float32:
-        key = a.device.type
-        if _MM_OUT_DTYPE_OK.get(key, True):
-            try:
-                if acc is None:
-                    return torch.mm(a, b, out_dtype=torch.float32)
-                return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            except (RuntimeError, TypeError, NotImplementedError):
-                _MM_OUT_DTYPE_OK[key] = False
-        a, b = a.float(), b.float()
-    if acc is None:
-        return a @ b
-    return acc.addmm_(a, b)
+def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor | None:
+    """a @ b (added into `acc` when given) by cuBLAS with an fp32 output from half-precision operands;
+    None where torch has no out_dtype for this device (CPU, torch < 2.8)."""
+    key = a.device.type
+    if not _MM_OUT_DTYPE_OK.get(key, True):
+        return None
+    try:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        _MM_OUT_DTYPE_OK[key] = False
+        if key == "cuda":
+            warnings.warn(
+                f"grpo_kernels lm_head: torch.mm(out_dtype=float32) is unavailable ({exc}); the backward "
+                "GEMMs upcast their operands instead (slower, bounded extra memory)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+
+def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """acc[V, H] += dlogits[n, V].T @ hidden[n, H], accumulated in fp32, never rounded to the inputs' dtype."""
+    if dlogits.dtype == torch.float32:
+        acc.addmm_(dlogits.T, hidden)
+        return
+    if _mm_out_fp32(dlogits.T, hidden, acc) is not None:
+        return
+    hidden32 = hidden.float()
+    for v0 in range(0, dlogits.shape[1], _UPCAST_SLAB):
+        cols = slice(v0, v0 + _UPCAST_SLAB)
+        acc[cols].addmm_(dlogits[:, cols].T.float(), hidden32)
+
+
+def _grad_hidden_chunk(dlogits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dlogits[n, V] @ weight[V, H] in fp32 ([n, H] fp32): one GEMM over the whole vocabulary."""
+    if dlogits.dtype == torch.float32:
+        return dlogits @ weight
+    out = _mm_out_fp32(dlogits, weight)
+    if out is not None:
+        return out
+    out = torch.zeros((dlogits.shape[0], weight.shape[1]), dtype=torch.float32, device=dlogits.device)
+    for v0 in range(0, dlogits.shape[1], _UPCAST_SLAB):
+        cols = slice(v0, v0 + _UPCAST_SLAB)
+        out.addmm_(dlogits[:, cols].float(), weight[cols].float())
+    return out
 
 
 @torch.no_grad()
@@ -790,7 +839,8 @@ def lm_head_backward(
     tile = cfg.backward
     store_dlogits = need_grad_hidden or need_grad_weight
     plan = plan_backward(
-        n_tokens, vocab, hidden.element_size(), tile.block_m, workspace_bytes, store_dlogits, need_grad_bias
+        n_tokens, vocab, hidden_size, hidden.element_size(), tile.block_m, workspace_bytes,
+        store_dlogits=store_dlogits, need_bias_grad=need_grad_bias, need_hidden_grad=need_grad_hidden,
     )
     rows = plan.rows_per_chunk
     workspace = (
@@ -836,11 +886,11 @@ def lm_head_backward(
             if store_dlogits:
                 dlogits = workspace[:n, :vocab]  # [n, V]
                 if need_grad_hidden:
-                    # [n, V] @ [V, H] -> [n, H]: fp32 out over the whole vocabulary, rounded once
-                    grad_hidden[chunk] = _mm_fp32(dlogits, weight)
+                    # [n, V] @ [V, H] -> [n, H]: fp32 over the whole vocabulary, rounded once
+                    grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
                 if need_grad_weight:
-                    # [V, n] @ [n, H] accumulated into the fp32 [V, H] accumulator
-                    _mm_fp32(dlogits.T, hidden[chunk], acc=grad_weight_acc)
+                    # [V, n] @ [n, H] added into the fp32 [V, H] accumulator
+                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk])
             if need_grad_bias:
                 grad_bias_acc += bias_part[: triton.cdiv(n, tile.block_m)].sum(0)
     return result
