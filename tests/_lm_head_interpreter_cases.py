@@ -22,27 +22,122 @@ import sys
 import zlib
 
 CASES = [
-    dict(id="fp32-N37-H48-V1001-bias-T0.7-zero_rows", dtype="float32", N=37, H=48, V=1001, bias=True, T=0.7,
-         zero_rows=(3, 9)),
-    dict(id="fp32-N37-H64-V3000-T1-splits-chunks-acc", dtype="float32", N=37, H=64, V=3000, bias=False, T=1.0,
-         num_sms=64, workspace_rows=32, prefill_acc=True),
-    dict(id="fp32-N37-H48-V1001-bias-T0.7-entropy_only-transposed_w-int32", dtype="float32", N=37, H=48, V=1001,
-         bias=True, T=0.7, grads="entropy", layout="transposed", targets_dtype="int32"),
+    dict(
+        id="fp32-N37-H48-V1001-bias-T0.7-zero_rows",
+        dtype="float32",
+        N=37,
+        H=48,
+        V=1001,
+        bias=True,
+        T=0.7,
+        zero_rows=(3, 9),
+    ),
+    dict(
+        id="fp32-N37-H64-V3000-T1-splits-chunks-acc",
+        dtype="float32",
+        N=37,
+        H=64,
+        V=3000,
+        bias=False,
+        T=1.0,
+        num_sms=64,
+        workspace_rows=32,
+        prefill_acc=True,
+    ),
+    dict(
+        id="fp32-N37-H48-V1001-bias-T0.7-entropy_only-transposed_w-int32",
+        dtype="float32",
+        N=37,
+        H=48,
+        V=1001,
+        bias=True,
+        T=0.7,
+        grads="entropy",
+        layout="transposed",
+        targets_dtype="int32",
+    ),
     dict(id="fp32-N1-H64-V50-bias-T2", dtype="float32", N=1, H=64, V=50, bias=True, T=2.0),
-    dict(id="fp32-N70-H64-V3000-grad_weight_only-zero_tile", dtype="float32", N=70, H=64, V=3000, bias=True, T=0.9,
-         zero_rows=(32, 64), needs=(False, True, False), num_sms=1),
-    dict(id="fp32-N37-H48-V1001-bias-grad_bias_only", dtype="float32", N=37, H=48, V=1001, bias=True, T=1.1,
-         needs=(False, False, True), prefill_acc=True),
-    dict(id="fp32-N37-H64-V1001-peaked-T0.7", dtype="float32", N=37, H=64, V=1001, bias=True, T=0.7, peaked=True),
+    dict(
+        id="fp32-N70-H64-V3000-grad_weight_only-zero_tile",
+        dtype="float32",
+        N=70,
+        H=64,
+        V=3000,
+        bias=True,
+        T=0.9,
+        zero_rows=(32, 64),
+        needs=(False, True, False),
+        num_sms=1,
+    ),
+    # a whole zero-gradient token tile whose fake logits (acc = 0, so z = bias / T) sit 110 above the rows'
+    # lse: exp overflows unless dead rows are excluded before the exponential
+    dict(
+        id="fp32-N70-H64-V1001-dead_tile_overflow",
+        dtype="float32",
+        N=70,
+        H=64,
+        V=1001,
+        bias=True,
+        T=0.5,
+        zero_rows=(32, 64),
+        dead_tile_overflow=True,
+    ),
+    dict(
+        id="fp32-N37-H48-V1001-bias-grad_bias_only",
+        dtype="float32",
+        N=37,
+        H=48,
+        V=1001,
+        bias=True,
+        T=1.1,
+        needs=(False, False, True),
+        prefill_acc=True,
+    ),
+    dict(
+        id="fp32-N37-H64-V1001-peaked-T0.7",
+        dtype="float32",
+        N=37,
+        H=64,
+        V=1001,
+        bias=True,
+        T=0.7,
+        peaked=True,
+    ),
     dict(id="fp16-N37-H64-V3000-bias-T0.7", dtype="float16", N=37, H=64, V=3000, bias=True, T=0.7),
-    dict(id="fp16-N37-H48-V1001-T1.3-logprobs_only-strided", dtype="float16", N=37, H=48, V=1001, bias=False,
-         T=1.3, grads="logprobs", layout="strided", workspace_rows=32),
-    dict(id="fp16-N37-H64-V3000-no_upstream_grad", dtype="float16", N=37, H=64, V=3000, bias=True, T=1.0,
-         grads="none"),
+    dict(
+        id="fp16-N37-H48-V1001-T1.3-logprobs_only-strided",
+        dtype="float16",
+        N=37,
+        H=48,
+        V=1001,
+        bias=False,
+        T=1.3,
+        grads="logprobs",
+        layout="strided",
+        workspace_rows=32,
+    ),
+    dict(
+        id="fp16-N37-H64-V3000-no_upstream_grad",
+        dtype="float16",
+        N=37,
+        H=64,
+        V=3000,
+        bias=True,
+        T=1.0,
+        grads="none",
+    ),
     dict(id="bf16-N37-H64-V1001-bias-T0.7", dtype="bfloat16", N=37, H=64, V=1001, bias=True, T=0.7),
     # through grpo_kernels.ops.lm_head.function.LMHeadFunction (get_impl("triton")) and torch.autograd
-    dict(id="autograd-fp32-N37-H48-V1001-bias-T0.7", dtype="float32", N=37, H=48, V=1001, bias=True, T=0.7,
-         autograd=True),
+    dict(
+        id="autograd-fp32-N37-H48-V1001-bias-T0.7",
+        dtype="float32",
+        N=37,
+        H=48,
+        V=1001,
+        bias=True,
+        T=0.7,
+        autograd=True,
+    ),
 ]
 
 FORWARD_FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
@@ -57,9 +152,15 @@ def _make_inputs(case, torch):
     w = torch.randn(v, h, generator=gen) * (1.0 if case.get("peaked") else 0.3)
     b = torch.randn(v, generator=gen) if case["bias"] else None
     y = torch.randint(0, v, (n,), generator=gen)
-    if case.get("peaked"):  # logits with std ~8 / T, |z| up to ~40; half the targets are the argmax (logp -> 0-)
+    if case.get(
+        "peaked"
+    ):  # logits with std ~8 / T, |z| up to ~40; half the targets are the argmax (logp -> 0-)
         z = (x @ w.T + (b if b is not None else 0)) / case["T"]
         y[::2] = z.argmax(-1)[::2]
+    if case.get("dead_tile_overflow"):  # rows 32..63: z_5 = (x . w_5 + b_5) / T = (-128 + 60) / 0.5
+        x[32:64] = 1.0
+        w[5] = -2.0
+        b[5] = 60.0
     x, w = x.to(dtype), w.to(dtype)
     b = b.to(dtype) if b is not None else None
     layout = case.get("layout", "contiguous")
@@ -68,8 +169,8 @@ def _make_inputs(case, torch):
         xb[:, :h] = x
         x = xb[:, :h]
         wb = torch.zeros(v, h + 5, dtype=dtype)
-        wb[:, 3:3 + h] = w
-        w = wb[:, 3:3 + h]
+        wb[:, 3 : 3 + h] = w
+        w = wb[:, 3 : 3 + h]
     elif layout == "transposed":  # weight stored as [H, V]: unit stride is along V, the launcher copies
         w = w.T.contiguous().T
     if case.get("targets_dtype") == "int32":
@@ -144,15 +245,20 @@ def run_case(case):
 
     x, w, b, y, g_lp, g_h = _make_inputs(case, torch)
     T = case["T"]
-    dtype = x.dtype
     out = {}
 
     if case.get("autograd"):
         return _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch)
     stats = tri.lm_head_forward(x, w, b, y, T, num_sms=case.get("num_sms", 8))
     gt_stats, gt_grads = _stats_and_grads(
-        x.double(), w.double(), b.double() if b is not None else None, y, T,
-        g_lp.double() if g_lp is not None else None, g_h.double() if g_h is not None else None, torch,
+        x.double(),
+        w.double(),
+        b.double() if b is not None else None,
+        y,
+        T,
+        g_lp.double() if g_lp is not None else None,
+        g_h.double() if g_h is not None else None,
+        torch,
     )
     # forward baseline: the fp32 computation on the same (exactly upcast) inputs, which is what the kernel
     # claims to do whatever the input dtype
@@ -161,9 +267,7 @@ def run_case(case):
     )
     for name in FORWARD_FIELDS:
         out[name] = _compare(getattr(stats, name), gt_stats[name], ref_stats[name], torch)
-    out["invariants"] = dict(
-        max_logprob=stats.logprobs.max().item(), min_entropy=stats.entropy.min().item()
-    )
+    out["invariants"] = dict(max_logprob=stats.logprobs.max().item(), min_entropy=stats.entropy.min().item())
 
     # gradient baseline: plain PyTorch autograd in the input dtype: logits from a GEMM in that dtype,
     # softmax statistics in fp32 (for fp32 inputs this is the fp32 reference)
@@ -182,12 +286,26 @@ def run_case(case):
         row_stride = -(-w.shape[0] // tri.WORKSPACE_ROW_ALIGN) * tri.WORKSPACE_ROW_ALIGN
         workspace_bytes = case["workspace_rows"] * row_stride * x.element_size()
     g_hidden, g_weight, g_bias = tri.lm_head_backward(
-        x, w, b, y, T, stats.lse, stats.expected_logit, g_lp, g_h,
-        need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
-        grad_weight_acc=acc_w, grad_bias_acc=acc_b, workspace_bytes=workspace_bytes,
+        x,
+        w,
+        b,
+        y,
+        T,
+        stats.lse,
+        stats.expected_logit,
+        g_lp,
+        g_h,
+        need_grad_hidden=need_h,
+        need_grad_weight=need_w,
+        need_grad_bias=need_b,
+        grad_weight_acc=acc_w,
+        grad_bias_acc=acc_b,
+        workspace_bytes=workspace_bytes,
     )
     out["returned"] = dict(
-        grad_hidden=g_hidden is not None, grad_weight=g_weight is not None, grad_bias=g_bias is not None,
+        grad_hidden=g_hidden is not None,
+        grad_weight=g_weight is not None,
+        grad_bias=g_bias is not None,
         grad_hidden_dtype=str(g_hidden.dtype) if g_hidden is not None else None,
         grad_weight_dtype=str(g_weight.dtype) if g_weight is not None else None,
         acc_in_place=(g_weight is acc_w) if acc_w is not None and g_weight is not None else None,
@@ -231,12 +349,20 @@ def _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch):
         "logprobs": _compare(logprobs.detach(), gt_stats["logprobs"], ref_stats["logprobs"], torch),
         "entropy": _compare(entropy.detach(), gt_stats["entropy"], ref_stats["entropy"], torch),
         "invariants": dict(max_logprob=logprobs.max().item(), min_entropy=entropy.min().item()),
-        "returned": dict(grad_hidden=True, grad_weight=True, grad_bias=True, acc_in_place=None,
-                         grad_hidden_dtype=str(grads[0].dtype), grad_weight_dtype="torch.float32"),
+        "returned": dict(
+            grad_hidden=True,
+            grad_weight=True,
+            grad_bias=True,
+            acc_in_place=None,
+            grad_hidden_dtype=str(grads[0].dtype),
+            grad_weight_dtype="torch.float32",
+        ),
         "expected_returned": dict(grad_hidden=True, grad_weight=True, grad_bias=True),
         "autograd_dtypes": [str(g.dtype) for g in grads],
     }
-    for name, got, gt, ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, gt_grads, ref_grads):
+    for name, got, gt, ref in zip(
+        ("grad_hidden", "grad_weight", "grad_bias"), grads, gt_grads, ref_grads, strict=True
+    ):
         out[name] = _compare(got, gt, ref, torch)
     return out
 

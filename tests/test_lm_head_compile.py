@@ -24,7 +24,9 @@ from grpo_kernels.testing import lm_head_compile as matrix  # noqa: E402
 
 pytestmark = [
     pytest.mark.compile,
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT compiles need the real Triton JIT"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="AOT compiles need the real Triton JIT"
+    ),
 ]
 
 CASES = matrix.cases()
@@ -54,7 +56,9 @@ def test_lm_head_kernel_compiles(case, rows):
             "dispatcher picks must not spill"
         )
         if case["kernel"] != "merge":
-            assert r["mma"] == MMA[case["arch"]], f"{r['id']}: expected {MMA[case['arch']]} in the PTX, got {r['mma']}"
+            assert r["mma"] == MMA[case["arch"]], (
+                f"{r['id']}: expected {MMA[case['arch']]} in the PTX, got {r['mma']}"
+            )
 
 
 def _huge_launches(bias: bool):
@@ -74,8 +78,15 @@ def test_lm_head_huge_shape_planning_fits_int32(bias):
     assert names[:2] == ["lm_head_fwd_kernel_partial", "lm_head_fwd_kernel_merge"]
     bwd = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
     plan = tri.plan_backward(
-        65536, 256000, 8192, 2, config.backward.block_m, tri.DEFAULT_WORKSPACE_BYTES,
-        store_dlogits=True, need_bias_grad=bias, need_hidden_grad=True,
+        65536,
+        256000,
+        8192,
+        2,
+        config.backward.block_m,
+        tri.DEFAULT_WORKSPACE_BYTES,
+        store_dlogits=True,
+        need_bias_grad=bias,
+        need_hidden_grad=True,
     )
     assert len(bwd) == plan.num_chunks > 1
     assert sum(la.args["n_rows"] for la in bwd) == 65536
@@ -95,7 +106,13 @@ def test_lm_head_huge_shape_planning_fits_int32(bias):
 # 2-D operands: base + row * stride must be computed in 64 bits (V * H = 2.1e9 > 2^31 at V = 256000,
 # H = 8192). [N]- and [V]-vectors are indexed by values < 2^31 and may stay 32-bit.
 WIDE_POINTERS = {
-    "lm_head_fwd_kernel_partial": {"hidden_ptr", "weight_ptr", "part_max_ptr", "part_sum_ptr", "part_dev_ptr"},
+    "lm_head_fwd_kernel_partial": {
+        "hidden_ptr",
+        "weight_ptr",
+        "part_max_ptr",
+        "part_sum_ptr",
+        "part_dev_ptr",
+    },
     "lm_head_fwd_kernel_merge": {"part_max_ptr", "part_sum_ptr", "part_dev_ptr"},
     "lm_head_bwd_kernel_dlogits": {"hidden_ptr", "weight_ptr", "dlogits_ptr", "bias_grad_part_ptr"},
 }

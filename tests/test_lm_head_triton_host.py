@@ -49,19 +49,35 @@ def _backward(x, w, b=None, y=None, lse=None, ez=None, g_lp=_DEFAULT, g_h=None, 
 BAD_FORWARD = [
     pytest.param(dict(x=meta(8, 64), w=meta(100, 48)), "disagree on H", id="H-mismatch"),
     pytest.param(dict(x=meta(8, 64, 2), w=meta(100, 64)), "hidden must be [N, H]", id="hidden-3d"),
-    pytest.param(dict(x=meta(8, 64), w=meta(100, 64, dtype=torch.float16)), "weight dtype", id="dtype-mismatch"),
-    pytest.param(dict(x=meta(8, 64, dtype=torch.int32), w=meta(100, 64, dtype=torch.int32)), "fp16/bf16/fp32",
-                 id="int-hidden"),
-    pytest.param(dict(x=meta(8, 64), w=meta(100, 64), y=meta(7, dtype=torch.int64)), "targets must be [N]",
-                 id="targets-shape"),
-    pytest.param(dict(x=meta(8, 64), w=meta(100, 64), y=meta(8, dtype=torch.float32)), "int64 or int32",
-                 id="targets-dtype"),
+    pytest.param(
+        dict(x=meta(8, 64), w=meta(100, 64, dtype=torch.float16)), "weight dtype", id="dtype-mismatch"
+    ),
+    pytest.param(
+        dict(x=meta(8, 64, dtype=torch.int32), w=meta(100, 64, dtype=torch.int32)),
+        "fp16/bf16/fp32",
+        id="int-hidden",
+    ),
+    pytest.param(
+        dict(x=meta(8, 64), w=meta(100, 64), y=meta(7, dtype=torch.int64)),
+        "targets must be [N]",
+        id="targets-shape",
+    ),
+    pytest.param(
+        dict(x=meta(8, 64), w=meta(100, 64), y=meta(8, dtype=torch.float32)),
+        "int64 or int32",
+        id="targets-dtype",
+    ),
     pytest.param(dict(x=meta(8, 64), w=meta(100, 64), b=meta(99)), "bias must be [V]", id="bias-shape"),
     pytest.param(dict(x=meta(8, 64), w=meta(100, 64), t=0.0), "temperature", id="temperature-0"),
     pytest.param(dict(x=meta(8, 64), w=meta(100, 64), t=float("nan")), "temperature", id="temperature-nan"),
-    pytest.param(dict(x=torch.zeros(8, 64), w=torch.zeros(100, 64)), "CUDA device", id="cpu-without-interpreter"),
-    pytest.param(dict(x=meta(8, 64), w=torch.zeros(100, 64, dtype=torch.bfloat16)), "weight is on cpu",
-                 id="device-mismatch"),
+    pytest.param(
+        dict(x=torch.zeros(8, 64), w=torch.zeros(100, 64)), "CUDA device", id="cpu-without-interpreter"
+    ),
+    pytest.param(
+        dict(x=meta(8, 64), w=torch.zeros(100, 64, dtype=torch.bfloat16)),
+        "weight is on cpu",
+        id="device-mismatch",
+    ),
 ]
 
 
@@ -78,8 +94,11 @@ BAD_BACKWARD = [
     pytest.param(dict(g_lp=meta(9, dtype=torch.float32)), "grad_logprobs must be [N]", id="grad-shape"),
     pytest.param(dict(g_h=meta(8, dtype=torch.int64)), "grad_entropy must be floating", id="grad-dtype"),
     pytest.param(dict(grad_weight_acc=meta(100, 64)), "grad_weight_acc must be fp32", id="acc-dtype"),
-    pytest.param(dict(grad_weight_acc=meta(100, 63, dtype=torch.float32)), "grad_weight_acc must be fp32",
-                 id="acc-shape"),
+    pytest.param(
+        dict(grad_weight_acc=meta(100, 63, dtype=torch.float32)),
+        "grad_weight_acc must be fp32",
+        id="acc-shape",
+    ),
     pytest.param(dict(workspace_bytes=0), "workspace_bytes", id="workspace-0"),
 ]
 
@@ -96,7 +115,9 @@ def test_lm_head_backward_launches_only_what_is_needed():
     launches, (gx, gw, gb) = _backward(x, w, b, g_lp=None, g_h=None)
     assert launches == [] and gx is not None and gw is not None and gb is not None
     # nothing requested: no launch, nothing returned
-    launches, out = _backward(x, w, None, need_grad_hidden=False, need_grad_weight=False, need_grad_bias=False)
+    launches, out = _backward(
+        x, w, None, need_grad_hidden=False, need_grad_weight=False, need_grad_bias=False
+    )
     assert launches == [] and out == (None, None, None)
     # bias gradient only: the kernel stores no dL/dlogit slab, just the fp32 column sums
     launches, (gx, gw, gb) = _backward(x, w, b, need_grad_hidden=False, need_grad_weight=False)
@@ -122,15 +143,17 @@ def test_lm_head_backward_chunks_tokens_within_the_workspace_budget():
     for la in launches:
         assert la.args["dlogits_ptr"].shape == (256, row_stride)
         assert la.args["bias_grad_part_ptr"].shape == (2, v)
-    plan = tri.plan_backward(n, v, h, 2, 128, int(2.5 * per_tile), store_dlogits=True, need_bias_grad=True,
-                             need_hidden_grad=True)
+    plan = tri.plan_backward(
+        n, v, h, 2, 128, int(2.5 * per_tile), store_dlogits=True, need_bias_grad=True, need_hidden_grad=True
+    )
     assert plan.workspace_bytes == 2 * per_tile <= 2.5 * per_tile
     # a budget below one tile row still makes progress, one BLOCK_M-row chunk at a time
     launches, _ = _backward(meta(n, h), meta(v, h), workspace_bytes=1)
     assert [la.args["n_rows"] for la in launches] == [128] * 7 + [104]
     # bias gradient alone: only the column sums count against the budget
-    plan = tri.plan_backward(65536, v, h, 2, 128, 10 * v * 4, store_dlogits=False, need_bias_grad=True,
-                             need_hidden_grad=False)
+    plan = tri.plan_backward(
+        65536, v, h, 2, 128, 10 * v * 4, store_dlogits=False, need_bias_grad=True, need_hidden_grad=False
+    )
     assert plan.rows_per_chunk == 1280 and plan.workspace_bytes == 10 * v * 4
 
 
@@ -145,7 +168,11 @@ def test_lm_head_inputs_are_copied_only_when_needed():
 
 def test_lm_head_runtime_values_are_not_compile_time_constants():
     """Temperature, sizes and strides are kernel arguments; only block sizes and code paths are constexpr."""
-    for kernel in (tri.lm_head_fwd_kernel_partial, tri.lm_head_fwd_kernel_merge, tri.lm_head_bwd_kernel_dlogits):
+    for kernel in (
+        tri.lm_head_fwd_kernel_partial,
+        tri.lm_head_fwd_kernel_merge,
+        tri.lm_head_bwd_kernel_dlogits,
+    ):
         constexpr = {p.name for p in kernel.params if p.is_constexpr}
         runtime = {p.name for p in kernel.params if not p.is_constexpr}
         assert all(name.isupper() for name in constexpr), constexpr
@@ -158,7 +185,14 @@ def test_lm_head_runtime_values_are_not_compile_time_constants():
 
 @pytest.mark.parametrize(
     ("capability", "expected"),
-    [((9, 0), "sm90"), ((10, 0), "sm90"), ((8, 0), "sm80"), ((8, 6), "sm80"), ((8, 9), "sm80"), ((12, 0), "sm80")],
+    [
+        ((9, 0), "sm90"),
+        ((10, 0), "sm90"),
+        ((8, 0), "sm80"),
+        ((8, 6), "sm80"),
+        ((8, 9), "sm80"),
+        ((12, 0), "sm80"),
+    ],
 )
 def test_lm_head_arch_class(capability, expected):
     assert tri.arch_class(capability) == expected

@@ -4,8 +4,9 @@ The interpreter must be switched on before triton is first imported, and this py
 imported triton already (other tiers), so the cases run in one subprocess
 (tests/_lm_head_interpreter_cases.py, ~30 s on 2 cores) and each test here asserts on its JSON report.
 
-Ground truth: float64 autograd on the same inputs. Tolerance (DESIGN.md §4, style-anchors §9.4): the kernel's
-max error may be at most SLACK x the error of plain PyTorch on the same inputs, plus FLOOR x max|truth|.
+Ground truth: float64 autograd on the same inputs. Tolerance (DESIGN.md §4, style-anchors §9.4): the
+kernel's max error may be at most SLACK x the error of plain PyTorch on the same inputs, plus
+FLOOR x max|truth|.
 * Forward statistics: the kernel takes them from fp32 accumulators of exact products whatever the input
   dtype, so the baseline is the fp32 computation on the (exactly upcast) inputs, for fp16/bf16 too.
 * Gradients: the baseline is PyTorch autograd in the input dtype (half-precision logits GEMM, fp32 softmax);
@@ -42,7 +43,10 @@ def report():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
     proc = subprocess.run(
         [sys.executable, str(HERE / "_lm_head_interpreter_cases.py")],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0:
         pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -71,7 +75,9 @@ def test_lm_head_triton_interpreter(case, report):
 
     returned, expected = r["returned"], r["expected_returned"]
     for name in GRADIENTS:
-        assert returned[name] == expected[name], f"{name} returned={returned[name]}, expected {expected[name]}"
+        assert returned[name] == expected[name], (
+            f"{name} returned={returned[name]}, expected {expected[name]}"
+        )
         if expected[name]:
             _check(name, r[name])
     if returned["grad_hidden"]:

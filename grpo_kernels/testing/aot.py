@@ -8,7 +8,8 @@ PTX -> cubin). The cuobjdump bundled with the Triton wheel then reports register
 memory (spills) per kernel. See /work/shared/TRITON_ON_CPU.md for what was checked.
 
 Usage:
-    with record_launches(module) as launches:      # module: has a `_launch(kernel, grid, args, warps, stages)`
+    # module: has a `_launch(kernel, grid, args, num_warps, num_stages)` that every launch goes through
+    with record_launches(module) as launches:
         module.some_host_function(meta_tensors...)
     results = [compile_launch(launch, arch=90) for launch in launches]
 """
@@ -85,8 +86,10 @@ class CompileResult:
         d = asdict(self)
         d.pop("ttir")
         d["kernel_name"] = d.pop("kernel")
-        d["constexprs"] = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v))
-                           for k, v in self.constexprs.items()}
+        d["constexprs"] = {
+            k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v))
+            for k, v in self.constexprs.items()
+        }
         d["spills"] = self.spills
         return d
 
@@ -99,7 +102,7 @@ _RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of the (single) kernel in `cubin`, via `cuobjdump --dump-resource-usage`."""
+    """REG / STACK / SHARED / LOCAL of the kernel in `cubin` (`cuobjdump --dump-resource-usage`)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:

@@ -151,13 +151,11 @@ def arch_class(capability: tuple[int, int]) -> str:
 def is_aligned(*tensors: torch.Tensor) -> bool:
     """What Triton's specialisation must see for vectorised, pipelined loads of [rows, H] operands: base
     pointers 16-byte aligned, row strides and H multiples of 16 elements."""
-    return all(
-        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors
-    )
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors)
 
 
 def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) -> LMHeadTritonConfig:
-    """The tile configuration for [rows, H] operands of `dtype` on `device` (README.md, "Tile configurations")."""
+    """The tile configuration for [rows, H] operands of `dtype` on `device` (README.md §6)."""
     operands = "fp32" if dtype == torch.float32 else "16bit"
     if device.type != "cuda":
         return CONFIGS[("interpreter", operands)]
@@ -166,7 +164,7 @@ def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) 
     return CONFIGS[(arch_class(torch.cuda.get_device_capability(device)), operands)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -302,7 +300,7 @@ def _logits_tile_acc(
     k_full = tl.where(live, hidden_size // BLOCK_K, 0)
     x_tail = x_ptrs + k_full * BLOCK_K
     w_tail = w_ptrs + k_full * BLOCK_K
-    for k in range(0, k_full):
+    for _k in range(0, k_full):  # (a bare `_` as loop variable disables Triton's pipelining)
         x = tl.load(x_ptrs)
         w = tl.load(w_ptrs)
         if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
@@ -388,8 +386,16 @@ def lm_head_fwd_kernel_partial(
         w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
         w_ptrs = weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :]  # [BN, BK]
         acc = _logits_tile_acc(
-            x_ptrs, w_ptrs, hidden_size, True,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST_OPERANDS, DOT_PRECISION,
+            x_ptrs,
+            w_ptrs,
+            hidden_size,
+            True,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            UPCAST_OPERANDS,
+            DOT_PRECISION,
         )
         # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
         z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
@@ -507,8 +513,10 @@ def lm_head_bwd_kernel_dlogits(
         c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
         mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
         live = live | (c_h != 0.0)
-    # A tile whose rows all have zero upstream gradient skips its GEMM: with acc = 0 every factor below is
-    # finite and multiplied by a zero coefficient, so its dL/dlogit is exactly 0.
+    # Rows with zero upstream gradient contribute exactly 0: their lse is replaced by +1e30 so p = 0 (a
+    # skipped tile's acc is 0 and its "logits" bias / T are unrelated to lse, exp could overflow), and every
+    # coefficient multiplying p is 0. A tile whose rows are all such skips its GEMM.
+    lse = tl.where(live, lse, 1.0e30)
     any_live = tl.sum(live.to(tl.int32), axis=0) > 0
 
     rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
@@ -517,8 +525,14 @@ def lm_head_bwd_kernel_dlogits(
     acc = _logits_tile_acc(
         hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :],
         weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :],
-        hidden_size, any_live,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST_OPERANDS, DOT_PRECISION,
+        hidden_size,
+        any_live,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        UPCAST_OPERANDS,
+        DOT_PRECISION,
     )
     z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
     p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
@@ -547,7 +561,7 @@ def lm_head_bwd_kernel_dlogits(
 
 
 def _launch(kernel, grid, args: dict, num_warps: int, num_stages: int) -> None:
-    """Every launch goes through here; grpo_kernels.testing.aot swaps it to record launches for AOT compiles."""
+    """Every launch goes through here; grpo_kernels.testing.aot swaps it to record launches instead."""
     kernel[grid](**args, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -575,19 +589,26 @@ def _check_common(hidden, weight, bias, targets, temperature) -> None:
     _check(weight.dtype == hidden.dtype, f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}")
     _check(hidden.shape[1] > 0 and weight.shape[0] > 0, "H and V must be positive")
     _check(weight.shape[0] < 2**31, f"V = {weight.shape[0]} must fit in int32")
-    _check(targets.shape == (hidden.shape[0],), f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    _check(
+        targets.shape == (hidden.shape[0],),
+        f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}",
+    )
     _check(
         targets.dtype in (torch.int64, torch.int32), f"targets must be int64 or int32, got {targets.dtype}"
     )
     device = hidden.device
     _check(
         device.type in ("cuda", "meta") or interpreter_enabled(),  # meta: launch planning / AOT compiles only
-        f"tensors must be on a CUDA device (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton",
+        f"tensors must be on a CUDA device (got {device}); on CPU, set TRITON_INTERPRET=1 before importing "
+        "triton",
     )
     _check_device(weight, device, "weight")
     _check_device(targets, device, "targets")
     if bias is not None:
-        _check(bias.shape == (weight.shape[0],), f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+        _check(
+            bias.shape == (weight.shape[0],),
+            f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}",
+        )
         _check(bias.dtype in _FLOAT_DTYPES, f"bias dtype must be fp16/bf16/fp32, got {bias.dtype}")
         _check_device(bias, device, "bias")
     t = float(temperature)
@@ -644,7 +665,7 @@ def lm_head_forward(
     config: LMHeadTritonConfig | None = None,
     num_sms: int | None = None,
 ) -> LMHeadStats:
-    """Per-token logprob, entropy, lse and E_p[z] of z = (hidden @ weight.T + bias) / temperature, all fp32 [N].
+    """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
 
     Statistics come from the fp32 GEMM accumulators; no [N, V] tensor exists. Extra memory: the fp32
     split partials, 4 * N * (3 * num_splits + 1) bytes (plan_forward; < 1 MiB at N = 16384 on an H100).
@@ -666,8 +687,11 @@ def lm_head_forward(
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     tile = cfg.forward
     if num_sms is None:
-        num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else DEFAULT_NUM_SMS
+        num_sms = (
+            _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else DEFAULT_NUM_SMS
+        )
     plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
     partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
     target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
@@ -677,12 +701,21 @@ def lm_head_forward(
             lm_head_fwd_kernel_partial,
             (plan.num_programs,),
             dict(
-                hidden_ptr=hidden, weight_ptr=weight, bias_ptr=bias, targets_ptr=targets,
-                part_max_ptr=partials[0], part_sum_ptr=partials[1], part_dev_ptr=partials[2],
+                hidden_ptr=hidden,
+                weight_ptr=weight,
+                bias_ptr=bias,
+                targets_ptr=targets,
+                part_max_ptr=partials[0],
+                part_sum_ptr=partials[1],
+                part_dev_ptr=partials[2],
                 target_logit_ptr=target_logit,
-                n_tokens=n_tokens, vocab=vocab, hidden_size=hidden_size,
-                stride_hidden=hidden.stride(0), stride_weight=weight.stride(0),
-                tiles_per_split=plan.tiles_per_split, num_splits=plan.num_splits,
+                n_tokens=n_tokens,
+                vocab=vocab,
+                hidden_size=hidden_size,
+                stride_hidden=hidden.stride(0),
+                stride_weight=weight.stride(0),
+                tiles_per_split=plan.tiles_per_split,
+                num_splits=plan.num_splits,
                 inv_temperature=inv_t,
                 HAS_BIAS=bias is not None,
                 **_kernel_flags(hidden, tile),
@@ -694,11 +727,17 @@ def lm_head_forward(
             lm_head_fwd_kernel_merge,
             (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
             dict(
-                part_max_ptr=partials[0], part_sum_ptr=partials[1], part_dev_ptr=partials[2],
+                part_max_ptr=partials[0],
+                part_sum_ptr=partials[1],
+                part_dev_ptr=partials[2],
                 target_logit_ptr=target_logit,
-                logprobs_ptr=stats.logprobs, entropy_ptr=stats.entropy, lse_ptr=stats.lse,
+                logprobs_ptr=stats.logprobs,
+                entropy_ptr=stats.entropy,
+                lse_ptr=stats.lse,
                 expected_logit_ptr=stats.expected_logit,
-                n_tokens=n_tokens, num_splits=plan.num_splits, BLOCK_T=MERGE_BLOCK_T,
+                n_tokens=n_tokens,
+                num_splits=plan.num_splits,
+                BLOCK_T=MERGE_BLOCK_T,
             ),
             4,
             1,
@@ -735,7 +774,7 @@ def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = No
 
 
 def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """acc[V, H] += dlogits[n, V].T @ hidden[n, H], accumulated in fp32, never rounded to the inputs' dtype."""
+    """acc[V, H] += dlogits[n, V].T @ hidden[n, H] in fp32, never rounded to the inputs' dtype."""
     if dlogits.dtype == torch.float32:
         acc.addmm_(dlogits.T, hidden)
         return
@@ -839,8 +878,15 @@ def lm_head_backward(
     tile = cfg.backward
     store_dlogits = need_grad_hidden or need_grad_weight
     plan = plan_backward(
-        n_tokens, vocab, hidden_size, hidden.element_size(), tile.block_m, workspace_bytes,
-        store_dlogits=store_dlogits, need_bias_grad=need_grad_bias, need_hidden_grad=need_grad_hidden,
+        n_tokens,
+        vocab,
+        hidden_size,
+        hidden.element_size(),
+        tile.block_m,
+        workspace_bytes,
+        store_dlogits=store_dlogits,
+        need_bias_grad=need_grad_bias,
+        need_hidden_grad=need_grad_hidden,
     )
     rows = plan.rows_per_chunk
     workspace = (
@@ -864,13 +910,21 @@ def lm_head_backward(
                 lm_head_bwd_kernel_dlogits,
                 grid,
                 dict(
-                    hidden_ptr=hidden[chunk], weight_ptr=weight, bias_ptr=bias, targets_ptr=targets[chunk],
-                    lse_ptr=lse[chunk], expected_logit_ptr=expected_logit[chunk],
+                    hidden_ptr=hidden[chunk],
+                    weight_ptr=weight,
+                    bias_ptr=bias,
+                    targets_ptr=targets[chunk],
+                    lse_ptr=lse[chunk],
+                    expected_logit_ptr=expected_logit[chunk],
                     grad_logprobs_ptr=grad_logprobs[chunk] if grad_logprobs is not None else None,
                     grad_entropy_ptr=grad_entropy[chunk] if grad_entropy is not None else None,
-                    dlogits_ptr=workspace, bias_grad_part_ptr=bias_part,
-                    n_rows=n, vocab=vocab, hidden_size=hidden_size,
-                    stride_hidden=hidden.stride(0), stride_weight=weight.stride(0),
+                    dlogits_ptr=workspace,
+                    bias_grad_part_ptr=bias_part,
+                    n_rows=n,
+                    vocab=vocab,
+                    hidden_size=hidden_size,
+                    stride_hidden=hidden.stride(0),
+                    stride_weight=weight.stride(0),
                     stride_dlogits=plan.workspace_row_stride if store_dlogits else 0,
                     inv_temperature=inv_t,
                     HAS_BIAS=bias is not None,
