@@ -204,11 +204,13 @@ def _versions() -> dict:
     return dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__)
 
 
-def write_report(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
+def write_report(
+    rows: list[dict], out_dir: str | Path, name: str = "compile_report_lm_head"
+) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     versions = _versions()
-    json_path = out_dir / "compile_report_lm_head.json"
+    json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(dict(versions=versions, shape=SHAPE, rows=rows), indent=1, default=str))
     lines = [
         "# LM-head Triton kernels: AOT compile report",
@@ -250,7 +252,7 @@ def write_report(rows: list[dict], out_dir: str | Path) -> tuple[Path, Path]:
             f"{r['stack']} | {r['local']} | {r['shared'] / 1024:.0f} | {r['mma']} | "
             f"{'yes' if r['picked'] else ''} |"
         )
-    md_path = out_dir / "compile_report_lm_head.md"
+    md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines) + "\n")
     return md_path, json_path
 
@@ -277,10 +279,11 @@ def first_offset_widths(ttir: str) -> dict[str, set[str]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="report folder")
+    parser.add_argument("--name", default="compile_report_lm_head", help="report file name, without suffix")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args(argv)
     rows = run_matrix(args.workers)
-    md, js = write_report(rows, args.out)
+    md, js = write_report(rows, args.out, args.name)
     bad = [r["id"] for r in rows if "error" in r]
     spills = [r["id"] for r in rows if "error" not in r and r["picked"] and r["spills"]]
     print(f"{len(rows)} compiles, {len(bad)} errors, {len(spills)} picked configs with spills -> {md}, {js}")

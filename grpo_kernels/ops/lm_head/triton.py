@@ -110,11 +110,12 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
     ),
     # Inputs Triton cannot prove 16-element aligned (H or a row stride not a multiple of 16, or a base
     # pointer off 16 bytes): no vectorised cp.async, so no software pipeline and scalar pointer registers.
-    # Small tiles keep that slow path spill-free on sm_90 and sm_80. No LLM head has such an H.
+    # 64x64x16 keeps that slow path spill-free on sm_90 and sm_80 with triton 3.6 and 3.9 (64x64x32 spills
+    # on sm_90 with 3.9). No LLM head has such an H.
     ("unaligned", "16bit"): LMHeadTritonConfig(
         "unaligned-16bit",
-        forward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=1),
-        backward=TileConfig(64, 64, 32, 8, num_warps=4, num_stages=1),
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
     ),
     ("unaligned", "fp32"): LMHeadTritonConfig(
         "unaligned-fp32",
@@ -399,6 +400,10 @@ def lm_head_fwd_kernel_partial(
         )
         # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
         z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        # the target logit first: afterwards z is only needed through z - new_max (fewer live registers)
+        in_tile = (target >= n0) & (target < n0 + BLOCK_N)
+        if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
+            target_z += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         rescale = tl.exp2((run_max - new_max) * LOG2E)
         shifted = z - new_max[:, None]  # [BM, BN], <= 0
@@ -407,9 +412,6 @@ def lm_head_fwd_kernel_partial(
         run_dev = rescale * (run_dev + (run_max - new_max) * run_sum) + tl.sum(e * shifted, axis=1)
         run_sum = rescale * run_sum + tl.sum(e, axis=1)
         run_max = new_max
-        in_tile = (target >= n0) & (target < n0 + BLOCK_N)
-        if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
-            target_z += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
 
     part = pid_split.to(tl.int64) * n_tokens + offs_m
     tl.store(part_max_ptr + part, run_max, mask=row_ok)
@@ -588,7 +590,9 @@ def _check_common(hidden, weight, bias, targets, temperature) -> None:
     _check(hidden.dtype in _FLOAT_DTYPES, f"hidden dtype must be fp16/bf16/fp32, got {hidden.dtype}")
     _check(weight.dtype == hidden.dtype, f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}")
     _check(hidden.shape[1] > 0 and weight.shape[0] > 0, "H and V must be positive")
-    _check(weight.shape[0] < 2**31, f"V = {weight.shape[0]} must fit in int32")
+    # token / vocabulary indices (plus one tile of overhang) are int32 inside the kernels
+    _check(weight.shape[0] < 2**31 - 2**16, f"V = {weight.shape[0]} must fit in int32")
+    _check(hidden.shape[0] < 2**31 - 2**16, f"N = {hidden.shape[0]} must fit in int32")
     _check(
         targets.shape == (hidden.shape[0],),
         f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}",
