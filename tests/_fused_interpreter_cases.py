@@ -9,8 +9,6 @@ import json
 import os
 import sys
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-
 import torch  # noqa: E402
 
 import grpo_kernels as gk  # noqa: E402
@@ -75,6 +73,7 @@ def worst(a, b):
 
 
 def main():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     report = {}
     for name, cfg in CONFIGS.items():
         d = inputs()

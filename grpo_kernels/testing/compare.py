@@ -1,6 +1,5 @@
-"""Test helpers shared by the test suite and the benchmarks' correctness gate.
+"""Comparisons that report the worst element (index, expected, got) so a failure says where to look.
 
-Comparisons report the worst element (index, expected, got) so a failure says where to look.
 Tolerances follow the house rule: compare against PyTorch's own error in the same dtype, with a
 float64 (or fp32) computation as ground truth.
 """

@@ -1,0 +1,954 @@
+"""Triton kernels for the LM-head statistics (kernel A of DESIGN.md §1) and their backward (kernel C).
+
+Forward, two launches:
+  lm_head_fwd_kernel_partial  tiled GEMM z = (hidden @ weight.T + bias) / T into fp32 accumulators; each
+                              program owns BLOCK_M tokens x one vocabulary split and folds its logits tiles
+                              into online (max, sum-exp, sum-exp * deviation) statistics; the split that
+                              holds a token's target also writes that target's logit.
+  lm_head_fwd_kernel_merge    combines the splits into logprob, entropy, lse and E_p[z] per token.
+Backward, per chunk of tokens:
+  lm_head_bwd_kernel_dlogits  recomputes each logits tile and writes dL/dlogit into a bounded
+                              [token_chunk, V] workspace (input dtype), optionally with fp32 column sums
+                              for grad_bias; cuBLAS then contracts the workspace into grad_hidden
+                              (fp32 out, cast once) and the fp32 grad_weight accumulator.
+
+lm_head_forward / lm_head_backward share their signatures with chunked.py (extra arguments are
+keyword-only). Derivations, tile choices and workspace formulas: README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._backend import interpreter_enabled
+from .reference import LMHeadStats
+
+# exp(x) is computed as exp2(x * LOG2E), which is what tl.exp lowers to (mul + ex2.approx.f32); written out,
+# it keeps the backward epilogue at 128 registers where tl.exp's lowering needed 192 (sm_90, 128x128 tile).
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# Additive column term of logits outside [0, V): exp2 of it is exactly 0, and 0 * (it - max) is -0, never
+# NaN (which -inf would give). Finite logits are always far above it.
+NEG_BIG = -1.0e30
+
+# Backward workspace budget (plan_backward): mostly the [token_chunk, V] dL/dlogit slab in the input dtype.
+# 1 GiB holds 3328 tokens at V = 151936, H = 4096 in bf16, enough that re-reading the fp32 grad_weight
+# accumulator once per chunk costs well under 10 % of the chunk's GEMM time on H100/H200 (README.md).
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+# Forward split planning: assumed SM count when the device has none (interpreter, AOT planning).
+DEFAULT_NUM_SMS = 132
+MERGE_BLOCK_T = 256
+# Workspace rows are padded to a multiple of this many elements (128 bytes in bf16), so every row of the
+# slab cuBLAS reads is 16-byte aligned whatever V is.
+WORKSPACE_ROW_ALIGN = 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tile configurations and the dispatcher
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # tokens per tile
+    block_n: int  # vocabulary entries per tile
+    block_k: int  # hidden-size slice per pipeline stage
+    group_m: int  # token tiles per rasterisation group (L2 reuse of the weight tiles)
+    num_warps: int
+    num_stages: int
+
+    def smem_bytes(self, element_size: int) -> int:
+        """Shared memory of the operand pipeline: num_stages x ([BM, BK] + [BN, BK]) tiles."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
+
+
+@dataclass(frozen=True)
+class LMHeadTritonConfig:
+    name: str
+    forward: TileConfig
+    backward: TileConfig
+
+
+# Every configuration the dispatcher can return. The compile tier (tests/test_lm_head_compile.py) AOT-compiles
+# each of them for sm_90 and sm_80 and asserts no spills in the ones picked for Hopper; README.md explains
+# the numbers. Keys: (architecture class, operand class).
+CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
+    # Hopper (H100/H200, 228 KiB smem, wgmma). Forward: a 128x256 fp32 accumulator over two warpgroups
+    # (wgmma m64n256k16), 3 stages x 48 KiB = 144 KiB of operand pipeline, one CTA per SM. Backward:
+    # 128x256 leaves no registers for the dL/dlogit epilogue (255 + spills), so 128x128 with 3 x 32 KiB
+    # stages: 128 registers and 96 KiB, two CTAs per SM, one's epilogue overlapping the other's GEMM.
+    ("sm90", "16bit"): LMHeadTritonConfig(
+        "sm90-16bit",
+        forward=TileConfig(128, 256, 64, 16, num_warps=8, num_stages=3),
+        backward=TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
+    ),
+    # fp32 operands (tf32x3, or tf32 where torch allows it): 4-byte elements, so half-width tiles.
+    ("sm90", "fp32"): LMHeadTritonConfig(
+        "sm90-fp32",
+        forward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
+        backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
+    ),
+    # Ampere and every other sm_8x / sm_12x part (mma.sync, >= 99 KiB smem): 128x128x32 tiles, 8 warps,
+    # 4 stages (Triton keeps 3 buffers: 48 KiB, fits the 99 KiB parts too).
+    ("sm80", "16bit"): LMHeadTritonConfig(
+        "sm80-16bit",
+        forward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
+        backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
+    ),
+    # tf32x3 on mma.sync splits both register operands into high and low parts: 128x128 tiles spill
+    # hundreds of bytes; 64x64x16 needs 125 registers.
+    ("sm80", "fp32"): LMHeadTritonConfig(
+        "sm80-fp32",
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+    ),
+    # Inputs Triton cannot prove 16-element aligned (H or a row stride not a multiple of 16, or a base
+    # pointer off 16 bytes): no vectorised cp.async, so no software pipeline and scalar pointer registers.
+    # 64x64x16 keeps that slow path spill-free on sm_90 and sm_80 with triton 3.6 and 3.9 (64x64x32 spills
+    # on sm_90 with 3.9). No LLM head has such an H.
+    ("unaligned", "16bit"): LMHeadTritonConfig(
+        "unaligned-16bit",
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+    ),
+    ("unaligned", "fp32"): LMHeadTritonConfig(
+        "unaligned-fp32",
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=1),
+    ),
+    # TRITON_INTERPRET=1 on CPU: small tiles so odd test shapes cross many tile edges quickly.
+    ("interpreter", "16bit"): LMHeadTritonConfig(
+        "interpreter",
+        forward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        backward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+    ),
+    ("interpreter", "fp32"): LMHeadTritonConfig(
+        "interpreter",
+        forward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        backward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+    ),
+}
+
+
+def arch_class(capability: tuple[int, int]) -> str:
+    """Map a CUDA compute capability to the architecture key of CONFIGS."""
+    major, minor = capability
+    if major < 8:
+        raise RuntimeError(
+            f"lm_head Triton kernels need an Ampere-or-newer GPU (sm_80+), got sm_{major}{minor}; "
+            "use backend='torch'"
+        )
+    if major in (9, 10):  # H100/H200/GH200 and B200/GB200: wgmma-class tensor cores, >= 228 KiB smem
+        return "sm90"
+    return "sm80"
+
+
+def is_aligned(*tensors: torch.Tensor) -> bool:
+    """What Triton's specialisation must see for vectorised, pipelined loads of [rows, H] operands: base
+    pointers 16-byte aligned, row strides and H multiples of 16 elements."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors)
+
+
+def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) -> LMHeadTritonConfig:
+    """The tile configuration for [rows, H] operands of `dtype` on `device` (README.md §6)."""
+    operands = "fp32" if dtype == torch.float32 else "16bit"
+    if device.type != "cuda":
+        return CONFIGS[("interpreter", operands)]
+    if not aligned:
+        return CONFIGS[("unaligned", operands)]
+    return CONFIGS[(arch_class(torch.cuda.get_device_capability(device)), operands)]
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision for fp32 operands: TF32 only where torch itself allows it for matmuls."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host-side planning (pure Python ints: unit-tested at N = 65536, V = 256000 without any allocation)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    num_m_tiles: int
+    num_vocab_tiles: int
+    tiles_per_split: int
+    num_splits: int
+
+    @property
+    def num_programs(self) -> int:
+        return self.num_m_tiles * self.num_splits
+
+    def partial_bytes(self, n_tokens: int) -> int:
+        """fp32 workspace of the forward: (max, sum, deviation) per split and token, plus the target logit."""
+        return 4 * n_tokens * (3 * self.num_splits + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_forward(
+    n_tokens: int, vocab: int, block_m: int, block_n: int, num_sms: int, group_m: int
+) -> ForwardPlan:
+    """Split the vocabulary so that (token tiles x splits) programs fill the SMs with little tail.
+
+    Program p runs tiles_per_split vocabulary tiles; with P programs on S SMs the makespan is about
+    ceil(P / S) * tiles_per_split tile-times. Pick the split length with the best utilisation
+    (total tiles / (S * makespan)), preferring longer splits (fewer partials to merge) among near-ties,
+    with at least ceil(S / group_m) splits: the programs running at once are then group_m token tiles x
+    S / group_m splits, which share hidden and weight tiles in L2 (README.md, "Forward schedule").
+    """
+    num_m_tiles = max(1, math.ceil(n_tokens / block_m))
+    num_vocab_tiles = math.ceil(vocab / block_n)
+    min_splits = min(num_vocab_tiles, math.ceil(num_sms / group_m))
+    total = num_m_tiles * num_vocab_tiles
+    best_tps, best_util = 1, -1.0
+    for tps in range(num_vocab_tiles // min_splits, 0, -1):
+        splits = math.ceil(num_vocab_tiles / tps)
+        makespan = math.ceil(num_m_tiles * splits / num_sms) * tps
+        util = total / (num_sms * makespan)
+        if util > best_util + 0.01:
+            best_tps, best_util = tps, util
+    num_splits = math.ceil(num_vocab_tiles / best_tps)
+    return ForwardPlan(num_m_tiles, num_vocab_tiles, best_tps, num_splits)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    rows_per_chunk: int  # tokens per chunk (a multiple of block_m unless it is all of N)
+    num_chunks: int
+    workspace_row_stride: int  # V rounded up to WORKSPACE_ROW_ALIGN
+    workspace_bytes: int  # everything the backward allocates besides its outputs, per the formula below
+
+
+def plan_backward(
+    n_tokens: int,
+    vocab: int,
+    hidden_size: int,
+    element_size: int,
+    block_m: int,
+    workspace_bytes: int,
+    *,
+    store_dlogits: bool,
+    need_bias_grad: bool,
+    need_hidden_grad: bool,
+) -> BackwardPlan:
+    """Chunk the tokens so the backward's transient memory fits the budget (never less than one tile row).
+
+    Per chunk of r rows it allocates (README.md, "Workspace"):
+      r * V_pad * element_size        dL/dlogit slab in the input dtype      (when grad_hidden/grad_weight)
+      ceil(r / block_m) * V * 4       fp32 column sums for grad_bias         (when grad_bias)
+      r * H * 4                       fp32 grad_hidden of the chunk before its single cast (half precision)
+    """
+    row_stride = math.ceil(vocab / WORKSPACE_ROW_ALIGN) * WORKSPACE_ROW_ALIGN
+    per_row = (row_stride * element_size if store_dlogits else 0) + (
+        hidden_size * 4 if need_hidden_grad and element_size < 4 else 0
+    )
+    per_tile = block_m * per_row + (vocab * 4 if need_bias_grad else 0)  # per block_m rows
+    rows = max(1, workspace_bytes // max(per_tile, 1)) * block_m
+    rows = max(1, min(rows, n_tokens))
+    num_chunks = math.ceil(n_tokens / rows) if n_tokens else 0
+    used = rows * per_row + (math.ceil(rows / block_m) * vocab * 4 if need_bias_grad else 0)
+    return BackwardPlan(rows, num_chunks, row_stride, used)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_tile(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    # Rasterise GROUP_M token tiles x all vocabulary tiles/splits together: programs running at the same
+    # time share their hidden tiles and a short run of weight tiles in L2.
+    programs_per_group = GROUP_M * num_n_tiles
+    group = pid // programs_per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_in_group = pid % programs_per_group
+    return first_m + pid_in_group % group_size, pid_in_group // group_size
+
+
+@triton.jit
+def _logits_tile_acc(
+    x_ptrs,  # [BM, BK] pointers into hidden at k = 0
+    w_ptrs,  # [BN, BK] pointers into weight at k = 0
+    hidden_size,
+    live,  # False: skip the GEMM, the tile stays 0
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # [BM, H] @ [H, BN] -> [BM, BN] fp32. Row and column indices are clamped by the caller, so the
+    # pipelined loop runs unmasked over the whole BLOCK_K slices; a ragged last slice is peeled off
+    # (masks inside the loop cost the registers that 128-wide tiles do not have).
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_full = tl.where(live, hidden_size // BLOCK_K, 0)
+    x_tail = x_ptrs + k_full * BLOCK_K
+    w_tail = w_ptrs + k_full * BLOCK_K
+    for _k in range(0, k_full):  # (a bare `_` as loop variable disables Triton's pipelining)
+        x = tl.load(x_ptrs)
+        w = tl.load(w_ptrs)
+        if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not EVEN_K:
+        # the ragged last K slice, from its own pointers so the pipelined loop above stays self-contained
+        if live:
+            k_ok = tl.arange(0, BLOCK_K) < hidden_size - k_full * BLOCK_K
+            x = tl.load(x_tail, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_tail, mask=k_ok[None, :], other=0.0)
+            if UPCAST_OPERANDS:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS: tl.constexpr):
+    # [BN] additive term of z: bias / T inside the vocabulary, NEG_BIG outside it.
+    col_ok = cols < vocab
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * inv_temperature
+    else:
+        b = tl.zeros(cols.shape, dtype=tl.float32)
+    return tl.where(col_ok, b, -1.0e30)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "tiles_per_split", "num_splits"])
+def lm_head_fwd_kernel_partial(
+    hidden_ptr,  # [N, H], unit stride along H
+    weight_ptr,  # [V, H], unit stride along H
+    bias_ptr,  # [V] or None
+    targets_ptr,  # [N] int
+    part_max_ptr,  # [num_splits, N] fp32: m = max_j z_j over the split
+    part_sum_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m)
+    part_dev_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m) * (z_j - m)
+    target_logit_ptr,  # [N] fp32: z_y, written by the split that holds y
+    n_tokens,
+    vocab,
+    hidden_size,
+    stride_hidden,
+    stride_weight,
+    tiles_per_split,
+    num_splits,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
+    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_tokens
+    rows = tl.minimum(offs_m, n_tokens - 1).to(tl.int64)  # clamped: the K loop needs no row mask
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :]  # [BM, BK]
+    target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)  # V < 2^31
+
+    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
+    first_tile = pid_split * tiles_per_split
+    split_lo = first_tile * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
+
+    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t in range(0, n_tiles):
+        n0 = split_lo + t * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
+        w_ptrs = weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :]  # [BN, BK]
+        acc = _logits_tile_acc(
+            x_ptrs,
+            w_ptrs,
+            hidden_size,
+            True,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            UPCAST_OPERANDS,
+            DOT_PRECISION,
+        )
+        # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
+        z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        # the target logit first: afterwards z is only needed through z - new_max (fewer live registers)
+        in_tile = (target >= n0) & (target < n0 + BLOCK_N)
+        if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
+            target_z += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        rescale = tl.exp2((run_max - new_max) * LOG2E)
+        shifted = z - new_max[:, None]  # [BM, BN], <= 0
+        e = tl.exp2(shifted * LOG2E)
+        # re-centre the deviation sum on new_max: (z - old) = (z - new) + (new - old)
+        run_dev = rescale * (run_dev + (run_max - new_max) * run_sum) + tl.sum(e * shifted, axis=1)
+        run_sum = rescale * run_sum + tl.sum(e, axis=1)
+        run_max = new_max
+
+    part = pid_split.to(tl.int64) * n_tokens + offs_m
+    tl.store(part_max_ptr + part, run_max, mask=row_ok)
+    tl.store(part_sum_ptr + part, run_sum, mask=row_ok)
+    tl.store(part_dev_ptr + part, run_dev, mask=row_ok)
+    owns_target = row_ok & (target >= split_lo) & (target < split_lo + n_tiles * BLOCK_N) & (target < vocab)
+    tl.store(target_logit_ptr + offs_m, target_z, mask=owns_target)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "num_splits"])
+def lm_head_fwd_kernel_merge(
+    part_max_ptr,  # [num_splits, N] fp32
+    part_sum_ptr,  # [num_splits, N] fp32
+    part_dev_ptr,  # [num_splits, N] fp32
+    target_logit_ptr,  # [N] fp32, z_y (NaN when no split held the target)
+    logprobs_ptr,  # [N] fp32 out
+    entropy_ptr,  # [N] fp32 out
+    lse_ptr,  # [N] fp32 out
+    expected_logit_ptr,  # [N] fp32 out
+    n_tokens,
+    num_splits,
+    BLOCK_T: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = offs < n_tokens
+    run_max = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    run_dev = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    part = offs.to(tl.int64)  # split k of token t lives at k * N + t
+    for _ in range(0, num_splits):
+        m_k = tl.load(part_max_ptr + part, mask=ok, other=0.0)
+        s_k = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
+        d_k = tl.load(part_dev_ptr + part, mask=ok, other=0.0)
+        new_max = tl.maximum(run_max, m_k)
+        a = tl.exp2((run_max - new_max) * LOG2E)
+        b = tl.exp2((m_k - new_max) * LOG2E)
+        run_dev = a * (run_dev + (run_max - new_max) * run_sum) + b * (d_k + (m_k - new_max) * s_k)
+        run_sum = a * run_sum + b * s_k
+        run_max = new_max
+        part += n_tokens
+    log_sum = tl.log(run_sum)  # >= 0: the max term contributes exp(0) = 1
+    mean_dev = run_dev / run_sum  # E_p[z] - max, <= 0
+    target_z = tl.load(target_logit_ptr + offs, mask=ok, other=0.0)
+    # logp = (z_y - max) - log(sum): <= 0 exactly, since z_y is one of the terms of the max
+    tl.store(logprobs_ptr + offs, (target_z - run_max) - log_sum, mask=ok)
+    tl.store(entropy_ptr + offs, log_sum - mean_dev, mask=ok)
+    tl.store(lse_ptr + offs, run_max + log_sum, mask=ok)
+    tl.store(expected_logit_ptr + offs, run_max + mean_dev, mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def lm_head_bwd_kernel_dlogits(
+    hidden_ptr,  # [n, H], unit stride along H
+    weight_ptr,  # [V, H], unit stride along H
+    bias_ptr,  # [V] or None
+    targets_ptr,  # [n] int
+    lse_ptr,  # [n] fp32
+    expected_logit_ptr,  # [n] fp32, E_p[z]
+    grad_logprobs_ptr,  # [n] fp32 or None
+    grad_entropy_ptr,  # [n] fp32 or None
+    dlogits_ptr,  # [n, V] (row stride stride_dlogits), input dtype: dL/d(hidden @ W.T + b)
+    bias_grad_part_ptr,  # [cdiv(n, BM), V] fp32 column sums of dL/dlogit, or None
+    n_rows,
+    vocab,
+    hidden_size,
+    stride_hidden,
+    stride_weight,
+    stride_dlogits,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    HAS_GRAD_LOGPROBS: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    STORE_DLOGITS: tl.constexpr,
+    STORE_BIAS_GRAD: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(n_rows, BLOCK_M)
+    pid_m, pid_n = _grouped_tile(pid, num_m_tiles, tl.cdiv(vocab, BLOCK_N), GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < vocab
+
+    # dL/dlogit_j = p_j * (c_H * (E[z] - z_j) - c_lp) + c_lp * 1[j = y]  (README.md derives it), with
+    # c_lp = g_lp / T and c_H = g_H / T.
+    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+    live = tl.zeros((BLOCK_M,), dtype=tl.int1)
+    if HAS_GRAD_LOGPROBS:
+        c_lp = tl.load(grad_logprobs_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
+        live = live | (c_lp != 0.0)
+    if HAS_GRAD_ENTROPY:
+        c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
+        live = live | (c_h != 0.0)
+    # Rows with zero upstream gradient contribute exactly 0: their lse is replaced by +1e30 so p = 0 (a
+    # skipped tile's acc is 0 and its "logits" bias / T are unrelated to lse, exp could overflow), and every
+    # coefficient multiplying p is 0. A tile whose rows are all such skips its GEMM.
+    lse = tl.where(live, lse, 1.0e30)
+    any_live = tl.sum(live.to(tl.int32), axis=0) > 0
+
+    rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
+    w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = _logits_tile_acc(
+        hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :],
+        weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :],
+        hidden_size,
+        any_live,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        UPCAST_OPERANDS,
+        DOT_PRECISION,
+    )
+    z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+    p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
+    if HAS_GRAD_ENTROPY:
+        if HAS_GRAD_LOGPROBS:
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
+        else:
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z))
+    else:
+        dz = p * (-c_lp[:, None])
+    if HAS_GRAD_LOGPROBS:
+        dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
+
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if STORE_DLOGITS:
+        out = dlogits_ptr + offs_m.to(tl.int64)[:, None] * stride_dlogits + cols[None, :]
+        tl.store(out, dz.to(dlogits_ptr.dtype.element_ty), mask=tile_ok)
+    if STORE_BIAS_GRAD:
+        col_sum = tl.sum(tl.where(tile_ok, dz, 0.0), axis=0)  # [BN] fp32, before any rounding
+        tl.store(bias_grad_part_ptr + pid_m.to(tl.int64) * vocab + cols, col_sum, mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _launch(kernel, grid, args: dict, num_warps: int, num_stages: int) -> None:
+    """Every launch goes through here; grpo_kernels.testing.aot swaps it to record launches instead."""
+    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages)
+
+
+def _check(ok: bool, message: str) -> None:
+    # Not `assert`: these guard memory safety of the launches and must survive `python -O`.
+    if not ok:
+        raise ValueError(f"lm_head (triton): {message}")
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_device(t: torch.Tensor, device: torch.device, name: str) -> None:
+    _check(t.device == device, f"{name} is on {t.device}, hidden is on {device}")
+
+
+def _check_common(hidden, weight, bias, targets, temperature) -> None:
+    _check(hidden.dim() == 2, f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
+    _check(weight.dim() == 2, f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    _check(
+        hidden.shape[1] == weight.shape[1],
+        f"hidden [N, H] = {tuple(hidden.shape)} and weight [V, H] = {tuple(weight.shape)} disagree on H",
+    )
+    _check(hidden.dtype in _FLOAT_DTYPES, f"hidden dtype must be fp16/bf16/fp32, got {hidden.dtype}")
+    _check(weight.dtype == hidden.dtype, f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}")
+    _check(hidden.shape[1] > 0 and weight.shape[0] > 0, "H and V must be positive")
+    # token / vocabulary indices (plus one tile of overhang) are int32 inside the kernels
+    _check(weight.shape[0] < 2**31 - 2**16, f"V = {weight.shape[0]} must fit in int32")
+    _check(hidden.shape[0] < 2**31 - 2**16, f"N = {hidden.shape[0]} must fit in int32")
+    _check(
+        targets.shape == (hidden.shape[0],),
+        f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}",
+    )
+    _check(
+        targets.dtype in (torch.int64, torch.int32), f"targets must be int64 or int32, got {targets.dtype}"
+    )
+    device = hidden.device
+    _check(
+        device.type in ("cuda", "meta") or interpreter_enabled(),  # meta: launch planning / AOT compiles only
+        f"tensors must be on a CUDA device (got {device}); on CPU, set TRITON_INTERPRET=1 before importing "
+        "triton",
+    )
+    _check_device(weight, device, "weight")
+    _check_device(targets, device, "targets")
+    if bias is not None:
+        _check(
+            bias.shape == (weight.shape[0],),
+            f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}",
+        )
+        _check(bias.dtype in _FLOAT_DTYPES, f"bias dtype must be fp16/bf16/fp32, got {bias.dtype}")
+        _check_device(bias, device, "bias")
+    t = float(temperature)
+    _check(math.isfinite(t) and t > 0.0, f"temperature must be finite and > 0, got {temperature}")
+
+
+def _check_per_token(t: torch.Tensor | None, n: int, device: torch.device, name: str) -> None:
+    if t is None:
+        return
+    _check(t.shape == (n,), f"{name} must be [N] = [{n}], got {tuple(t.shape)}")
+    _check(t.dtype.is_floating_point, f"{name} must be floating point, got {t.dtype}")
+    _check_device(t, device, name)
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows with unit stride along the last dim (any row stride); copies only when that is not already so."""
+    if t.stride(-1) != 1 or t.stride(0) < t.shape[1]:
+        t = t.contiguous()
+    return t
+
+
+def _device_ctx(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else _NullCtx()
+
+
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _kernel_flags(hidden: torch.Tensor, tile: TileConfig) -> dict:
+    return dict(
+        EVEN_K=hidden.shape[1] % tile.block_k == 0,
+        UPCAST_OPERANDS=interpreter_enabled() and hidden.dtype == torch.bfloat16,
+        DOT_PRECISION=_dot_precision(hidden.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+    )
+
+
+@torch.no_grad()
+def lm_head_forward(
+    hidden: torch.Tensor,  # [N, H] fp16/bf16/fp32
+    weight: torch.Tensor,  # [V, H], same dtype
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [N] int64/int32 in [0, V)
+    temperature: float,
+    *,
+    config: LMHeadTritonConfig | None = None,
+    num_sms: int | None = None,
+) -> LMHeadStats:
+    """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
+
+    Statistics come from the fp32 GEMM accumulators; no [N, V] tensor exists. Extra memory: the fp32
+    split partials, 4 * N * (3 * num_splits + 1) bytes (plan_forward; < 1 MiB at N = 16384 on an H100).
+    A target outside [0, V) gives a NaN logprob. `config` overrides the dispatcher, `num_sms` the SM count
+    used to size the vocabulary splits.
+    """
+    _check_common(hidden, weight, bias, targets, temperature)
+    device = hidden.device
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    out = torch.empty((4, n_tokens), dtype=torch.float32, device=device)
+    stats = LMHeadStats(out[0], out[1], out[2], out[3])
+    if n_tokens == 0:
+        return stats
+    hidden = _unit_stride_rows(hidden)
+    weight = _unit_stride_rows(weight)
+    targets = targets.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
+    tile = cfg.forward
+    if num_sms is None:
+        num_sms = (
+            _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else DEFAULT_NUM_SMS
+        )
+    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
+    target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
+    inv_t = 1.0 / float(temperature)
+    with _device_ctx(device):
+        _launch(
+            lm_head_fwd_kernel_partial,
+            (plan.num_programs,),
+            dict(
+                hidden_ptr=hidden,
+                weight_ptr=weight,
+                bias_ptr=bias,
+                targets_ptr=targets,
+                part_max_ptr=partials[0],
+                part_sum_ptr=partials[1],
+                part_dev_ptr=partials[2],
+                target_logit_ptr=target_logit,
+                n_tokens=n_tokens,
+                vocab=vocab,
+                hidden_size=hidden_size,
+                stride_hidden=hidden.stride(0),
+                stride_weight=weight.stride(0),
+                tiles_per_split=plan.tiles_per_split,
+                num_splits=plan.num_splits,
+                inv_temperature=inv_t,
+                HAS_BIAS=bias is not None,
+                **_kernel_flags(hidden, tile),
+            ),
+            tile.num_warps,
+            tile.num_stages,
+        )
+        _launch(
+            lm_head_fwd_kernel_merge,
+            (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
+            dict(
+                part_max_ptr=partials[0],
+                part_sum_ptr=partials[1],
+                part_dev_ptr=partials[2],
+                target_logit_ptr=target_logit,
+                logprobs_ptr=stats.logprobs,
+                entropy_ptr=stats.entropy,
+                lse_ptr=stats.lse,
+                expected_logit_ptr=stats.expected_logit,
+                n_tokens=n_tokens,
+                num_splits=plan.num_splits,
+                BLOCK_T=MERGE_BLOCK_T,
+            ),
+            4,
+            1,
+        )
+    return stats
+
+
+_MM_OUT_DTYPE_OK: dict[str, bool] = {}
+# Fallback GEMMs (no out_dtype): operands are upcast this many vocabulary entries at a time, so the
+# extra fp32 memory stays rows x 8192 x 4 bytes.
+_UPCAST_SLAB = 8192
+
+
+def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor | None:
+    """a @ b (added into `acc` when given) by cuBLAS with an fp32 output from half-precision operands;
+    None where torch has no out_dtype for this device (CPU, torch < 2.8)."""
+    key = a.device.type
+    if not _MM_OUT_DTYPE_OK.get(key, True):
+        return None
+    try:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        _MM_OUT_DTYPE_OK[key] = False
+        if key == "cuda":
+            warnings.warn(
+                f"grpo_kernels lm_head: torch.mm(out_dtype=float32) is unavailable ({exc}); the backward "
+                "GEMMs upcast their operands instead (slower, bounded extra memory)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+
+def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """acc[V, H] += dlogits[n, V].T @ hidden[n, H] in fp32, never rounded to the inputs' dtype."""
+    if dlogits.dtype == torch.float32:
+        acc.addmm_(dlogits.T, hidden)
+        return
+    if _mm_out_fp32(dlogits.T, hidden, acc) is not None:
+        return
+    hidden32 = hidden.float()
+    for v0 in range(0, dlogits.shape[1], _UPCAST_SLAB):
+        cols = slice(v0, v0 + _UPCAST_SLAB)
+        acc[cols].addmm_(dlogits[:, cols].T.float(), hidden32)
+
+
+def _grad_hidden_chunk(dlogits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dlogits[n, V] @ weight[V, H] in fp32 ([n, H] fp32): one GEMM over the whole vocabulary."""
+    if dlogits.dtype == torch.float32:
+        return dlogits @ weight
+    out = _mm_out_fp32(dlogits, weight)
+    if out is not None:
+        return out
+    out = torch.zeros((dlogits.shape[0], weight.shape[1]), dtype=torch.float32, device=dlogits.device)
+    for v0 in range(0, dlogits.shape[1], _UPCAST_SLAB):
+        cols = slice(v0, v0 + _UPCAST_SLAB)
+        out.addmm_(dlogits[:, cols].float(), weight[cols].float())
+    return out
+
+
+@torch.no_grad()
+def lm_head_backward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [N]
+    temperature: float,
+    lse: torch.Tensor,  # [N] fp32, from the forward
+    expected_logit: torch.Tensor,  # [N] fp32, from the forward
+    grad_logprobs: torch.Tensor | None,  # [N], dL/dlogprob
+    grad_entropy: torch.Tensor | None,  # [N], dL/dentropy
+    need_grad_hidden: bool = True,
+    need_grad_weight: bool = True,
+    need_grad_bias: bool = True,
+    grad_weight_acc: torch.Tensor | None = None,  # [V, H] fp32, accumulated into when given
+    grad_bias_acc: torch.Tensor | None = None,  # [V] fp32, accumulated into when given
+    *,
+    config: LMHeadTritonConfig | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+):
+    """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
+
+      grad_hidden = dlogit @ W,  grad_weight_acc += dlogit.T @ hidden,  grad_bias_acc += sum_rows dlogit
+
+    Tokens are processed in chunks whose [chunk, V] dL/dlogit slab (input dtype) fits `workspace_bytes`
+    (plan_backward); each slab is written by lm_head_bwd_kernel_dlogits from the recomputed fp32 logits
+    and contracted by cuBLAS with fp32 accumulation. Returns (grad_hidden in hidden's dtype or None,
+    grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py.
+    """
+    _check_common(hidden, weight, bias, targets, temperature)
+    device = hidden.device
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    for name, t in (("lse", lse), ("expected_logit", expected_logit)):
+        _check_per_token(t, n_tokens, device, name)
+        _check(t.dtype == torch.float32, f"{name} must be fp32, got {t.dtype}")
+    _check_per_token(grad_logprobs, n_tokens, device, "grad_logprobs")
+    _check_per_token(grad_entropy, n_tokens, device, "grad_entropy")
+    need_grad_bias = need_grad_bias and bias is not None
+    if need_grad_weight and grad_weight_acc is not None:
+        _check(
+            grad_weight_acc.shape == weight.shape and grad_weight_acc.dtype == torch.float32,
+            f"grad_weight_acc must be fp32 {tuple(weight.shape)}, got {grad_weight_acc.dtype} "
+            f"{tuple(grad_weight_acc.shape)}",
+        )
+        _check_device(grad_weight_acc, device, "grad_weight_acc")
+    if need_grad_bias and grad_bias_acc is not None:
+        _check(
+            grad_bias_acc.shape == (vocab,) and grad_bias_acc.dtype == torch.float32,
+            f"grad_bias_acc must be fp32 [{vocab}], got {grad_bias_acc.dtype} {tuple(grad_bias_acc.shape)}",
+        )
+        _check_device(grad_bias_acc, device, "grad_bias_acc")
+    _check(workspace_bytes > 0, f"workspace_bytes must be positive, got {workspace_bytes}")
+
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
+    if need_grad_weight and grad_weight_acc is None:
+        grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+    if need_grad_bias and grad_bias_acc is None:
+        grad_bias_acc = torch.zeros(vocab, dtype=torch.float32, device=device)
+    result = (grad_hidden, grad_weight_acc if need_grad_weight else None, grad_bias_acc)
+    no_upstream = grad_logprobs is None and grad_entropy is None
+    if no_upstream or n_tokens == 0 or not (need_grad_hidden or need_grad_weight or need_grad_bias):
+        if grad_hidden is not None:
+            grad_hidden.zero_()
+        return result
+
+    hidden = _unit_stride_rows(hidden)
+    weight = _unit_stride_rows(weight)
+    targets = targets.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    lse = lse.contiguous()
+    expected_logit = expected_logit.contiguous()
+    grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
+    grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+    cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
+    tile = cfg.backward
+    store_dlogits = need_grad_hidden or need_grad_weight
+    plan = plan_backward(
+        n_tokens,
+        vocab,
+        hidden_size,
+        hidden.element_size(),
+        tile.block_m,
+        workspace_bytes,
+        store_dlogits=store_dlogits,
+        need_bias_grad=need_grad_bias,
+        need_hidden_grad=need_grad_hidden,
+    )
+    rows = plan.rows_per_chunk
+    workspace = (
+        torch.empty((rows, plan.workspace_row_stride), dtype=hidden.dtype, device=device)
+        if store_dlogits
+        else None
+    )
+    bias_part = (
+        torch.empty((triton.cdiv(rows, tile.block_m), vocab), dtype=torch.float32, device=device)
+        if need_grad_bias
+        else None
+    )
+    inv_t = 1.0 / float(temperature)
+    flags = _kernel_flags(hidden, tile)
+    with _device_ctx(device):
+        for r0 in range(0, n_tokens, rows):
+            n = min(rows, n_tokens - r0)
+            chunk = slice(r0, r0 + n)
+            grid = (triton.cdiv(n, tile.block_m) * triton.cdiv(vocab, tile.block_n),)
+            _launch(
+                lm_head_bwd_kernel_dlogits,
+                grid,
+                dict(
+                    hidden_ptr=hidden[chunk],
+                    weight_ptr=weight,
+                    bias_ptr=bias,
+                    targets_ptr=targets[chunk],
+                    lse_ptr=lse[chunk],
+                    expected_logit_ptr=expected_logit[chunk],
+                    grad_logprobs_ptr=grad_logprobs[chunk] if grad_logprobs is not None else None,
+                    grad_entropy_ptr=grad_entropy[chunk] if grad_entropy is not None else None,
+                    dlogits_ptr=workspace,
+                    bias_grad_part_ptr=bias_part,
+                    n_rows=n,
+                    vocab=vocab,
+                    hidden_size=hidden_size,
+                    stride_hidden=hidden.stride(0),
+                    stride_weight=weight.stride(0),
+                    stride_dlogits=plan.workspace_row_stride if store_dlogits else 0,
+                    inv_temperature=inv_t,
+                    HAS_BIAS=bias is not None,
+                    HAS_GRAD_LOGPROBS=grad_logprobs is not None,
+                    HAS_GRAD_ENTROPY=grad_entropy is not None,
+                    STORE_DLOGITS=store_dlogits,
+                    STORE_BIAS_GRAD=need_grad_bias,
+                    **flags,
+                ),
+                tile.num_warps,
+                tile.num_stages,
+            )
+            if store_dlogits:
+                dlogits = workspace[:n, :vocab]  # [n, V]
+                if need_grad_hidden:
+                    # [n, V] @ [V, H] -> [n, H]: fp32 over the whole vocabulary, rounded once
+                    grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
+                if need_grad_weight:
+                    # [V, n] @ [n, H] added into the fp32 [V, H] accumulator
+                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk])
+            if need_grad_bias:
+                grad_bias_acc += bias_part[: triton.cdiv(n, tile.block_m)].sum(0)
+    return result

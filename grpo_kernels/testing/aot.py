@@ -1,0 +1,164 @@
+"""Ahead-of-time compilation of Triton launches for a CUDA target on a machine without a GPU.
+
+Tier 3 of DESIGN.md §6. A host launcher runs on `meta` tensors (no memory, any size) while its launches are
+recorded instead of executed; each recorded launch is then specialised exactly as Triton's JIT would do
+for real tensors (same binder: dtypes, 16-byte alignment, divisibility-by-16 of integer arguments,
+`do_not_specialize`) and compiled for sm_90 / sm_80 with the whole toolchain (TTIR -> TTGIR -> LLVM ->
+PTX -> cubin). The cuobjdump bundled with the Triton wheel then reports registers, stack and local
+memory (spills) per kernel. See /work/shared/TRITON_ON_CPU.md for what was checked.
+
+Usage:
+    # module: has a `_launch(kernel, grid, args, num_warps, num_stages)` that every launch goes through
+    with record_launches(module) as launches:
+        module.some_host_function(meta_tensors...)
+    results = [compile_launch(launch, arch=90) for launch in launches]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import triton
+
+
+@dataclass
+class RecordedLaunch:
+    kernel: object  # a triton JITFunction
+    grid: tuple
+    args: dict
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    def constexprs(self) -> dict:
+        names = {p.name for p in self.kernel.params if p.is_constexpr}
+        return {k: v for k, v in self.args.items() if k in names}
+
+
+@contextlib.contextmanager
+def record_launches(module):
+    """Within the block, module._launch records its launches (returned list) instead of running them."""
+    launches: list[RecordedLaunch] = []
+    original = module._launch
+
+    def recorder(kernel, grid, args, num_warps, num_stages):
+        launches.append(RecordedLaunch(kernel, tuple(grid), dict(args), num_warps, num_stages))
+
+    module._launch = recorder
+    try:
+        yield launches
+    finally:
+        module._launch = original
+
+
+@dataclass
+class CompileResult:
+    kernel: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    constexprs: dict
+    registers: int  # per thread, from cuobjdump
+    stack: int  # bytes per thread; > 0 with REG at the cap means spills
+    local: int  # bytes per thread of local memory
+    static_shared: int  # bytes, from cuobjdump
+    shared: int  # bytes of (dynamic) shared memory Triton allocates for the kernel
+    mma: str  # tensor-core instruction family found in the PTX: "wgmma", "mma.sync" or "none"
+    seconds: float
+    signature: dict = field(default_factory=dict)
+    ttir: str = field(default="", repr=False)  # Triton IR before any lowering (not in as_dict)
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.local > 0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("ttir")
+        d["kernel_name"] = d.pop("kernel")
+        d["constexprs"] = {
+            k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v))
+            for k, v in self.constexprs.items()
+        }
+        d["spills"] = self.spills
+        return d
+
+
+def _cuobjdump() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+_RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of the kernel in `cubin` (`cuobjdump --dump-resource-usage`)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run(
+            [str(_cuobjdump()), "--dump-resource-usage", path], check=True, capture_output=True, text=True
+        ).stdout
+    usage = {k: int(v) for k, v in _RESOURCE_RE.findall(out)}
+    missing = {"REG", "STACK", "SHARED", "LOCAL"} - usage.keys()
+    if missing:
+        raise RuntimeError(f"cuobjdump output lacks {sorted(missing)}:\n{out}")
+    return usage
+
+
+def _specialise(kernel, args: dict, num_warps: int, num_stages: int, target):
+    """(signature, constexprs, attrs, options) exactly as the JIT derives them from these arguments."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {"num_warps": num_warps, "num_stages": num_stages}
+    bound_args, specialization, options = binder(**args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+
+
+def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
+    """Compile one recorded launch for sm_<arch>; raises whatever the Triton compiler raises."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    options, signature, constexprs, attrs = _specialise(
+        launch.kernel, launch.args, launch.num_warps, launch.num_stages, target
+    )
+    start = time.perf_counter()
+    compiled = triton.compile(
+        ASTSource(launch.kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
+    seconds = time.perf_counter() - start
+    usage = resource_usage(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    return CompileResult(
+        kernel=launch.name,
+        arch=arch,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        constexprs=launch.constexprs(),
+        registers=usage["REG"],
+        stack=usage["STACK"],
+        local=usage["LOCAL"],
+        static_shared=usage["SHARED"],
+        shared=int(compiled.metadata.shared),
+        mma=mma,
+        seconds=seconds,
+        signature={k: v for k, v in signature.items() if v != "constexpr"},
+        ttir=compiled.asm["ttir"],
+    )

@@ -1,0 +1,296 @@
+"""AOT-compile matrix of the LM-head Triton kernels (tier 3) and its register / spill / smem report.
+
+Every kernel of grpo_kernels/ops/lm_head/triton.py is compiled for sm_90 and sm_80 in every tile
+configuration of CONFIGS; the configurations the dispatcher picks for an architecture are compiled there
+in every code path (dtype and fp32 dot precision, bias, ragged H, which upstream / input gradients),
+the others in their default path. Launches are recorded from the real host launchers running on `meta`
+tensors at a Qwen2.5-7B shape, so the signatures and specialisations are exactly those of a real call.
+
+    python -m grpo_kernels.testing.lm_head_compile --out benchmarks/results   # writes the report
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import functools
+import json
+import multiprocessing
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+# Qwen2.5-7B LM head. RAGGED_H exercises the EVEN_K=False path of the aligned configurations (a multiple of
+# 16, not of 64); UNALIGNED_H (8 mod 16) is what sends the dispatcher to the "unaligned" configurations.
+SHAPE = dict(N=16384, H=3584, V=152064)
+RAGGED_H = 3600
+UNALIGNED_H = 3592
+ARCHS = (90, 80)
+ARCH_CLASS = {90: "sm90", 80: "sm80"}
+CONFIG_ARCHS = ("sm90", "sm80", "unaligned")
+KERNEL_NAMES = dict(
+    fwd="lm_head_fwd_kernel_partial", merge="lm_head_fwd_kernel_merge", bwd="lm_head_bwd_kernel_dlogits"
+)
+
+
+def _picked(arch: int, config_arch: str) -> bool:
+    return config_arch in (ARCH_CLASS[arch], "unaligned")
+
+
+def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="both", needs="hwb", h=None):
+    operand = "fp32" if dtype == "float32" else "16bit"
+    default_h = UNALIGNED_H if config_arch == "unaligned" else SHAPE["H"]
+    return dict(
+        arch=arch,
+        config=(config_arch, operand),
+        kernel=kernel,
+        dtype=dtype,
+        precision=precision,
+        bias=bias,
+        grads=grads,
+        needs=needs,
+        H=h or default_h,
+        picked=_picked(arch, config_arch),
+    )
+
+
+def _add_case(out: list, arch: int, config_arch: str, *args, **kwargs) -> None:
+    out.append(_case(arch, config_arch, *args, **kwargs))
+
+
+def cases() -> list[dict]:
+    """The compile matrix (~50 compiles). On each architecture, its own configurations in bf16 and fp32
+    (tf32x3) with and without bias, with a ragged last K slice, each upstream-gradient combination and the
+    bias-only backward; fp16 and fp32 (tf32) in the default path (same code as bf16 / tf32x3 up to the
+    operand type); the "unaligned" configurations with bias; the other architecture's configurations in
+    the default bf16 path, for the report."""
+    out = []
+    for arch in ARCHS:
+        for config_arch in CONFIG_ARCHS:
+            add = functools.partial(_add_case, out, arch, config_arch)
+            if not _picked(arch, config_arch):
+                add("fwd", "bfloat16", None)
+                add("bwd", "bfloat16", None)
+                continue
+            if config_arch == "unaligned":
+                for dtype, precision in (("bfloat16", None), ("float32", "tf32x3")):
+                    add("fwd", dtype, precision, bias=True)
+                    add("bwd", dtype, precision, bias=True)
+                continue
+            for dtype, precision in (("bfloat16", None), ("float32", "tf32x3")):
+                for bias in (False, True):
+                    add("fwd", dtype, precision, bias=bias)
+                    add("bwd", dtype, precision, bias=bias)
+                add("fwd", dtype, precision, h=RAGGED_H)
+                add("bwd", dtype, precision, h=RAGGED_H)
+            for grads in ("logprobs", "entropy"):
+                add("bwd", "bfloat16", None, grads=grads)
+            add("bwd", "bfloat16", None, bias=True, needs="b")
+            for dtype, precision in (("float16", None), ("float32", "tf32")):
+                add("fwd", dtype, precision)
+                add("bwd", dtype, precision)
+            add("merge", "float32", None)
+    return out
+
+
+def case_id(c: dict) -> str:
+    parts = [f"sm{c['arch']}", f"{c['config'][0]}-{c['config'][1]}", c["kernel"], c["dtype"]]
+    if c["precision"]:
+        parts.append(c["precision"])
+    if c["kernel"] != "merge":
+        parts.append("bias" if c["bias"] else "nobias")
+        parts.append(f"H{c['H']}")
+    if c["kernel"] == "bwd":
+        parts.append(f"grads-{c['grads']}")
+        if c["needs"] != "hwb":
+            parts.append(f"needs-{c['needs']}")
+    return "/".join(parts)
+
+
+@contextlib.contextmanager
+def _allow_tf32(value: bool):
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = value
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def record_lm_head_launches(
+    n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None
+):
+    """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
+    import torch
+
+    from ..ops.lm_head import triton as tri
+    from .aot import record_launches
+
+    dt = getattr(torch, dtype)
+    meta = lambda *shape, dtype=dt: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    x, w, y = meta(n, h), meta(v, h), meta(n, dtype=torch.int64)
+    b = meta(v) if bias else None
+    f32 = lambda: meta(n, dtype=torch.float32)  # noqa: E731
+    extra = {} if workspace_bytes is None else dict(workspace_bytes=workspace_bytes)
+    with _allow_tf32(precision == "tf32"), record_launches(tri) as launches:
+        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config)
+        tri.lm_head_backward(
+            x,
+            w,
+            b,
+            y,
+            0.7,
+            stats.lse,
+            stats.expected_logit,
+            f32() if grads in ("both", "logprobs") else None,
+            f32() if grads in ("both", "entropy") else None,
+            need_grad_hidden="h" in needs,
+            need_grad_weight="w" in needs,
+            need_grad_bias="b" in needs,
+            config=config,
+            **extra,
+        )
+    return launches
+
+
+def compile_case(c: dict) -> dict:
+    """Compile one case; returns the report row (with "error" instead of resources when it fails)."""
+    from ..ops.lm_head import triton as tri
+    from .aot import compile_launch
+
+    row = dict(id=case_id(c), **{k: v for k, v in c.items() if k != "config"})
+    row["config"] = tri.CONFIGS[tuple(c["config"])].name
+    try:
+        config = tri.CONFIGS[tuple(c["config"])]
+        launches = record_lm_head_launches(
+            SHAPE["N"],
+            c["H"],
+            SHAPE["V"],
+            c["dtype"],
+            config,
+            bias=c["bias"],
+            grads=c["grads"],
+            needs=c["needs"],
+            precision=c["precision"],
+        )
+        launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
+        result = compile_launch(launch, c["arch"])
+        row.update(result.as_dict())
+        row["tile"] = {k: launch.args[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in launch.args}
+    except Exception as exc:  # reported per case
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    return row
+
+
+def run_matrix(workers: int | None = None, selected: list[dict] | None = None) -> list[dict]:
+    todo = selected if selected is not None else cases()
+    workers = workers or min(len(todo), os.cpu_count() or 1)
+    if workers <= 1:
+        return [compile_case(c) for c in todo]
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch / triton state
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        return list(pool.map(compile_case, todo, chunksize=4))
+
+
+def _versions() -> dict:
+    import torch
+    import triton
+
+    return dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__)
+
+
+def write_report(
+    rows: list[dict], out_dir: str | Path, name: str = "compile_report_lm_head"
+) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    versions = _versions()
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps(dict(versions=versions, shape=SHAPE, rows=rows), indent=1, default=str))
+    lines = [
+        "# LM-head Triton kernels: AOT compile report",
+        "",
+        f"Generated by `python -m grpo_kernels.testing.lm_head_compile` (triton {versions['triton']}, "
+        f"torch {versions['torch']}), launches recorded at N={SHAPE['N']}, H={SHAPE['H']} "
+        f"(ragged K: {RAGGED_H}; unaligned configs: {UNALIGNED_H}), V={SHAPE['V']}. "
+        "REG = registers per thread, STACK / LOCAL = bytes per thread of spill stack / local memory "
+        "(0 = no spills), smem = shared memory per block, "
+        "picked = the dispatcher's choice on that architecture. Resource numbers are from cuobjdump on "
+        "the cubin; no GPU was used.",
+        "",
+        "| arch | config | kernel | dtype | precision | flags | tile (BMxBNxBK) | warps | stages | REG | "
+        "STACK | LOCAL | smem KiB | mma | picked |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        flags = []
+        if r["kernel"] != "merge":
+            flags.append("bias" if r["bias"] else "no bias")
+            flags.append(f"H={r['H']}")
+        if r["kernel"] == "bwd":
+            flags.append(f"grads={r['grads']}")
+            if r["needs"] != "hwb":
+                flags.append(f"needs={r['needs']}")
+        if "error" in r:
+            lines.append(
+                f"| sm_{r['arch']} | {r['config']} | {KERNEL_NAMES[r['kernel']]} | {r['dtype']} | "
+                f"{r['precision'] or ''} | {' '.join(flags)} | | | | ERROR: "
+                f"{r['error'][:120].replace('|', '/')} | | | | | {'yes' if r['picked'] else ''} |"
+            )
+            continue
+        tile = r.get("tile") or {}
+        tile_s = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) if tile else "-"
+        lines.append(
+            f"| sm_{r['arch']} | {r['config']} | {r['kernel_name']} | {r['dtype']} | "
+            f"{r['precision'] or ''} | "
+            f"{' '.join(flags)} | {tile_s} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
+            f"{r['stack']} | {r['local']} | {r['shared'] / 1024:.0f} | {r['mma']} | "
+            f"{'yes' if r['picked'] else ''} |"
+        )
+    md_path = out_dir / f"{name}.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path, json_path
+
+
+_ADDPTR_TENSOR = re.compile(r"(%[\w.]+) = tt\.addptr (%[\w.]+), (%[\w.]+) : [^,]+, tensor<[\dx]+x(i\d+)>")
+_ADDPTR_SCALAR = re.compile(r"(%[\w.]+) = tt\.addptr %(\w+), (%[\w.]+) : !tt\.ptr<\w+>, (i\d+)")
+_SPLAT_ARG = re.compile(r"(%[\w.]+) = tt\.splat %(\w+) : !tt\.ptr")
+
+
+def first_offset_widths(ttir: str) -> dict[str, set[str]]:
+    """For each pointer argument of a kernel, the integer widths of the offsets first added to it, as a
+    tensor (splat of the argument + offsets) or as a scalar (argument + offset)."""
+    splat_of = {m.group(1): m.group(2) for m in _SPLAT_ARG.finditer(ttir)}
+    widths: dict[str, set[str]] = {}
+    for m in _ADDPTR_TENSOR.finditer(ttir):
+        base = splat_of.get(m.group(2))
+        if base is not None:
+            widths.setdefault(base, set()).add(m.group(4))
+    for m in _ADDPTR_SCALAR.finditer(ttir):
+        widths.setdefault(m.group(2), set()).add(m.group(4))
+    return widths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results", help="report folder")
+    parser.add_argument("--name", default="compile_report_lm_head", help="report file name, without suffix")
+    parser.add_argument("--workers", type=int, default=None)
+    args = parser.parse_args(argv)
+    rows = run_matrix(args.workers)
+    md, js = write_report(rows, args.out, args.name)
+    bad = [r["id"] for r in rows if "error" in r]
+    spills = [r["id"] for r in rows if "error" not in r and r["picked"] and r["spills"]]
+    print(f"{len(rows)} compiles, {len(bad)} errors, {len(spills)} picked configs with spills -> {md}, {js}")
+    for i in bad + spills:
+        print("  ", i)
+    return 1 if bad or spills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Tier 3: the LM-head Triton kernels compiled ahead of time for sm_90 and sm_80, without a GPU.
+
+Every kernel in every tile configuration goes through the whole Triton toolchain down to a cubin
+(grpo_kernels/testing/lm_head_compile.py holds the matrix, ~50 compiles, ~1 min on 2 cores); cuobjdump reports
+registers and spills. Asserted: everything compiles; the configurations the dispatcher picks spill nothing
+on sm_90 and sm_80 and use the architecture's tensor-core instruction; 2-D operands are addressed with
+int64 offsets; and the host-side planning at N = 65536, V = 256000 (recorded on meta tensors, nothing
+allocated) keeps every launch argument and grid inside int32 and the workspace inside its budget.
+
+The report goes to benchmarks/results/compile_report_lm_head.{md,json} when GRPO_KERNELS_WRITE_REPORTS=1,
+else to pytest's tmp dir; `python -m grpo_kernels.testing.lm_head_compile` regenerates the committed one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from grpo_kernels.testing import lm_head_compile as matrix  # noqa: E402
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1", reason="AOT compiles need the real Triton JIT"
+    ),
+]
+
+CASES = matrix.cases()
+MMA = {90: "wgmma", 80: "mma.sync"}
+INT32_MAX = 2**31 - 1
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    rows = matrix.run_matrix()
+    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1":
+        out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    else:
+        out = tmp_path_factory.mktemp("compile_report")
+    matrix.write_report(rows, out)
+    return {r["id"]: r for r in rows}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[matrix.case_id(c) for c in CASES])
+def test_lm_head_kernel_compiles(case, rows):
+    r = rows[matrix.case_id(case)]
+    assert "error" not in r, r["error"]
+    assert r["registers"] > 0
+    if case["picked"]:
+        assert not r["spills"], (
+            f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']} -- a configuration the "
+            "dispatcher picks must not spill"
+        )
+        if case["kernel"] != "merge":
+            assert r["mma"] == MMA[case["arch"]], (
+                f"{r['id']}: expected {MMA[case['arch']]} in the PTX, got {r['mma']}"
+            )
+
+
+def _huge_launches(bias: bool):
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    config = tri.CONFIGS[("sm90", "16bit")]
+    return config, matrix.record_lm_head_launches(65536, 8192, 256000, "bfloat16", config, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_lm_head_huge_shape_planning_fits_int32(bias):
+    """N = 65536, H = 8192, V = 256000 (N * V = 1.7e10 > 2^31), planned and launched on meta tensors."""
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    config, launches = _huge_launches(bias)
+    names = [la.name for la in launches]
+    assert names[:2] == ["lm_head_fwd_kernel_partial", "lm_head_fwd_kernel_merge"]
+    bwd = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
+    plan = tri.plan_backward(
+        65536,
+        256000,
+        8192,
+        2,
+        config.backward.block_m,
+        tri.DEFAULT_WORKSPACE_BYTES,
+        store_dlogits=True,
+        need_bias_grad=bias,
+        need_hidden_grad=True,
+    )
+    assert len(bwd) == plan.num_chunks > 1
+    assert sum(la.args["n_rows"] for la in bwd) == 65536
+    assert plan.workspace_bytes <= tri.DEFAULT_WORKSPACE_BYTES
+    for la in launches:
+        assert all(0 < g <= INT32_MAX for g in la.grid), (la.name, la.grid)
+        for name, value in la.args.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                assert abs(value) <= INT32_MAX, f"{la.name}.{name} = {value} would be passed as int64"
+    # the whole [N, V] problem never exists: the workspace is one chunk, the forward partials are O(N)
+    t = config.forward
+    fwd = tri.plan_forward(65536, 256000, t.block_m, t.block_n, tri.DEFAULT_NUM_SMS, t.group_m)
+    assert fwd.partial_bytes(65536) < 64 * 2**20
+    assert plan.rows_per_chunk * plan.workspace_row_stride < 65536 * 256000
+
+
+# 2-D operands: base + row * stride must be computed in 64 bits (V * H = 2.1e9 > 2^31 at V = 256000,
+# H = 8192). [N]- and [V]-vectors are indexed by values < 2^31 and may stay 32-bit.
+WIDE_POINTERS = {
+    "lm_head_fwd_kernel_partial": {
+        "hidden_ptr",
+        "weight_ptr",
+        "part_max_ptr",
+        "part_sum_ptr",
+        "part_dev_ptr",
+    },
+    "lm_head_fwd_kernel_merge": {"part_max_ptr", "part_sum_ptr", "part_dev_ptr"},
+    "lm_head_bwd_kernel_dlogits": {"hidden_ptr", "weight_ptr", "dlogits_ptr", "bias_grad_part_ptr"},
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(WIDE_POINTERS))
+def test_lm_head_row_offsets_are_int64(kernel):
+    from grpo_kernels.testing.aot import compile_launch
+
+    _, launches = _huge_launches(bias=True)
+    launch = next(la for la in launches if la.name == kernel)
+    widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
+    for ptr in WIDE_POINTERS[kernel]:
+        assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"
