@@ -44,7 +44,7 @@ NUM_PARTIALS = 32
 # normalizer slots (a small device tensor, so no host sync is needed to build it)
 N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
 
-LOG_1E8 = math.log(1e-8)
+LOG_1E8 = tl.constexpr(math.log(1e-8))  # VESPO lower clamp (TRL: log(1e-8))
 
 
 @triton.jit
@@ -209,10 +209,10 @@ def loss_head_fwd_bwd_kernel(
         keep = tl.where(length > 0, 1.0, 0.0)
         if OFFPOL:
             keep = keep * tl.maximum(offpol_seq_ok, any_nonneg)
-        scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
-        loss_pg = -seq_adv * seq_ratio * scale
-        # d loss / d lr_min_t = -Abar * ratio / |o| * scale for every valid token
-        gmpo_coef = -seq_adv * seq_ratio / len1 * scale
+        gmpo_scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
+        loss_pg = -seq_adv * seq_ratio * gmpo_scale
+        # d loss / d lr_min_t = -Abar * ratio / |o| * gmpo_scale for every valid token
+        gmpo_coef = -seq_adv * seq_ratio / len1 * gmpo_scale
 
     # ---------------- pass B: per token ----------------
     acc_loss_pg = tl.zeros([BLOCK], tl.float32)
