@@ -72,14 +72,31 @@ def worst(a, b):
     return [a.reshape(-1)[i].item(), b.reshape(-1)[i].item(), i, b.abs().max().item()]
 
 
+def count_stored_backwards():
+    """Wrap the Triton LM-head backward to count calls that read the forward's stored logits."""
+    import grpo_kernels.ops.lm_head.triton as lm_triton
+
+    original = lm_triton.lm_head_backward
+    calls = {"stored": 0, "recomputed": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["stored" if kwargs.get("stored_logits") is not None else "recomputed"] += 1
+        return original(*args, **kwargs)
+
+    lm_triton.lm_head_backward = wrapped
+    return calls
+
+
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    calls = count_stored_backwards()
     report = {}
     for name, cfg in CONFIGS.items():
         d = inputs()
         ref, g_ref = run(cfg, d, "torch", "two_pass")
         for schedule in ("one_pass", "two_pass"):
             case = f"{name}-{schedule}"
+            before = dict(calls)
             try:
                 out, g = run(cfg, d, "triton", schedule)
             except ValueError as exc:  # one_pass refused for batch-global variants: reported
@@ -94,6 +111,7 @@ def main():
                 "metrics": {k: [out.metrics[k].item() if k in out.metrics else None, v.item()]
                             for k, v in ref.metrics.items()},  # fmt: skip
                 "logprobs": worst(out.logprobs, ref.logprobs),
+                "backward_calls": {k: calls[k] - before[k] for k in calls},
             }
     print(json.dumps(report))
 

@@ -61,3 +61,8 @@ def test_fused_triton_matches_torch(name, schedule, report):
     assert close(got, expected), f"logprobs at {index}: triton {got}, torch {expected}"
     for key, (got, expected) in r["metrics"].items():
         assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
+    calls = r["backward_calls"]
+    if schedule == "one_pass":  # C reads the logits A kept: 3 GEMM units, no recomputation
+        assert calls["stored"] >= 2 and calls["recomputed"] == 0, calls
+    else:
+        assert calls["stored"] == 0 and calls["recomputed"] >= 1, calls

@@ -55,7 +55,10 @@ def test_lm_head_kernel_compiles(case, rows):
             f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']} -- a configuration the "
             "dispatcher picks must not spill"
         )
-        if case["kernel"] != "merge":
+        if case["kernel"] == "bwd" and case.get("stored"):
+            # reads the logits the forward stored: the one-pass schedule's backward does no GEMM here
+            assert r["mma"] == "none", f"{r['id']}: expected no MMA, got {r['mma']}"
+        elif case["kernel"] != "merge":
             assert r["mma"] == MMA[case["arch"]], (
                 f"{r['id']}: expected {MMA[case['arch']]} in the PTX, got {r['mma']}"
             )
@@ -116,6 +119,7 @@ WIDE_POINTERS = {
     "lm_head_fwd_kernel_merge": {"part_max_ptr", "part_sum_ptr", "part_dev_ptr"},
     "lm_head_bwd_kernel_dlogits": {"hidden_ptr", "weight_ptr", "dlogits_ptr", "bias_grad_part_ptr"},
 }
+STORED_POINTERS = {"lm_head_fwd_kernel_partial": {"logits_ptr"}, "lm_head_bwd_kernel_dlogits": {"stored_ptr"}}
 
 
 @pytest.mark.parametrize("kernel", sorted(WIDE_POINTERS))
@@ -126,4 +130,19 @@ def test_lm_head_row_offsets_are_int64(kernel):
     launch = next(la for la in launches if la.name == kernel)
     widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
     for ptr in WIDE_POINTERS[kernel]:
+        assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"
+
+
+@pytest.mark.parametrize("kernel", sorted(STORED_POINTERS))
+def test_stored_logits_offsets_are_int64(kernel):
+    """The one-pass schedule's fp32 logits buffer [N, V] is addressed with int64 offsets (N * V > 2^31)."""
+    from grpo_kernels.ops.lm_head import triton as tri
+    from grpo_kernels.testing.aot import compile_launch
+
+    launches = matrix.record_lm_head_launches(16384, 4096, 256000, "bfloat16", tri.CONFIGS[("sm90", "16bit")],
+                                              stored=True)  # fmt: skip
+    launch = next(la for la in launches if la.name == kernel)
+    assert launch.args["STORE_LOGITS" if kernel.startswith("lm_head_fwd") else "FROM_STORED"] is True
+    widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
+    for ptr in STORED_POINTERS[kernel]:
         assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"

@@ -40,7 +40,8 @@ def _picked(arch: int, config_arch: str) -> bool:
     return config_arch in (ARCH_CLASS[arch], "unaligned")
 
 
-def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="both", needs="hwb", h=None):
+def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="both", needs="hwb", h=None,
+          stored=False):  # fmt: skip
     operand = "fp32" if dtype == "float32" else "16bit"
     default_h = UNALIGNED_H if config_arch == "unaligned" else SHAPE["H"]
     return dict(
@@ -54,6 +55,7 @@ def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="bot
         needs=needs,
         H=h or default_h,
         picked=_picked(arch, config_arch),
+        stored=stored,
     )
 
 
@@ -89,6 +91,10 @@ def cases() -> list[dict]:
             for grads in ("logprobs", "entropy"):
                 add("bwd", "bfloat16", None, grads=grads)
             add("bwd", "bfloat16", None, bias=True, needs="b")
+            # the fused one-pass schedule: the forward keeps the fp32 logits, the backward reads them
+            for bias in (False, True):
+                add("fwd", "bfloat16", None, bias=bias, stored=True)
+                add("bwd", "bfloat16", None, bias=bias, stored=True)
             for dtype, precision in (("float16", None), ("float32", "tf32")):
                 add("fwd", dtype, precision)
                 add("bwd", dtype, precision)
@@ -107,6 +113,8 @@ def case_id(c: dict) -> str:
         parts.append(f"grads-{c['grads']}")
         if c["needs"] != "hwb":
             parts.append(f"needs-{c['needs']}")
+    if c.get("stored"):
+        parts.append("stored-logits")
     return "/".join(parts)
 
 
@@ -123,8 +131,9 @@ def _allow_tf32(value: bool):
 
 
 def record_lm_head_launches(
-    n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None
-):
+    n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
+    stored=False,
+):  # fmt: skip
     """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
     import torch
 
@@ -137,8 +146,11 @@ def record_lm_head_launches(
     b = meta(v) if bias else None
     f32 = lambda: meta(n, dtype=torch.float32)  # noqa: E731
     extra = {} if workspace_bytes is None else dict(workspace_bytes=workspace_bytes)
+    logits = meta(n, v, dtype=torch.float32) if stored else None
+    if stored:
+        extra["stored_logits"] = logits
     with _allow_tf32(precision == "tf32"), record_launches(tri) as launches:
-        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config)
+        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits)
         tri.lm_head_backward(
             x,
             w,
@@ -177,6 +189,7 @@ def compile_case(c: dict) -> dict:
             grads=c["grads"],
             needs=c["needs"],
             precision=c["precision"],
+            stored=c.get("stored", False),
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
         result = compile_launch(launch, c["arch"])

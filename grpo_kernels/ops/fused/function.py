@@ -8,10 +8,12 @@ Two schedules give the same result:
   two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
             variant, including those whose loss needs statistics of the whole batch (top-entropy
             quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
-  one-pass  chunks of whole sequences, A -> B -> C per chunk with the batch's normalizers; the
-            loss head's per-sequence partial sums of every chunk are reduced once at the end. Chosen
-            by the Triton backend whenever it is valid (no batch-global statistics, every sequence
-            fits in a chunk), and logged at DEBUG on the "grpo_kernels" logger either way.
+  one-pass  chunks of whole sequences, A -> B -> C per chunk with the batch's normalizers; A keeps
+            the chunk's fp32 logits and C reads them instead of recomputing them, so the work is 3
+            GEMM units (logits, grad_hidden, grad_weight) instead of 4; the loss head's per-sequence
+            partial sums of every chunk are reduced once at the end. Chosen by the Triton backend
+            whenever it is valid (no batch-global statistics, every sequence fits in a chunk whose
+            logits fit ONE_PASS_LOGITS_BYTES), and logged at DEBUG on the "grpo_kernels" logger.
 """
 
 from __future__ import annotations
@@ -35,7 +37,19 @@ class _Saved:
 # read-modify-write per chunk stay far below the chunk's GEMM time (perf-state-of-the-art.md §4.2:
 # C >= ~1024 on an H200), small enough that the per-chunk loss-head launch is cheap.
 ONE_PASS_CHUNK_TOKENS = 8192
+# The chunk's fp32 logits kept between A and C: 4 V bytes per token (V = 151936: 2 GiB for 3.5k tokens).
+# This budget, not ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 tokens at
+# V = 152k), so completions longer than that take the two-pass schedule.
+ONE_PASS_LOGITS_BYTES = 768 * 2**20
 SCHEDULES = ("auto", "one_pass", "two_pass")
+
+
+def one_pass_capacity(vocab: int) -> int:
+    """Valid tokens per one-pass chunk: the logits budget, in whole 64-token tiles, capped."""
+    rows = ONE_PASS_LOGITS_BYTES // (4 * vocab)
+    if rows >= 64:
+        rows = rows // 64 * 64
+    return max(0, min(ONE_PASS_CHUNK_TOKENS, rows))
 
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):
@@ -150,9 +164,9 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
         why_not = f"loss_type={cfg.loss_type!r} / top_entropy_quantile needs statistics of the whole batch"
     chunks = None
     if why_not is None:
-        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
+        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens) if chunk_tokens > 0 else None
         if chunks is None:
-            why_not = f"a sequence has more than {chunk_tokens} valid tokens"
+            why_not = f"a sequence has more valid tokens than a chunk holds ({chunk_tokens})"
     if why_not is not None:
         if requested == "one_pass":
             raise ValueError(f"schedule='one_pass' is not valid here: {why_not}")
@@ -189,11 +203,18 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     def part(x, t0, t1):
         return None if x is None else x[t0:t1]
 
+    vocab = weight.shape[0]
+    logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
+    if needs_grad and chunks:
+        capacity = max(int(valid[t0:t1].sum()) for _, _, t0, t1 in chunks)
+        logits = torch.empty((capacity, vocab), dtype=torch.float32, device=device)
     for s0, s1, t0, t1 in chunks:
         chunk_valid = valid[t0:t1]
         rows = chunk_valid.nonzero().squeeze(-1) + t0  # the valid rows of this chunk, flat indices
+        chunk_logits = None if logits is None else logits[: rows.numel()]
         stats = lm_impl.lm_head_forward(hidden_d.index_select(0, rows), weight_d, bias_d,
-                                        flat_targets.index_select(0, rows).long(), temperature)  # fmt: skip
+                                        flat_targets.index_select(0, rows).long(), temperature,
+                                        logits_out=chunk_logits)  # fmt: skip
         logprobs[rows] = stats.logprobs
         entropy[rows] = stats.entropy
         use_ent = cfg.entropy_coef > 0
@@ -215,7 +236,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
             temperature, stats.lse, stats.expected_logit, g_lp.index_select(0, local),
             None if g_ent is None else g_ent.index_select(0, local),
             need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
-            grad_weight_acc=grad_weight_acc, grad_bias_acc=grad_bias_acc,
+            grad_weight_acc=grad_weight_acc, grad_bias_acc=grad_bias_acc, stored_logits=chunk_logits,
         )  # fmt: skip
         if need_h:
             grad_hidden.index_copy_(0, rows, gh)
@@ -236,7 +257,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
 def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, backend, schedule,
               chunk_tokens=None):  # fmt: skip
     """Pick the schedule (see the module docstring), say which at DEBUG, run it."""
-    chunk_tokens = chunk_tokens or ONE_PASS_CHUNK_TOKENS
+    chunk_tokens = chunk_tokens or one_pass_capacity(weight.shape[0])
     chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
     if chosen == "one_pass":

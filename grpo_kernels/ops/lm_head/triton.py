@@ -73,6 +73,9 @@ class LMHeadTritonConfig:
     name: str
     forward: TileConfig
     backward: TileConfig
+    # the forward that also stores the fp32 logits (fused one-pass schedule), when `forward` has no
+    # registers left for the store's addresses
+    forward_stored: TileConfig | None = None
 
 
 # Every configuration the dispatcher can return. The compile tier (tests/test_lm_head_compile.py) AOT-compiles
@@ -87,6 +90,8 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         "sm90-16bit",
         forward=TileConfig(128, 256, 64, 16, num_warps=8, num_stages=3),
         backward=TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
+        # storing the 128x256 fp32 tile as well spills (255 registers + 152 B stack): 128x128 for it
+        forward_stored=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3),
     ),
     # fp32 operands (tf32x3, or tf32 where torch allows it): 4-byte elements, so half-width tiles.
     ("sm90", "fp32"): LMHeadTritonConfig(
@@ -344,15 +349,18 @@ def lm_head_fwd_kernel_partial(
     part_sum_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m)
     part_dev_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m) * (z_j - m)
     target_logit_ptr,  # [N] fp32: z_y, written by the split that holds y
+    logits_ptr,  # [N, V] fp32 (row stride stride_logits): z kept for the one-pass backward, or None
     n_tokens,
     vocab,
     hidden_size,
     stride_hidden,
     stride_weight,
+    stride_logits,
     tiles_per_split,
     num_splits,
     inv_temperature,
     HAS_BIAS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -400,6 +408,9 @@ def lm_head_fwd_kernel_partial(
         )
         # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
         z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        if STORE_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
+            z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
+            tl.store(z_out, z, mask=row_ok[:, None] & (cols < vocab)[None, :])
         # the target logit first: afterwards z is only needed through z - new_max (fewer live registers)
         in_tile = (target >= n0) & (target < n0 + BLOCK_N)
         if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
@@ -474,14 +485,17 @@ def lm_head_bwd_kernel_dlogits(
     grad_entropy_ptr,  # [n] fp32 or None
     dlogits_ptr,  # [n, V] (row stride stride_dlogits), input dtype: dL/d(hidden @ W.T + b)
     bias_grad_part_ptr,  # [cdiv(n, BM), V] fp32 column sums of dL/dlogit, or None
+    stored_ptr,  # [n, V] fp32 z stored by the forward (row stride stride_stored), or None: recompute
     n_rows,
     vocab,
     hidden_size,
     stride_hidden,
     stride_weight,
     stride_dlogits,
+    stride_stored,
     inv_temperature,
     HAS_BIAS: tl.constexpr,
+    FROM_STORED: tl.constexpr,
     HAS_GRAD_LOGPROBS: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     STORE_DLOGITS: tl.constexpr,
@@ -521,22 +535,27 @@ def lm_head_bwd_kernel_dlogits(
     lse = tl.where(live, lse, 1.0e30)
     any_live = tl.sum(live.to(tl.int32), axis=0) > 0
 
-    rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
-    w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = _logits_tile_acc(
-        hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :],
-        weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :],
-        hidden_size,
-        any_live,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        EVEN_K,
-        UPCAST_OPERANDS,
-        DOT_PRECISION,
-    )
-    z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if FROM_STORED:  # the forward kept the fp32 logits of these rows: no GEMM here (one-pass schedule)
+        z_in = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored + cols[None, :]
+        z = tl.load(z_in, mask=tile_ok & any_live, other=-1.0e30)
+    else:
+        rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
+        w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = _logits_tile_acc(
+            hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :],
+            weight_ptr + w_rows[:, None] * stride_weight + offs_k[None, :],
+            hidden_size,
+            any_live,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            UPCAST_OPERANDS,
+            DOT_PRECISION,
+        )
+        z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
     p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
     if HAS_GRAD_ENTROPY:
         if HAS_GRAD_LOGPROBS:
@@ -548,7 +567,6 @@ def lm_head_bwd_kernel_dlogits(
     if HAS_GRAD_LOGPROBS:
         dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
 
-    tile_ok = row_ok[:, None] & col_ok[None, :]
     if STORE_DLOGITS:
         out = dlogits_ptr + offs_m.to(tl.int64)[:, None] * stride_dlogits + cols[None, :]
         tl.store(out, dz.to(dlogits_ptr.dtype.element_ty), mask=tile_ok)
@@ -668,13 +686,16 @@ def lm_head_forward(
     *,
     config: LMHeadTritonConfig | None = None,
     num_sms: int | None = None,
+    logits_out: torch.Tensor | None = None,
 ) -> LMHeadStats:
     """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
 
     Statistics come from the fp32 GEMM accumulators; no [N, V] tensor exists. Extra memory: the fp32
     split partials, 4 * N * (3 * num_splits + 1) bytes (plan_forward; < 1 MiB at N = 16384 on an H100).
     A target outside [0, V) gives a NaN logprob. `config` overrides the dispatcher, `num_sms` the SM count
-    used to size the vocabulary splits.
+    used to size the vocabulary splits. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
+    logits z are also written there, for a backward that reads them instead of recomputing them (the
+    fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace).
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -689,7 +710,7 @@ def lm_head_forward(
     targets = targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
-    tile = cfg.forward
+    tile = cfg.forward_stored if (logits_out is not None and cfg.forward_stored is not None) else cfg.forward
     if num_sms is None:
         num_sms = (
             _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -697,6 +718,14 @@ def lm_head_forward(
             else DEFAULT_NUM_SMS
         )
     plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    if logits_out is not None:
+        _check(
+            logits_out.dtype == torch.float32 and logits_out.dim() == 2 and logits_out.shape[0] == n_tokens
+            and logits_out.shape[1] >= vocab and logits_out.stride(1) == 1,
+            f"logits_out must be fp32 [{n_tokens}, >= {vocab}] with unit stride along V, got {logits_out.dtype} "
+            f"{tuple(logits_out.shape)} strides {logits_out.stride()}",
+        )  # fmt: skip
+        _check_device(logits_out, device, "logits_out")
     partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
     target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
     inv_t = 1.0 / float(temperature)
@@ -713,15 +742,18 @@ def lm_head_forward(
                 part_sum_ptr=partials[1],
                 part_dev_ptr=partials[2],
                 target_logit_ptr=target_logit,
+                logits_ptr=logits_out,
                 n_tokens=n_tokens,
                 vocab=vocab,
                 hidden_size=hidden_size,
                 stride_hidden=hidden.stride(0),
                 stride_weight=weight.stride(0),
+                stride_logits=logits_out.stride(0) if logits_out is not None else 0,
                 tiles_per_split=plan.tiles_per_split,
                 num_splits=plan.num_splits,
                 inv_temperature=inv_t,
                 HAS_BIAS=bias is not None,
+                STORE_LOGITS=logits_out is not None,
                 **_kernel_flags(hidden, tile),
             ),
             tile.num_warps,
@@ -823,6 +855,7 @@ def lm_head_backward(
     *,
     config: LMHeadTritonConfig | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    stored_logits: torch.Tensor | None = None,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -857,6 +890,15 @@ def lm_head_backward(
         )
         _check_device(grad_bias_acc, device, "grad_bias_acc")
     _check(workspace_bytes > 0, f"workspace_bytes must be positive, got {workspace_bytes}")
+    if stored_logits is not None:  # written by lm_head_forward(logits_out=...) for these rows
+        _check(
+            stored_logits.dtype == torch.float32 and stored_logits.dim() == 2
+            and stored_logits.shape[0] == n_tokens and stored_logits.shape[1] >= vocab
+            and stored_logits.stride(1) == 1,
+            f"stored_logits must be fp32 [{n_tokens}, >= {vocab}] with unit stride along V, got "
+            f"{stored_logits.dtype} {tuple(stored_logits.shape)}",
+        )  # fmt: skip
+        _check_device(stored_logits, device, "stored_logits")
 
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
     if need_grad_weight and grad_weight_acc is None:
@@ -924,14 +966,17 @@ def lm_head_backward(
                     grad_entropy_ptr=grad_entropy[chunk] if grad_entropy is not None else None,
                     dlogits_ptr=workspace,
                     bias_grad_part_ptr=bias_part,
+                    stored_ptr=stored_logits[chunk] if stored_logits is not None else None,
                     n_rows=n,
                     vocab=vocab,
                     hidden_size=hidden_size,
                     stride_hidden=hidden.stride(0),
                     stride_weight=weight.stride(0),
                     stride_dlogits=plan.workspace_row_stride if store_dlogits else 0,
+                    stride_stored=stored_logits.stride(0) if stored_logits is not None else 0,
                     inv_temperature=inv_t,
                     HAS_BIAS=bias is not None,
+                    FROM_STORED=stored_logits is not None,
                     HAS_GRAD_LOGPROBS=grad_logprobs is not None,
                     HAS_GRAD_ENTROPY=grad_entropy is not None,
                     STORE_DLOGITS=store_dlogits,
