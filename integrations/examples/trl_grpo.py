@@ -24,9 +24,9 @@ def reward_length(completions, target_words=20, **kwargs):
     return [-abs(target_words - len(c.split())) / target_words for c in completions]
 
 
-def reward_short(completions, **kwargs):
-    """The smoke run's reward: about 4 words (its tiny model stops after 2-8)."""
-    return reward_length(completions, target_words=4)
+def reward_letters(completions, **kwargs):
+    """The smoke run's reward (its tiny model speaks in the letters a..m): more a's and b's, fewer words."""
+    return [c.count("a") + 0.5 * c.count("b") - 0.1 * len(c.split()) for c in completions]
 
 
 def tiny_model_and_tokenizer(directory: str) -> str:
@@ -117,7 +117,7 @@ def main() -> None:
             logging_steps=10,
         )
 
-    reward = reward_short if args.smoke else reward_length
+    reward = reward_letters if args.smoke else reward_length
     if args.trl:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset)
     else:
@@ -129,10 +129,9 @@ def main() -> None:
             grpo_kernels_mode=args.grpo_kernels_mode,
         )
     trainer.train()
-    last = {
-        k: round(v, 4) for k, v in trainer.state.log_history[-2].items() if k in ("loss", "reward", "entropy")
-    }
-    print(f"{type(trainer).__name__}: trained {trainer.state.global_step} steps; last step {last}")
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    summary = [{k: round(log[k], 4) for k in ("loss", "grad_norm", "reward", "entropy")} for log in logged]
+    print(f"{type(trainer).__name__}: trained {trainer.state.global_step} steps: {summary}")
 
 
 if __name__ == "__main__":
