@@ -2,9 +2,12 @@ import warnings
 
 import pytest
 import torch
+from checkout import use_this_checkouts_integrations
+from parity_helpers import PINS, installed_version
 
 from grpo_kernels import BackendFallbackWarning
-from parity_helpers import PINS, installed_version
+
+use_this_checkouts_integrations()  # see checkout.py
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ both sides run in fp32 there (see test_parity_liger.py).
 
 from __future__ import annotations
 
+import math
 from importlib import metadata
 
 import pytest
@@ -155,3 +156,25 @@ def make_token_inputs(seed: int, lengths=LENGTHS, T: int = 9, hole=HOLE) -> dict
 
 def leaf(x: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
     return x.detach().to(dtype).clone().requires_grad_(True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRL
+# ---------------------------------------------------------------------------------------------------
+def trl_vllm_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """The vLLM importance-sampling ratio exactly as GRPOTrainer._generate_and_score_completions
+    computes it (trl/trainer/grpo_trainer.py:2659-2707, trl 1.16.0)."""
+    per_token_logps_diff = (old - sampling) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    else:
+        logps_diff = per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+    return ratio

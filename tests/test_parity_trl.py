@@ -1,4 +1,5 @@
-"""Parity with TRL 1.16.0: `GRPOTrainer._compute_loss` itself, called on our inputs.
+"""Parity with TRL 1.16.0: `GRPOTrainer._compute_loss` itself, called on our inputs, against
+grpo_kernels' loss configured by the TRL adapter's mapping.
 
 `_compute_loss(self, model, inputs)` reads only attributes of `self`, so it is called unbound on a
 stand-in (`trl_trainer`) that provides exactly those attributes: the loss settings, `args`, an
@@ -6,38 +7,25 @@ accelerator of one process whose gather / reduce / pad are identities, `model.tr
 TRL's own `get_high_entropy_mask` (bound), `get_off_policy_mask` / `get_gamma_weights` (static), and a
 `_get_per_token_logps_and_entropies` that returns our leaf tensors. Compared: the returned loss, its
 gradient w.r.t. the per-token log-probs and entropies, and every value logged in
-`_metrics["train"|"eval"]` (TRL_METRICS says which of ours each one equals).
+`_metrics["train"|"eval"]`.
+
+Our side is configured exactly as GRPOKernelsTrainer configures its fused loss, by the adapter's
+functions applied to the same stand-in (grpo_kernels.integrations.trl): `policy_loss_config` (TRL's
+settings -> PolicyLossConfig), `loss_normalizers` (TRL's divisions -> num_tokens / num_sequences /
+dp_size / grad_accum_steps) and `log_trl_metrics` (our metrics -> the entries TRL appends to
+`_metrics`, with TRL's cross-process reductions). Their docstrings give the mapping; this module
+proves it, and test_integration_trl.py runs it inside real training.
 
 TRL computes the vLLM importance-sampling ratio in `_generate_and_score_completions`, not in the
-loss; `trl_vllm_is_ratio` below reproduces those lines (trl/trainer/grpo_trainer.py:2659-2707 in
-1.16.0) and feeds the result as inputs["importance_sampling_ratio"]; ours gets the sampler's
-log-probs (rollout_logprobs) and is_level / is_mode / is_min / is_max.
-
-Mapping (`our_config`, `our_normalizers`); GA = current_gradient_accumulation_steps (1 in eval):
-  grpo, bnpo, dr_grpo, dapo, luspo -> ppo_clip (clip_low = epsilon, clip_high = epsilon_high, delta)
-  cispo -> cispo, cispo_form="absolute", cispo_cap = epsilon_high; sapo -> sapo; vespo -> vespo
-  importance_sampling_level "sequence" -> ratio_level "sequence"; no log-ratio clamp (TRL has none)
-  beta -> kl_coef with kl_estimator "k3" (unclamped); use_bias_correction_kl -> kl_ratio_correction
-  grpo, sapo -> seq-mean-token-mean, num_sequences = B * GA
-  bnpo       -> token-mean, local count, grad_accum_steps = GA
-  dr_grpo    -> seq-mean-token-sum-norm, num_sequences = B * GA, max_completion_length
-  dapo, cispo, vespo -> token-mean, num_tokens = max(num_items_in_batch, 1) * GA / steps_per_generation
-                 (train; eval: max(num_items_in_batch, 1)), dp_size = num_processes
-  luspo      -> seq-mean-token-sum, num_sequences = B * GA
-  entropy_coef -> entropy_coef, entropy_agg_mode "token-mean-local", grad_accum_steps = GA
-  vllm_importance_sampling_mode {token,sequence}_{truncate,mask} -> is_level, is_mode; clip_min /
-  clip_max -> is_min / is_max; off_policy_mask_threshold and top_entropy_quantile: same names.
-
-Where TRL counts differently: at importance_sampling_level="sequence" TRL's clip metrics average a
-(B, 1) tensor over all B rows, all-masked rows included (their ratio is exp(0) = 1, never clipped),
-and clip_ratio/low_min takes their 0 into the min; ours average over the nonempty sequences.
-`trl_view` converts ours to TRL's count. The same holds for vespo/phi_seq_mean (an all-masked row
-has phi(1) = 1).
+loss; `parity_helpers.trl_vllm_is_ratio` reproduces those lines (trl/trainer/grpo_trainer.py:2659-2707
+in 1.16.0) and feeds the result as inputs["importance_sampling_ratio"]; ours gets the sampler's
+log-probs (rollout_logprobs) and is_level / is_mode / is_min / is_max. The IS-ratio statistics TRL
+logs there (sampling/importance_sampling_ratio/*) are compared with ours (is_weight/*) for the
+token-level modes.
 """
 
 from __future__ import annotations
 
-import math
 import types
 from collections import defaultdict
 
@@ -54,10 +42,12 @@ from parity_helpers import (
     make_mask,
     make_token_inputs,
     require_peer,
+    trl_vllm_is_ratio,
 )
 
 require_peer("trl", "trl")
 
+import grpo_kernels.integrations.trl as gk_trl
 from trl import GRPOTrainer
 
 import grpo_kernels as gk
@@ -66,8 +56,7 @@ pytestmark = pytest.mark.parity
 
 B, T = len(LENGTHS), 9
 MAX_COMPLETION_LENGTH = 12
-CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-LOSS_TYPES = (*CLIP_LOSSES, "cispo", "sapo", "vespo")
+LOSS_TYPES = gk_trl.TRL_LOSS_TYPES
 EPSILON, EPSILON_HIGH, CISPO_CAP = 0.2, 0.28, 2.0  # cap 2: the ratios here reach ~7, so it binds
 # the vLLM IS clip range: both bounds are hit at token and at sequence level (test_inputs_visit_every_regime)
 IS_CLIP_MIN, IS_CLIP_MAX = 0.7, 1.3
@@ -96,6 +85,42 @@ class _Accelerator:
 
     def pad_across_processes(self, x, dim=0, pad_index=0):
         return x
+
+
+class _RecordingAccelerator(_Accelerator):
+    """Rank 1 of two processes: records what it contributes to each collective, in call order (the
+    values it logs itself are discarded)."""
+
+    def __init__(self):
+        super().__init__(num_processes=2)
+        self.sent = []
+
+    def gather(self, x):
+        self.sent.append(x.detach().clone())
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        self.sent.append(x.detach().clone())
+        return x
+
+
+class _ReplayAccelerator(_Accelerator):
+    """Rank 0 of two processes: each collective combines this rank's tensor with what rank 1 sent to
+    the same call (accelerate: reduce sums; gather concatenates along dim 0, a 0-d tensor as one row)."""
+
+    def __init__(self, sent):
+        super().__init__(num_processes=2)
+        self.sent = iter(sent)
+
+    def gather(self, x):
+        return torch.cat([torch.atleast_1d(x), torch.atleast_1d(next(self.sent)).to(x)])
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x + next(self.sent).to(x)
 
 
 def trl_case(loss_type, **overrides) -> dict:
@@ -128,7 +153,7 @@ def trl_case(loss_type, **overrides) -> dict:
     return case
 
 
-def trl_trainer(case: dict, per_token_logps, entropies):
+def trl_trainer(case: dict, per_token_logps, entropies, accelerator=None):
     """A stand-in for `self` with exactly the attributes `_compute_loss` reads."""
     args = types.SimpleNamespace(
         delta=case["delta"],
@@ -153,6 +178,9 @@ def trl_trainer(case: dict, per_token_logps, entropies):
         off_policy_mask_threshold=case["off_policy_mask_threshold"],
         use_vllm=case["vllm_mode"] is not None,
         vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=case["vllm_mode"],
+        vllm_importance_sampling_clip_min=case["clip_min"],
+        vllm_importance_sampling_clip_max=case["clip_max"],
         max_completion_length=MAX_COMPLETION_LENGTH,
         current_gradient_accumulation_steps=case["grad_accum"],
         aux_loss_enabled=False,
@@ -161,32 +189,13 @@ def trl_trainer(case: dict, per_token_logps, entropies):
         use_adaptive_entropy=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         model=types.SimpleNamespace(training=case["training"]),
-        accelerator=_Accelerator(case["num_processes"]),
+        accelerator=accelerator or _Accelerator(case["num_processes"]),
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (per_token_logps, entropies, None),
     )
     trainer.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, trainer)
     return trainer
-
-
-def trl_vllm_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
-    """The vLLM importance-sampling ratio exactly as GRPOTrainer._generate_and_score_completions
-    computes it (trl/trainer/grpo_trainer.py:2659-2707, trl 1.16.0)."""
-    per_token_logps_diff = (old - sampling) * mask
-    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
-    if mode in ["sequence_mask", "sequence_truncate"]:
-        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
-    else:
-        logps_diff = per_token_logps_diff
-    ratio = torch.exp(logps_diff)
-    if mode in ["sequence_truncate", "token_truncate"]:
-        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
-    else:
-        min_val = clip_min if clip_min is not None else -math.inf
-        max_val = clip_max if clip_max is not None else math.inf
-        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
-    return ratio
 
 
 def completion_and_tool_masks():
@@ -205,7 +214,7 @@ def num_items_in_batch(case) -> int:
     return local * case["steps_per_generation"] * case["num_processes"] + 5
 
 
-def run_trl(case: dict, x: dict):
+def run_trl(case: dict, x: dict, accelerator=None):
     lp, ent = leaf(x["logp"]), leaf(x["entropy"])
     completion_mask, tool_mask = completion_and_tool_masks()
     adv = x["adv_seq"] if case["advantages"] == "seq" else x["adv_tok"]
@@ -231,7 +240,7 @@ def run_trl(case: dict, x: dict):
             case["clip_min"],
             case["clip_max"],
         )
-    trainer = trl_trainer(case, lp, ent)
+    trainer = trl_trainer(case, lp, ent, accelerator)
     loss = GRPOTrainer._compute_loss(trainer, None, inputs)
     loss.backward()
     mode = "train" if case["training"] else "eval"
@@ -261,73 +270,10 @@ def trl_vllm_is_ratio_metrics(ratio, mask):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Our side
+# Our side: configured and logged by the TRL adapter's functions, on a stand-in of the same settings
 # ---------------------------------------------------------------------------------------------------
-AGG = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "luspo": "seq-mean-token-sum",
-}
-
-
-def our_config(case: dict) -> gk.PolicyLossConfig:
-    lt = case["loss_type"]
-    fields = dict(
-        loss_agg_mode=AGG[lt],
-        ratio_level=case["importance_sampling_level"],
-        log_ratio_clamp=None,
-        kl_coef=case["beta"],
-        kl_estimator="k3",
-        kl_ratio_correction=case["use_bias_correction_kl"],
-        off_policy_mask_threshold=case["off_policy_mask_threshold"],
-        top_entropy_quantile=case["top_entropy_quantile"],
-        entropy_coef=case["entropy_coef"],
-    )
-    if lt in CLIP_LOSSES:
-        fields.update(
-            loss_type="ppo_clip",
-            clip_low=case["epsilon"],
-            clip_high=case["epsilon_high"],
-            delta=case["delta"],
-        )
-    elif lt == "cispo":
-        fields.update(loss_type="cispo", cispo_form="absolute", cispo_cap=case["epsilon_high"])
-    elif lt == "sapo":
-        fields.update(
-            loss_type="sapo",
-            sapo_tau_pos=case["sapo_temperature_pos"],
-            sapo_tau_neg=case["sapo_temperature_neg"],
-        )
-    else:
-        fields.update(loss_type="vespo")
-    if lt == "dr_grpo":
-        fields["max_completion_length"] = MAX_COMPLETION_LENGTH
-    if case["entropy_coef"] != 0.0:
-        fields["entropy_agg_mode"] = "token-mean-local"
-    if case["vllm_mode"] is not None:
-        level, _, how = case["vllm_mode"].partition("_")
-        fields.update(is_level=level, is_mode=how, is_min=case["clip_min"], is_max=case["clip_max"])
-    return gk.PolicyLossConfig(**fields)
-
-
-def our_normalizers(case: dict) -> dict:
-    ga = case["grad_accum"] if case["training"] else 1
-    lt = case["loss_type"]
-    if lt in ("grpo", "sapo", "dr_grpo", "luspo"):
-        return dict(num_sequences=B * ga, grad_accum_steps=ga)
-    if lt == "bnpo":
-        return dict(grad_accum_steps=ga)
-    n = max(num_items_in_batch(case), 1)
-    num_tokens = n * ga / case["steps_per_generation"] if case["training"] else n
-    return dict(num_tokens=num_tokens, dp_size=case["num_processes"], grad_accum_steps=ga)
-
-
-def run_ours(case: dict, x: dict):
+def run_ours(case: dict, x: dict, accelerator=None):
+    trainer = trl_trainer(case, None, None, accelerator)
     lp, ent = leaf(x["logp"], torch.float32), leaf(x["entropy"], torch.float32)
     adv = x["adv_seq"] if case["advantages"] == "seq" else x["adv_tok"]
     out = gk.grpo_loss(
@@ -338,59 +284,42 @@ def run_ours(case: dict, x: dict):
         ref_logprobs=x["ref"] if case["beta"] != 0.0 else None,
         rollout_logprobs=x["rollout"] if case["vllm_mode"] is not None else None,
         entropy=ent,
-        config=our_config(case),
+        config=gk_trl.policy_loss_config(trainer),
         backend="torch",
-        **our_normalizers(case),
+        **gk_trl.loss_normalizers(trainer, B, torch.tensor(num_items_in_batch(case))),
     )
     out.loss.backward()
-    return out, lp.grad, ent.grad
-
-
-# TRL's logged name -> ours (converted by trl_view where TRL counts all-masked rows).
-TRL_METRICS = {
-    "kl": "kl",
-    "entropy": "entropy",
-    "clip_ratio/low_mean": "clip_ratio/low_mean",
-    "clip_ratio/high_mean": "clip_ratio/high_mean",
-    "clip_ratio/region_mean": "clip_ratio/region_mean",
-    "clip_ratio/low_min": "clip_ratio/low_min",
-    "clip_ratio/high_max": "clip_ratio/high_max",
-    "cispo_clip_ratio": "clip_ratio/high_mean",  # absolute form: ratio > cap and A > 0
-    "vespo/phi_seq_mean": "vespo/phi_seq_mean",
-    "policy_loss": "policy_loss",  # TRL: before the entropy bonus, KL included, before / GA (see trl_view)
-    "entropy_coef": "entropy_coef",
-    "sampling/importance_sampling_ratio/min": "is_weight/min",  # token-level modes only
-    "sampling/importance_sampling_ratio/mean": "is_weight/mean",
-    "sampling/importance_sampling_ratio/max": "is_weight/max",
-}
-
-
-def trl_view(trl_name: str, case: dict, ours: dict) -> float:
-    """The value TRL logs under trl_name, computed from our metrics."""
-    our_name = TRL_METRICS[trl_name]
-    if our_name == "entropy_coef":
-        return case["entropy_coef"]
-    if our_name == "policy_loss":  # TRL's per_token_loss includes beta * KL; the /GA comes after it
-        value = float(ours["policy_loss"]) + case["beta"] * float(ours.get("kl_loss", 0.0))
-        divided_by_ga = case["loss_type"] not in ("dapo", "cispo", "vespo") and case["training"]
-        return value * case["grad_accum"] if divided_by_ga else value
-    value = float(ours[our_name])
-    nonempty = sum(n > 0 for n in LENGTHS)
-    per_row = case["importance_sampling_level"] == "sequence" and our_name.startswith("clip_ratio")
-    if (per_row or our_name == "vespo/phi_seq_mean") and nonempty < B:  # TRL counts all B rows (module doc)
-        empty_value = 1.0 if our_name == "vespo/phi_seq_mean" else 0.0
-        if our_name.endswith("_min"):
-            return min(value, empty_value)
-        if our_name.endswith("_max"):
-            return max(value, empty_value)
-        return (value * nonempty + empty_value * (B - nonempty)) / B
-    return value
+    gk_trl.log_trl_metrics(trainer, out.metrics, x["mask"])
+    mode = "train" if case["training"] else "eval"
+    logged = trainer._metrics[mode]
+    assert all(len(v) == 1 for v in logged.values()), logged
+    metrics = {k: v[0] for k, v in logged.items()}
+    if case["vllm_mode"] in ("token_truncate", "token_mask") and case["loss_type"] != "vespo":
+        for stat in ("min", "mean", "max"):  # TRL logs these at generation time (trl_vllm_is_ratio_metrics)
+            metrics[f"sampling/importance_sampling_ratio/{stat}"] = out.metrics[f"is_weight/{stat}"].item()
+    return out, metrics, lp.grad, ent.grad
 
 
 def check(case: dict, x: dict | None = None) -> None:
     x = make_token_inputs(SEED) if x is None else x
-    loss_t, metrics_t, grad_t, grad_ent_t = run_trl(case, x)
-    out, grad_o, grad_ent_o = run_ours(case, x)
+    compare(case, run_trl(case, x), run_ours(case, x))
+
+
+def check_two_processes(case: dict) -> None:
+    """Rank 0 of two processes whose batches differ (seeds SEED, SEED + 1): rank 1 runs first and
+    records what it sends to every collective; rank 0 replays it (each side replays its own)."""
+    x0, x1 = make_token_inputs(SEED), make_token_inputs(SEED + 1)
+    sent_by_trl, sent_by_ours = _RecordingAccelerator(), _RecordingAccelerator()
+    run_trl(case, x1, sent_by_trl)
+    run_ours(case, x1, sent_by_ours)
+    theirs = run_trl(case, x0, _ReplayAccelerator(sent_by_trl.sent))
+    ours = run_ours(case, x0, _ReplayAccelerator(sent_by_ours.sent))
+    compare(case, theirs, ours)
+
+
+def compare(case: dict, theirs, ours) -> None:
+    loss_t, metrics_t, grad_t, grad_ent_t = theirs
+    out, metrics_o, grad_o, grad_ent_o = ours
     ctx = "trl " + " ".join(f"{k}={v}" for k, v in case.items() if v != trl_case(case["loss_type"]).get(k))
     ctx = f"{ctx} [{case['loss_type']}]"
     assert_close(f"{ctx} loss", out.loss, loss_t)
@@ -399,10 +328,12 @@ def check(case: dict, x: dict | None = None) -> None:
         assert grad_ent_o is None or not grad_ent_o.any(), f"{ctx}: ours has an entropy gradient, TRL none"
     else:
         assert_close(f"{ctx} dloss/dentropy", grad_ent_o, grad_ent_t, scale=grad_scale(grad_ent_t))
-    unknown = set(metrics_t) - set(TRL_METRICS)
-    assert not unknown, f"{ctx}: TRL logged metrics with no mapping: {sorted(unknown)}"
+    assert set(metrics_o) == set(metrics_t), (
+        f"{ctx}: logged metrics differ: only TRL {sorted(set(metrics_t) - set(metrics_o))}, "
+        f"only ours {sorted(set(metrics_o) - set(metrics_t))}"
+    )
     for name, value in metrics_t.items():
-        assert_close(f"{ctx} metric {name}", trl_view(name, case, out.metrics), value, equal_nan=True)
+        assert_close(f"{ctx} metric {name}", metrics_o[name], value, equal_nan=True)
 
 
 @pytest.fixture(scope="module")
@@ -555,3 +486,29 @@ def test_everything_on_matches_trl(loss_type, inputs):
         advantages="token",
     )
     check(case, inputs)
+
+
+TWO_PROCESS_CASES = [
+    pytest.param(lt, level, id=f"{lt}-{level}")
+    for lt in LOSS_TYPES
+    for level in ("token", "sequence")
+    if not (lt == "vespo" and level == "sequence")  # vespo is defined on token log-ratios
+]
+
+
+@pytest.mark.parametrize(("loss_type", "level"), TWO_PROCESS_CASES)
+def test_two_processes_match_trl(loss_type, level, inputs):
+    """num_processes=2: the dapo / cispo / vespo normalizer and every logged metric reduced across the
+    two ranks as TRL reduces them (token-weighted global means, gathered min / max, gathered
+    nanmean of policy_loss). top_entropy_quantile is left out: TRL takes its quantile across ranks
+    and the fused adapter refuses it with several processes."""
+    check_two_processes(
+        trl_case(
+            loss_type,
+            importance_sampling_level=level,
+            num_processes=2,
+            grad_accum=2,
+            beta=0.04,
+            entropy_coef=0.05,
+        )
+    )
