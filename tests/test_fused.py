@@ -158,3 +158,18 @@ def test_plan_chunks_keeps_sequences_whole():
     valid[5] = False  # the second sequence has 1 valid token
     assert plan_chunks(cu, valid, 7) == [(0, 2, 0, 6), (2, 3, 6, 13), (3, 4, 13, 14)]
     assert plan_chunks(cu, valid, 6) is None  # the 7-token sequence does not fit
+
+
+def test_active_autocast_does_not_lower_the_precision():
+    """Under an active bf16 autocast the LM-head tiles still accumulate in fp32 (TRL trains under
+    autocast): the results equal those without autocast."""
+    d = inputs()
+    plain = gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                      config=C.dapo(), backend="torch")  # fmt: skip
+    plain_lp = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"].clamp(min=0), backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], d["old"],
+                                         config=C.dapo(), backend="torch")  # fmt: skip
+        auto_lp = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"].clamp(min=0), backend="torch")
+    assert_close("loss under autocast", auto.loss, plain.loss, atol=0, rtol=0)
+    assert_close("logprobs under autocast", auto_lp.logprobs, plain_lp.logprobs, atol=0, rtol=0)

@@ -260,6 +260,10 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     chunk_tokens = chunk_tokens or one_pass_capacity(weight.shape[0])
     chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
-    if chosen == "one_pass":
-        return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks)
-    return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head)
+    # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
+    # round them to half precision); the loss head is fp32 O(N) work
+    with torch.autocast(flat_hidden.device.type, enabled=False):
+        if chosen == "one_pass":
+            return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
+                                               chunks)  # fmt: skip
+        return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head)

@@ -13,8 +13,10 @@ import torch
 class LMHeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, impl, compute_entropy: bool):
-        # hidden [N, H], weight [V, H], bias [V] | None, targets [N] int64
-        stats = impl.lm_head_forward(hidden, weight, bias, targets, temperature)
+        # hidden [N, H], weight [V, H], bias [V] | None, targets [N] int64. Autocast off: the tiles
+        # accumulate in fp32 by construction, an active autocast would round them to half precision.
+        with torch.autocast(hidden.device.type, enabled=False):
+            stats = impl.lm_head_forward(hidden, weight, bias, targets, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, stats.lse, stats.expected_logit)
         ctx.temperature = temperature
         ctx.impl = impl
@@ -29,20 +31,11 @@ class LMHeadFunction(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, lse, expected_logit = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_hidden, grad_weight, grad_bias = ctx.impl.lm_head_backward(
-            hidden,
-            weight,
-            bias,
-            targets,
-            ctx.temperature,
-            lse,
-            expected_logit,
-            grad_logprobs,
-            grad_entropy,
-            need_grad_hidden=need_h,
-            need_grad_weight=need_w,
-            need_grad_bias=need_b,
-        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            grad_hidden, grad_weight, grad_bias = ctx.impl.lm_head_backward(
+                hidden, weight, bias, targets, ctx.temperature, lse, expected_logit, grad_logprobs, grad_entropy,
+                need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
+            )  # fmt: skip
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)  # fp32 accumulator, cast once
         if grad_bias is not None:
