@@ -538,7 +538,7 @@ def lm_head_bwd_kernel_dlogits(
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if FROM_STORED:  # the forward kept the fp32 logits of these rows: no GEMM here (one-pass schedule)
         z_in = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored + cols[None, :]
-        z = tl.load(z_in, mask=tile_ok & any_live, other=-1.0e30)
+        z = tl.load(z_in, mask=tile_ok, other=-1.0e30)
     else:
         rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
         w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
