@@ -173,66 +173,70 @@ PROMPTS = ["1 2 3 =", "4 =", "5 6 =", "7 8 9 1 =", "2 =", "3 3 ="]  # ragged: le
 COMPLETIONS = ["1 2", "4 4 4", "5", "7 8 9 1", "0 0", "3"]
 
 
+CPU_FP32 = trainer_module.Compute(torch.device("cpu"), torch.float32)
+
+
 def test_token_logprobs_match_the_full_model_logits():
+    """The one-token shift and left padding: log-probs of each completion token equal those of the plain
+    model run on that row alone."""
     model, tokenizer = build_embedded_model(seed=0)
     torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # a non-uniform policy
     batch = _batch_for(model, tokenizer, PROMPTS, COMPLETIONS)
     config = TrainConfig(micro_batch_size=4)
-    logprobs, entropy = trainer_module._token_logprobs(
-        model, batch, config, True, trainer_module.contextlib.nullcontext, torch.float32
-    )
-    for i, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):  # each row alone, no padding at all
+    logprobs, entropy = trainer_module._token_logprobs(model, batch, config, CPU_FP32, need_entropy=True)
+    for i, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS)):
         prompt_ids = tokenizer(prompt)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [
             tokenizer.eos_token_id
         ]
         logits = model(torch.tensor([prompt_ids + completion_ids])).logits[0, len(prompt_ids) - 1 : -1]
-        expected = torch.log_softmax(logits.double(), -1)
+        expected = torch.log_softmax(logits.double(), -1)  # [n, V]
         n = len(completion_ids)
-        torch.testing.assert_close(
-            logprobs[i, :n].double(),
-            expected.gather(1, torch.tensor(completion_ids)[:, None])[:, 0],
-            rtol=1e-5,
-            atol=1e-5,
-        )
-        torch.testing.assert_close(
-            entropy[i, :n].double(), -(expected.exp() * expected).sum(-1), rtol=1e-5, atol=1e-5
-        )
+        expected_logprobs = expected.gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(logprobs[i, :n].double(), expected_logprobs, rtol=1e-5, atol=1e-5)
+        expected_entropy = -(expected.exp() * expected).sum(-1)
+        torch.testing.assert_close(entropy[i, :n].double(), expected_entropy, rtol=1e-5, atol=1e-5)
         assert not batch.completion_mask[i, n:].any()
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo"])
 def test_micro_batches_give_the_full_batch_gradient(loss):
     """With the step's global token / sequence counts, accumulating 3 micro-batches = one batch of 6."""
-    grads = []
-    old = (
-        torch.randn(6, 5, generator=torch.Generator().manual_seed(0)) * 0.1 - 2.8
-    )  # ratios != 1: clipping active
+    old = torch.randn(6, 5, generator=torch.Generator().manual_seed(0)) * 0.1 - 2.8  # ratios != 1: clipping
+    results = []
     for micro_batch_size in (6, 2):
         model, tokenizer = build_embedded_model(seed=0)
         batch = _batch_for(model, tokenizer, PROMPTS, COMPLETIONS)
         config = TrainConfig(loss=loss, micro_batch_size=micro_batch_size, grad_clip=None)
         loss_config = config.loss_config(max_new_tokens=6)
-        ref = old - 0.05 if loss_config.needs_reference else None
-        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+        batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+        batch.old_logprobs = old
+        batch.ref_logprobs = old - 0.05 if loss_config.needs_reference else None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        metrics = trainer_module._update(
-            model,
-            optimizer,
-            batch,
-            advantages,
-            old,
-            ref,
-            loss_config,
-            config,
-            trainer_module.contextlib.nullcontext,
-            torch.float32,
-        )
-        grads.append(([p.grad.clone() for p in model.parameters()], metrics["loss"]))
-    (full, full_loss), (accumulated, accumulated_loss) = grads
+        metrics = trainer_module._update(model, optimizer, batch, loss_config, config, CPU_FP32)
+        results.append(([p.grad.clone() for p in model.parameters()], metrics["loss"]))
+    (full, full_loss), (accumulated, accumulated_loss) = results
     assert accumulated_loss == pytest.approx(full_loss, rel=1e-5, abs=1e-7)
     for a, b in zip(full, accumulated):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_prompts_are_distinct_within_a_step(tmp_path):
+    """A prompt is one group per step (DCPO keys its running statistics by prompt), across the rounds of
+    dynamic sampling too; a task with too few prompts is refused before the run folder is made."""
+    from grpo_kernels.trainer.task import TASKS
+
+    generator = torch.Generator().manual_seed(0)
+    first, _ = TASKS["copy"].sample(generator, 200, exclude=set())
+    second, _ = TASKS["copy"].sample(generator, 200, exclude=set(first))
+    assert len(set(first)) == 200 and len(set(second)) == 200 and not set(first) & set(second)
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(3)))
+    with pytest.raises(ValueError, match="3 distinct prompts, fewer than prompts_per_step=4"):
+        run(tmp_path, task=str(path), prompts_per_step=4)
+    assert not (tmp_path / "run").exists()
+    result = run(tmp_path, "jsonl", task=str(path), prompts_per_step=3, steps=1)  # a .jsonl task trains
+    assert result.metrics[0]["sequences"] == 3 * 4
 
 
 # ---- hooks ----------------------------------------------------------------------------------------------

@@ -38,9 +38,9 @@ class TrainConfig:
     loss: str = "grpo"  # PolicyLossConfig preset
     loss_options: dict = field(default_factory=dict)  # PolicyLossConfig field overrides
     advantage: str = "grpo"  # gk.advantages estimator
-    advantage_options: dict = field(default_factory=dict)
+    advantage_options: dict = field(default_factory=dict)  # estimator options (the batch fills the rest)
     hook: str | None = None  # rollout hook between scoring and the update (see hooks.py)
-    hook_options: dict = field(default_factory=dict)
+    hook_options: dict = field(default_factory=dict)  # the hook's options (see hooks.py)
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and sample more to refill
     max_sampling_rounds: int = 4  # dynamic sampling gives up refilling after this many rounds per step
     ref_reset_interval: int | None = None  # ProRL: every N steps the reference becomes the current policy
@@ -239,8 +239,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gfpo": dict(
         loss="grpo", advantage="grpo", hook="gfpo", hook_options={"oversample": 2, "metric": "length"}
     ),
-    # Lopti: update on low-probability tokens first, then on the rest (hook: two update stages).
-    "lopti": dict(loss="grpo", advantage="grpo", hook="lopti", hook_options={"threshold": 0.5}),
+    # Lopti: update on low-probability tokens first, then on the rest (hook: two update stages per batch).
+    "lopti": dict(
+        loss="grpo", advantage="grpo", hook="lopti", hook_options={"threshold": 0.5}, num_iterations=1
+    ),
     # ProRL: DAPO's clip-higher and dynamic sampling, a small KL (1e-4) to a reference that is reset to the
     # current policy periodically (the paper resets on stalls; here on a fixed interval), optimizer reset too.
     "prorl": dict(

@@ -99,13 +99,17 @@ class Rollouts:
 
 @dataclass
 class PaddedBatch:
-    """Rollouts as tensors: prompts left-padded to P, completions right-padded to C."""
+    """Rollouts as tensors: prompts left-padded to P, completions right-padded to C; the trainer adds the
+    per-sequence / per-token inputs of the loss before the update."""
 
     prompt_ids: torch.Tensor  # [B, P] int64
     prompt_mask: torch.Tensor  # [B, P] bool
     completion_ids: torch.Tensor  # [B, C] int64
     completion_mask: torch.Tensor  # [B, C] bool: the completion's tokens, its EOS included
     rollout_logprobs: torch.Tensor | None  # [B, C] fp32 (0 on padding) or None
+    advantages: torch.Tensor | None = None  # [B] or [B, C]
+    old_logprobs: torch.Tensor | None = None  # [B, C]; None: on-policy (one update per batch)
+    ref_logprobs: torch.Tensor | None = None  # [B, C]; None: no KL term
 
     @staticmethod
     def build(rollouts: Rollouts, pad_id: int, device) -> PaddedBatch:

@@ -65,11 +65,20 @@ class Task:
     make: Callable[[torch.Generator], tuple[str, str]]
     reward: str  # default reward function name
     max_new_tokens: int  # default generation budget (answer + EOS, with no slack)
+    num_prompts: int  # distinct prompts the task can draw
     description: str
 
-    def sample(self, generator: torch.Generator, n: int) -> tuple[list[str], list[str]]:
-        pairs = [self.make(generator) for _ in range(n)]
-        return [p for p, _ in pairs], [a for _, a in pairs]
+    def sample(self, generator: torch.Generator, n: int, exclude: set[str]) -> tuple[list[str], list[str]]:
+        """Up to n prompts, distinct and not in `exclude` (a prompt is one group per step: DCPO's running
+        statistics are keyed by prompt), with their answers. Fewer only when the task runs out."""
+        pairs: dict[str, str] = {}
+        for _ in range(100 * n):
+            if len(pairs) == n or len(pairs) + len(exclude) >= self.num_prompts:
+                break
+            prompt, answer = self.make(generator)
+            if prompt not in exclude:
+                pairs.setdefault(prompt, answer)
+        return list(pairs), list(pairs.values())
 
 
 def _digits(generator: torch.Generator, n: int) -> list[str]:
@@ -92,11 +101,13 @@ def _max(generator):
 
 
 TASKS: dict[str, Task] = {
-    "copy": Task("copy", _copy, "token_match", 4, "repeat three digits: '3 1 4 =' -> '3 1 4' <eos>"),
+    "copy": Task("copy", _copy, "token_match", 4, 1000, "repeat three digits: '3 1 4 =' -> '3 1 4' <eos>"),
     "reverse": Task(
-        "reverse", _reverse, "token_match", 4, "reverse three digits: '3 1 4 =' -> '4 1 3' <eos>"
+        "reverse", _reverse, "token_match", 4, 1000, "reverse three digits: '3 1 4 =' -> '4 1 3' <eos>"
     ),
-    "max": Task("max", _max, "token_match", 2, "the largest of four digits: '3 1 4 1 =' -> '4' <eos>"),
+    "max": Task(
+        "max", _max, "token_match", 2, 10_000, "the largest of four digits: '3 1 4 1 =' -> '4' <eos>"
+    ),
 }
 
 
@@ -122,7 +133,9 @@ def jsonl_task(path: str) -> Task:
     def make(generator):
         return examples[int(torch.randint(len(examples), (1,), generator=generator))]
 
-    return Task(os.path.basename(path), make, "exact_match", 32, f"{len(examples)} examples from {path}")
+    num_prompts = len({prompt for prompt, _ in examples})
+    description = f"{len(examples)} examples ({num_prompts} distinct prompts) from {path}"
+    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description)
 
 
 def resolve_task(spec: str) -> Task:

@@ -52,27 +52,41 @@ class TrainResult:
     tokenizer: object
 
 
+@dataclass(frozen=True)
+class Compute:
+    """Where the model runs and in which dtype: bf16 autocast on CUDA, fp32 on CPU (weights stay fp32)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, log=print) -> TrainResult:
     """Train from `config`; with resume=True continue config.run_dir from its last checkpoint."""
     device = _pick_device(config.device)
-    compute_dtype = _pick_dtype(config.dtype, device)
+    compute = Compute(device, _pick_dtype(config.dtype, device))
     threads_before = torch.get_num_threads()
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     try:
-        return _train(config, resume, progress, log, device, compute_dtype)
+        return _train(config, resume, progress, log, compute)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _train(config, resume, progress, log, device, compute_dtype) -> TrainResult:
-    def autocast():  # bf16 matmuls on CUDA; the weights and the optimizer stay fp32
-        if compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=compute_dtype)
-
+def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
+    device = compute.device
     # ---- everything that can fail on bad input, before the run folder is touched --------------------
     task = resolve_task(config.task)
+    if task.num_prompts < config.prompts_per_step:
+        raise ValueError(
+            f"task {task.name!r} has {task.num_prompts} distinct prompts, fewer than "
+            f"prompts_per_step={config.prompts_per_step}"
+        )
     reward_name = config.reward or task.reward
     reward_fn = resolve_reward(reward_name)
     max_new_tokens = config.max_new_tokens or task.max_new_tokens
@@ -108,7 +122,7 @@ def _train(config, resume, progress, log, device, compute_dtype) -> TrainResult:
         exported = _save_pretrained(policy, tokenizer, os.path.join(run_dir, "vllm_init"))
         sampler = VLLMSampler(exported, eos_ids, config.temperature, config.seed)
     else:
-        sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, autocast)
+        sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
 
     def decode(tokens: list[int]) -> str:  # the text the reward sees: the completion before its EOS
         return tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=False)
@@ -150,7 +164,7 @@ def _train(config, resume, progress, log, device, compute_dtype) -> TrainResult:
     num_parameters = sum(p.numel() for p in policy.parameters())
     log(f"model: {model_description}, {num_parameters:,} parameters, on {device}")
     log(f"task: {task.name} ({task.description}); reward: {reward_name}; preset: {config.preset}")
-    dtype_name = str(compute_dtype).removeprefix("torch.")
+    dtype_name = str(compute.dtype).removeprefix("torch.")
     log(f"loss: {_describe_backend(config.backend, device)}; compute dtype {dtype_name}")
     log(f"run folder: {run_dir}")
     started = time.time()
@@ -191,14 +205,12 @@ def _train(config, resume, progress, log, device, compute_dtype) -> TrainResult:
             # 3. per-token log-probs [B, C] without grad: old policy, reference, entropy for the estimator
             spec = gk_advantages.get(config.advantage)
             need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
-            old_logprobs = entropy = ref_logprobs = None
+            entropy = None
             if need_old or need_entropy:
-                logprobs, entropy = _token_logprobs(
-                    policy, batch, config, need_entropy, autocast, compute_dtype
-                )
-                old_logprobs = logprobs if need_old else None
+                logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy)
+                batch.old_logprobs = logprobs if need_old else None
             if reference is not None:
-                ref_logprobs, _ = _token_logprobs(reference, batch, config, False, autocast, compute_dtype)
+                batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, need_entropy=False)
 
             # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
             from_batch = {
@@ -211,24 +223,10 @@ def _train(config, resume, progress, log, device, compute_dtype) -> TrainResult:
             }
             options = {k: v for k, v in from_batch.items() if k in spec.options} | config.advantage_options
             group_index = rollouts.group_index.to(device)
-            advantages = gk_advantages.estimate(config.advantage, rewards, group_index, **options)
+            batch.advantages = gk_advantages.estimate(config.advantage, rewards, group_index, **options)
 
-            # 5. the updates: fused loss on hidden states, micro-batches, global normalizers, AdamW step
-            update_metrics = [
-                _update(
-                    policy,
-                    optimizer,
-                    batch,
-                    advantages,
-                    old_logprobs,
-                    ref_logprobs,
-                    stage,
-                    config,
-                    autocast,
-                    compute_dtype,
-                )
-                for stage in updates
-            ]
+            # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
+            update_metrics = [_update(policy, optimizer, batch, stage, config, compute) for stage in updates]
             for key in update_metrics[0]:
                 record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
@@ -284,9 +282,12 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
     prompts_per_step of them. Returns (rollouts or None, every sampled reward [fp32], statistics)."""
     per_prompt = config.group_size * hook.sample_multiplier
     rounds = config.max_sampling_rounds if config.dynamic_sampling else 1
-    parts, sampled, stats = [], [], {}
+    parts, sampled, stats, seen = [], [], {}, set()
     for round_index in range(rounds):
-        prompts, answers = task.sample(prompt_generator, config.prompts_per_step)
+        prompts, answers = task.sample(prompt_generator, config.prompts_per_step, exclude=seen)
+        if not prompts:
+            break  # dynamic sampling has drawn every prompt of the task this step
+        seen.update(prompts)
         prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
         rows = [g for g in range(len(prompts)) for _ in range(per_prompt)]  # a group's rows are consecutive
         completions, truncated, logprobs = sampler.generate(
@@ -315,7 +316,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
             parts.append(rollouts)
         if sum(len(set(p.groups)) for p in parts) >= config.prompts_per_step:
             break
-    stats["sampling_rounds"] = round_index + 1
+    stats["sampling_rounds"] = len(sampled)
     if not parts:
         return None, torch.cat(sampled), stats
     rollouts = Rollouts.concat(parts)
@@ -346,45 +347,30 @@ def _lm_head(model, dtype):
 
 
 @torch.no_grad()
-def _token_logprobs(model, batch, config, need_entropy, autocast, compute_dtype):
+def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool):
     """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions."""
     model.eval()
-    logprobs = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+    logprobs = torch.zeros(batch.completion_ids.shape, device=compute.device)
     entropy = torch.zeros_like(logprobs) if need_entropy else None
     for rows in _micro_batches(len(batch), config.micro_batch_size):
-        with autocast():
-            hidden = _completion_hidden(model, batch, rows)
-        weight, bias = _lm_head(model, compute_dtype)
+        with compute.autocast():
+            hidden = _completion_hidden(model, batch, rows)  # [b, C, H]
+        weight, bias = _lm_head(model, compute.dtype)
         out = fused_linear_logprobs(
-            hidden.to(compute_dtype),
-            weight,
-            batch.completion_ids[rows],
-            bias,
-            config.temperature,
-            mask=batch.completion_mask[rows],
-            compute_entropy=need_entropy,
-            backend=config.backend,
-        )
+            hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
+            mask=batch.completion_mask[rows], compute_entropy=need_entropy, backend=config.backend,
+        )  # fmt: skip
         logprobs[rows] = out.logprobs
         if need_entropy:
             entropy[rows] = out.entropy
     return logprobs, entropy
 
 
-def _update(
-    policy,
-    optimizer,
-    batch,
-    advantages,
-    old_logprobs,
-    ref_logprobs,
-    loss_config,
-    config,
-    autocast,
-    compute_dtype,
-) -> dict[str, float]:
+def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute: Compute) -> dict[str, float]:
     """One optimizer step on the whole batch, accumulated over micro-batches. With the step's global token
-    and sequence counts as normalizers, the micro-batch losses sum to the loss of the whole batch."""
+    and sequence counts as normalizers, the micro-batch losses sum to the loss of the whole batch.
+    Variants that select tokens by batch statistics (top-entropy quantile, Clip-Cov, KL-Cov) select within
+    each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide."""
     policy.train()
     mask = batch.completion_mask
     slices = _micro_batches(len(batch), config.micro_batch_size)
@@ -401,23 +387,15 @@ def _update(
     optimizer.zero_grad(set_to_none=True)
     loss_total, sums, tokens = 0.0, {}, {}
     for rows in slices:
-        with autocast():
+        with compute.autocast():
             hidden = _completion_hidden(policy, batch, rows)  # [b, C, H]
-        weight, bias = _lm_head(policy, compute_dtype)
+        weight, bias = _lm_head(policy, compute.dtype)
         out = fused_linear_grpo_loss(
-            hidden.to(compute_dtype),
-            weight,
-            batch.completion_ids[rows],
-            advantages[rows],
-            mask[rows],
-            old_logprobs=rows_of(old_logprobs, rows),
-            ref_logprobs=rows_of(ref_logprobs, rows),
-            rollout_logprobs=rows_of(rollout_logprobs, rows),
-            bias=bias,
-            config=loss_config,
-            backend=config.backend,
-            **normalizers,
-        )
+            hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows], mask[rows],
+            old_logprobs=rows_of(batch.old_logprobs, rows), ref_logprobs=rows_of(batch.ref_logprobs, rows),
+            rollout_logprobs=rows_of(rollout_logprobs, rows), bias=bias, config=loss_config,
+            backend=config.backend, **normalizers,
+        )  # fmt: skip
         out.loss.backward()
         loss_total += out.loss.item()
         micro_tokens = float(mask[rows].sum())
