@@ -94,7 +94,8 @@ def load_checkpoint(folder: str, *, model, reference, optimizer) -> tuple[dict, 
         load_model(reference, os.path.join(folder, "reference.safetensors"), device=str(device))
     with open(os.path.join(folder, "state.json")) as f:
         state = json.load(f)
-    optimizer_tensors = load_file(os.path.join(folder, "optimizer.safetensors"), device=str(device))
+    # on CPU, like torch.load(map_location="cpu"): load_state_dict moves the state next to each parameter
+    optimizer_tensors = load_file(os.path.join(folder, "optimizer.safetensors"))
     _optimizer_from_flat(optimizer, optimizer_tensors, state["optimizer"])
     return state, load_file(os.path.join(folder, "rng.safetensors"))
 

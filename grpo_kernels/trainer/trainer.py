@@ -80,6 +80,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, l
 
 def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
     device = compute.device
+
     # ---- everything that can fail on bad input, before the run folder is touched --------------------
     task = resolve_task(config.task)
     if task.num_prompts < config.prompts_per_step:
