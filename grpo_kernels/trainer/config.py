@@ -42,7 +42,7 @@ class TrainConfig:
     hook: str | None = None  # rollout hook between scoring and the update (see hooks.py)
     hook_options: dict = field(default_factory=dict)  # the hook's options (see hooks.py)
     dynamic_sampling: bool = False  # DAPO: drop groups with equal rewards and sample more to refill
-    max_sampling_rounds: int = 4  # dynamic sampling gives up refilling after this many rounds per step
+    max_sampling_rounds: int | None = None  # dynamic sampling: sampling rounds per step at most (None: 4)
     ref_reset_interval: int | None = None  # ProRL: every N steps the reference becomes the current policy
     correct_reward: float = 1.0  # a completion counts as correct (solved) when its reward >= this
     # --- sampling -------------------------------------------------------------------------------------
@@ -54,10 +54,10 @@ class TrainConfig:
     # --- optimisation ---------------------------------------------------------------------------------
     steps: int = 200  # optimizer steps = rollout batches
     lr: float = 1e-3  # AdamW, constant after warmup (so a resumed run can be extended exactly)
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
+    warmup_steps: int = 10  # the learning rate rises linearly over these first steps
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW first-moment decay
+    adam_beta2: float = 0.99  # AdamW second-moment decay
     grad_clip: float | None = 1.0  # max global grad norm; None: no clipping
     num_iterations: int = 2  # updates per rollout batch (>1: old-policy log-probs, ratios, clipping)
     micro_batch_size: int = 64  # sequences per forward / backward (gradient accumulation within a step)
@@ -65,10 +65,8 @@ class TrainConfig:
     device: str = "auto"  # cuda when available
     dtype: str = "auto"  # compute dtype: bfloat16 on CUDA, float32 on CPU (weights stay fp32)
     backend: str = "auto"  # grpo_kernels backend: Triton on CUDA, PyTorch elsewhere
-    seed: int = 0
-    cpu_threads: int | None = (
-        1  # torch threads on CPU (tiny models run fastest on one); None: torch's default
-    )
+    seed: int = 0  # model initialisation (embedded default), prompts, sampling
+    cpu_threads: int | None = 1  # torch threads on CPU (a tiny model runs fastest on 1); None: torch's
     # --- output ---------------------------------------------------------------------------------------
     run_dir: str | None = None  # None: runs/<timestamp>
     save_every: int = 50  # checkpoint (and plot) every N steps; the last step is always saved
@@ -85,7 +83,6 @@ class TrainConfig:
             "steps",
             "num_iterations",
             "micro_batch_size",
-            "max_sampling_rounds",
             "save_every",
             "keep_checkpoints",
         ):
@@ -111,6 +108,9 @@ class TrainConfig:
             self.group_size >= 2, "group_size must be >= 2 (group-relative advantages need two completions)"
         )
         check(self.max_new_tokens is None or self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
+        if self.max_sampling_rounds is not None:
+            check(self.dynamic_sampling, "max_sampling_rounds is only used with dynamic_sampling")
+            check(self.max_sampling_rounds >= 1, "max_sampling_rounds must be >= 1")
         check(
             self.ref_reset_interval is None or self.ref_reset_interval >= 1, "ref_reset_interval must be >= 1"
         )
@@ -133,6 +133,10 @@ class TrainConfig:
                 + ("--temperature" if reserved == "temperature" else "--max-new-tokens"),
             )
         loss = self.loss_config(max_new_tokens=self.max_new_tokens or 1)  # raises on an unknown / bad field
+        check(
+            self.ref_reset_interval is None or loss.needs_reference,
+            "ref_reset_interval resets the KL reference, but this loss has none (kl_coef = 0)",
+        )
         check(
             loss.loss_type != "group_dpo",
             "loss_type='group_dpo' is not supported by the trainer (use the functional API)",

@@ -282,7 +282,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
     """Sample, score, let the hook act, and (dynamic sampling) keep informative groups until the step has
     prompts_per_step of them. Returns (rollouts or None, every sampled reward [fp32], statistics)."""
     per_prompt = config.group_size * hook.sample_multiplier
-    rounds = config.max_sampling_rounds if config.dynamic_sampling else 1
+    rounds = (config.max_sampling_rounds or 4) if config.dynamic_sampling else 1
     parts, sampled, stats, seen = [], [], {}, set()
     for round_index in range(rounds):
         prompts, answers = task.sample(prompt_generator, config.prompts_per_step, exclude=seen)
