@@ -28,7 +28,7 @@ from grpo_kernels.trainer.hooks import (  # noqa: E402
     LoptiStages,
 )
 from grpo_kernels.trainer.model import build_embedded_model  # noqa: E402
-from grpo_kernels.trainer.rollout import Rollouts  # noqa: E402
+from grpo_kernels.trainer.rollout import HFSampler, Rollouts  # noqa: E402
 from grpo_kernels.trainer.task import token_match  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -258,8 +258,11 @@ def _scored(rewards, completion_lengths, group_size):
 
 def _context(group_size, score=None, generator_seed=0):
     model, tokenizer = build_embedded_model(seed=0)
+    sampler = HFSampler(
+        model, tokenizer, [tokenizer.eos_token_id], 1.0, trainer_module.contextlib.nullcontext
+    )
     return HookContext(
-        generate=None,
+        generate=sampler.generate,
         score=score,
         encode=lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
         decode=lambda ids: tokenizer.decode([i for i in ids if i != tokenizer.eos_token_id]),
@@ -302,6 +305,23 @@ def test_edge_gec_rewrites_wrong_completions_and_rescores():
     assert corrected.rewards.tolist() == [0.0, 1.0, 1.0, 1.0]  # rescored ("x" scores 0 against "1 2")
     assert corrected.completion_tokens[1][-1] == _context(4).eos_id
     assert stats["edge_gec/corrected_fraction"] == 0.75
+
+
+def test_edge_gec_reflection_continues_sampling_after_the_reflection_text():
+    rollouts = _scored([0.0] * 8, [2] * 8, group_size=4)  # all wrong
+    rollouts = Rollouts(**{**rollouts.__dict__, "truncated": [True] * 8})  # no EOS to strip
+
+    def score(r):
+        return Rollouts(**{**r.__dict__, "rewards": torch.zeros(len(r))})
+
+    ctx = _context(4, score)
+    hook = EdgeGuidedErrorCorrection(p_correct=1.0, reflection="=")  # "=" is in the embedded vocabulary
+    corrected, _ = hook.after_scoring(rollouts, ctx)
+    reflect_id = ctx.encode("=")[0]
+    reflected = [t for t in corrected.completion_tokens if t[:3] == [7, 7, reflect_id]]
+    guided = [t for t in corrected.completion_tokens if t == ctx.encode("1 2") + [ctx.eos_id]]
+    assert reflected and guided and len(reflected) + len(guided) == 8  # the authors' half / half split
+    assert all(3 < len(t) <= 3 + ctx.max_new_tokens for t in reflected)  # the policy continued after "="
 
 
 def test_lopti_two_stages_low_then_high():
