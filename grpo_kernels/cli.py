@@ -10,12 +10,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and which backend each op uses here")
+    sub.add_parser("train", add_help=False, help="GRPO-family training (grpo-kernels train --help)")
     sub.add_parser(
         "bench",
         add_help=False,
         help="benchmarks against every peer (same as python -m benchmarks; bench --help)",
     )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "train":
+        from .trainer.cli import main as train_main  # imports transformers only when training
+
+        return train_main(rest)
     if args.command == "bench":
         from .bench.cli import main as bench_main
 
@@ -37,7 +42,9 @@ def _info() -> int:
     from ._backend import triton_available
 
     ok, why = triton_available()
-    print(f"grpo_kernels {grpo_kernels.__version__}, python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"grpo_kernels {grpo_kernels.__version__}, python {platform.python_version()}, torch {torch.__version__}"
+    )
     print(f"triton: {'available' if ok else why}")
     print(f"cuda: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available'}")
     return 0

@@ -1,0 +1,174 @@
+"""Rollout hooks: methods that act on the samples between scoring and the update.
+
+A hook may rewrite or drop rows after scoring (`after_scoring`), ask for more samples per prompt
+(`sample_multiplier`), or split the update into stages with different loss settings (`update_stages`).
+
+    edge_gec  EDGE-GRPO guided error correction: wrong completions are corrected (re-prompted or rewritten)
+    gfpo      GFPO: sample `oversample` x group_size completions, keep the group_size best by a metric
+    lopti     Lopti: one update on low-probability tokens, then one on the others
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import gfpo_filter
+from ..config import PolicyLossConfig
+from .rollout import Rollouts
+
+
+@dataclass
+class HookContext:
+    """What a hook may use besides the rollouts."""
+
+    generate: (
+        Callable  # (prompt token lists, max_new_tokens) -> (completion token lists, truncated, logprobs)
+    )
+    score: Callable[[Rollouts], Rollouts]  # fills .rewards for every row
+    encode: Callable[[str], list[int]]  # text -> token ids (no special tokens)
+    decode: Callable[[list[int]], str]  # completion tokens -> the text the reward sees (cut at EOS)
+    eos_id: int
+    max_new_tokens: int
+    group_size: int
+    correct_reward: float
+    generator: torch.Generator  # the hook's randomness (saved in checkpoints)
+
+
+class RolloutHook:
+    """The no-op hook; subclass and override what the method needs."""
+
+    sample_multiplier: int = 1  # completions sampled per prompt = group_size * sample_multiplier
+
+    def after_scoring(self, rollouts: Rollouts, ctx: HookContext) -> tuple[Rollouts, dict[str, float]]:
+        """The rollouts to train on (scored), and metrics to log."""
+        return rollouts, {}
+
+    def update_stages(self, loss_config: PolicyLossConfig) -> list[PolicyLossConfig]:
+        """The loss settings of each optimizer update on one batch (repeated num_iterations times)."""
+        return [loss_config]
+
+
+class EdgeGuidedErrorCorrection(RolloutHook):
+    """EDGE-GRPO guided error correction (arXiv:2507.21848; authors' code ZhangXJ199/EDGE-GRPO).
+
+    Each wrong completion (reward < correct_reward) is corrected with probability `p_correct`:
+      * guidance (always available): the completion is rewritten to
+        `guidance.format(answer=..., completion=...)` + EOS. "{answer}" is the authors' reference-solution
+        branch; their hint branch is "{completion}\\nWait! Something is wrong here. After verification, the
+        correct answer is \\\\boxed{{{answer}}}."
+      * reflection (when `reflection` is set, half of the corrections, as in the authors' code): the
+        completion without its EOS, then `reflection` (e.g. " Wait! Something is wrong here."), then the
+        policy continues sampling.
+    The corrected rows are scored again. They were not sampled from the policy as a whole, which is the
+    method's point (advantage diversity in all-wrong groups); the loss treats them as on-policy samples.
+    """
+
+    def __init__(self, p_correct: float = 0.5, guidance: str = "{answer}", reflection: str | None = None):
+        if not 0 < p_correct <= 1:
+            raise ValueError(f"edge_gec: p_correct must be in (0, 1], got {p_correct!r}")
+        try:
+            guidance.format(answer="", completion="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"edge_gec: guidance may use only {{answer}} and {{completion}} ({exc!r})"
+            ) from None
+        self.p_correct, self.guidance, self.reflection = p_correct, guidance, reflection
+
+    def after_scoring(self, rollouts, ctx):
+        wrong = [i for i, r in enumerate(rollouts.rewards.tolist()) if r < ctx.correct_reward]
+        draws = torch.rand(len(wrong), generator=ctx.generator).tolist()
+        corrected = [i for i, u in zip(wrong, draws) if u < self.p_correct]
+        if not corrected:
+            return rollouts, {"edge_gec/corrected_fraction": 0.0}
+        branch = torch.rand(len(corrected), generator=ctx.generator).tolist()
+        reflect = [i for i, u in zip(corrected, branch) if self.reflection is not None and u < 0.5]
+        guide = [i for i in corrected if i not in set(reflect)]
+
+        new_tokens, truncated = {}, {}
+        for i in guide:
+            text = self.guidance.format(answer=rollouts.answers[i], completion=rollouts.completions[i])
+            new_tokens[i], truncated[i] = ctx.encode(text) + [ctx.eos_id], False
+        if reflect:
+            heads = [
+                _without_eos(rollouts.completion_tokens[i], rollouts.truncated[i])
+                + ctx.encode(self.reflection)
+                for i in reflect
+            ]
+            tails, cut, _ = ctx.generate(
+                [rollouts.prompt_tokens[i] + h for i, h in zip(reflect, heads)], ctx.max_new_tokens
+            )
+            for i, head, tail, flag in zip(reflect, heads, tails, cut):
+                new_tokens[i], truncated[i] = head + tail, flag
+        rows = sorted(new_tokens)
+        rollouts = rollouts.with_completions(
+            rows,
+            [new_tokens[i] for i in rows],
+            [ctx.decode(new_tokens[i]) for i in rows],
+            [truncated[i] for i in rows],
+        )
+        return ctx.score(rollouts), {"edge_gec/corrected_fraction": len(rows) / len(rollouts)}
+
+
+def _without_eos(tokens: list[int], truncated: bool) -> list[int]:
+    return tokens if truncated else tokens[:-1]
+
+
+class GFPOFilter(RolloutHook):
+    """GFPO (arXiv:2508.09726): sample `oversample` x group_size completions per prompt and keep the
+    group_size with the best `metric` ("length": shortest; "reward_per_token": highest reward / length).
+    Advantages are then computed over the kept rows only (= gk.advantages.estimate("gfpo") on them)."""
+
+    def __init__(self, oversample: int = 2, metric: str = "length"):
+        if not isinstance(oversample, int) or oversample < 2:
+            raise ValueError(f"gfpo: oversample must be an int >= 2, got {oversample!r}")
+        if metric not in ("length", "reward_per_token"):
+            raise ValueError(f"gfpo: metric must be 'length' or 'reward_per_token', got {metric!r}")
+        self.sample_multiplier, self.metric = oversample, metric
+
+    def after_scoring(self, rollouts, ctx):
+        lengths = torch.tensor([len(t) for t in rollouts.completion_tokens], dtype=torch.float32)
+        kept = gfpo_filter(
+            rollouts.rewards, rollouts.group_index, lengths=lengths, keep=ctx.group_size, metric=self.metric
+        ).kept
+        return rollouts.select(kept.tolist()), {"gfpo/kept_fraction": len(kept) / len(rollouts)}
+
+
+class LoptiStages(RolloutHook):
+    """Lopti (arXiv:2505.12929): split the tokens by old-policy probability at `threshold`; update on the
+    low-probability tokens first, then on the high-probability ones (PolicyLossConfig.old_prob_threshold /
+    old_prob_side). The second update is off-policy: its old log-probs are those before the first."""
+
+    def __init__(self, threshold: float = 0.5):
+        if not 0 < threshold < 1:
+            raise ValueError(f"lopti: threshold must be in (0, 1), got {threshold!r}")
+        self.threshold = threshold
+
+    def update_stages(self, loss_config):
+        if loss_config.old_prob_threshold is not None:
+            raise ValueError("lopti sets old_prob_threshold itself; drop it from loss_options")
+        return [
+            loss_config.replace(old_prob_threshold=self.threshold, old_prob_side=side)
+            for side in ("low", "high")
+        ]
+
+
+HOOKS: dict[str, type[RolloutHook]] = {
+    "edge_gec": EdgeGuidedErrorCorrection,
+    "gfpo": GFPOFilter,
+    "lopti": LoptiStages,
+}
+
+
+def make_hook(name: str | None, options: dict) -> RolloutHook:
+    if name is None:
+        return RolloutHook()
+    cls = HOOKS[name]
+    known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"hook {name!r} has no option(s) {unknown}; its options: {known}")
+    return cls(**options)

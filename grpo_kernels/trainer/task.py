@@ -1,0 +1,164 @@
+"""Prompts with verifiable answers, and the reward functions that score completions against them.
+
+A reward function is any callable
+
+    reward_fn(prompts: list[str], completions: list[str], answers: list[str]) -> Sequence[float]
+
+called with keyword arguments, one float per completion (the completion text is cut at the first EOS).
+Pass a name from REWARDS or "package.module:function" as TrainConfig.reward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def token_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Position-wise share of correct whitespace-separated tokens, over the longer of answer and completion:
+    1 only for the exact answer, partial credit for each right token in its place, extra tokens cost."""
+    rewards = []
+    for completion, answer in zip(completions, answers):
+        got, want = completion.split(), answer.split()
+        matches = sum(g == w for g, w in zip(got, want))
+        rewards.append(matches / max(len(got), len(want), 1))
+    return rewards
+
+
+def exact_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """1 if the completion equals the answer (surrounding whitespace ignored), else 0."""
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+
+
+REWARDS: dict[str, Callable] = {"token_match": token_match, "exact_match": exact_match}
+
+
+def resolve_reward(spec: str) -> Callable:
+    """A reward function from its REWARDS name or "module:function"."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown reward {spec!r}; use one of {sorted(REWARDS)} or 'package.module:function'"
+        )
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {spec!r}: cannot import {module_name!r} ({exc})") from None
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {module_name} has no callable {attribute!r}")
+    return fn
+
+
+@dataclass(frozen=True)
+class Task:
+    """Draws prompts with known answers. `make` maps a torch.Generator to one (prompt, answer) pair."""
+
+    name: str
+    make: Callable[[torch.Generator], tuple[str, str]]
+    reward: str  # default reward function name
+    max_new_tokens: int  # default generation budget (answer + EOS, with no slack)
+    num_prompts: int  # distinct prompts the task can draw
+    description: str
+
+    def sample(self, generator: torch.Generator, n: int, exclude: set[str]) -> tuple[list[str], list[str]]:
+        """Up to n prompts, distinct and not in `exclude` (a prompt is one group per step: DCPO's running
+        statistics are keyed by prompt), with their answers. Fewer only when the task runs out."""
+        pairs: dict[str, str] = {}
+        for _ in range(100 * n):
+            if len(pairs) == n or len(pairs) + len(exclude) >= self.num_prompts:
+                break
+            prompt, answer = self.make(generator)
+            if prompt not in exclude:
+                pairs.setdefault(prompt, answer)
+        return list(pairs), list(pairs.values())
+
+
+def _digits(generator: torch.Generator, n: int) -> list[str]:
+    return [str(d) for d in torch.randint(0, 10, (n,), generator=generator).tolist()]
+
+
+def _copy(generator):
+    digits = _digits(generator, 3)
+    return " ".join(digits) + " =", " ".join(digits)
+
+
+def _reverse(generator):
+    digits = _digits(generator, 3)
+    return " ".join(digits) + " =", " ".join(reversed(digits))
+
+
+def _max(generator):
+    digits = _digits(generator, 4)
+    return " ".join(digits) + " =", max(digits)
+
+
+TASKS: dict[str, Task] = {
+    "copy": Task("copy", _copy, "token_match", 4, 1000, "repeat three digits: '3 1 4 =' -> '3 1 4' <eos>"),
+    "reverse": Task(
+        "reverse", _reverse, "token_match", 4, 1000, "reverse three digits: '3 1 4 =' -> '4 1 3' <eos>"
+    ),
+    "max": Task(
+        "max", _max, "token_match", 2, 10_000, "the largest of four digits: '3 1 4 1 =' -> '4' <eos>"
+    ),
+}
+
+
+def jsonl_task(path: str) -> Task:
+    """A task from a .jsonl file of {"prompt": str, "answer": str} lines, drawn uniformly with replacement."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"task file {path!r} does not exist")
+    examples = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                examples.append((str(row["prompt"]), str(row["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f'{path}:{line_number}: expected {{"prompt": ..., "answer": ...}} ({exc})'
+                ) from None
+    if not examples:
+        raise ValueError(f"task file {path!r} holds no examples")
+
+    def make(generator):
+        return examples[int(torch.randint(len(examples), (1,), generator=generator))]
+
+    num_prompts = len({prompt for prompt, _ in examples})
+    description = f"{len(examples)} examples ({num_prompts} distinct prompts) from {path}"
+    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description)
+
+
+def resolve_task(spec: str) -> Task:
+    if spec in TASKS:
+        return TASKS[spec]
+    if spec.endswith(".jsonl"):
+        return jsonl_task(spec)
+    raise ValueError(
+        f"unknown task {spec!r}; use one of {sorted(TASKS)} or a .jsonl file of prompt/answer lines"
+    )
+
+
+def check_rewards(values: Sequence[float] | torch.Tensor, expected: int, name: str) -> torch.Tensor:
+    """The reward function's output as fp32 [B]; a clear error for a wrong length or a non-finite value."""
+    try:
+        rewards = torch.as_tensor(
+            values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32
+        )
+    except (TypeError, ValueError) as exc:
+        message = f"reward function {name} must return {expected} floats, got {type(values).__name__} ({exc})"
+        raise ValueError(message) from None
+    if rewards.shape != (expected,):
+        raise ValueError(
+            f"reward function {name} returned shape {tuple(rewards.shape)} for {expected} completions"
+        )
+    return rewards

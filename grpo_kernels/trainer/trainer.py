@@ -1,0 +1,454 @@
+"""The training loop, top to bottom: rollout -> reward -> advantage -> fused loss -> step.
+
+    result = train(TrainConfig.from_preset("grpo"))        # the CLI: grpo-kernels train --preset grpo
+
+One step:
+  1. rollouts    G completions for each of `prompts_per_step` prompts (transformers generate, or vLLM)
+  2. rewards     the reward function on the completion text; the hook may rewrite or drop rows; DAPO's
+                 dynamic sampling keeps informative groups and samples again to refill
+  3. no grad     old-policy log-probs (when one batch feeds several updates), reference log-probs (KL),
+                 entropy (when the estimator needs it): gk.fused_linear_logprobs on the last hidden states
+  4. advantages  gk.advantages.estimate(name, rewards, group_index, **options)
+  5. updates     gk.fused_linear_grpo_loss on the completion hidden states and the LM-head weight,
+                 micro-batched, normalised by the token / sequence counts of the whole optimizer step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .. import advantages as gk_advantages
+from .._backend import resolve_backend
+from ..advantages.stateful import SmoothAdvantageStandardizer
+from ..functional import fused_linear_grpo_loss, fused_linear_logprobs
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .hooks import HookContext, make_hook
+from .model import eos_token_ids, lm_head_params, load_policy
+from .plot import plot_metrics, read_metrics
+from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler
+from .task import check_rewards, resolve_reward, resolve_task
+
+
+class TrainingError(RuntimeError):
+    """A failure during the run caused by user code or data (a reward function that raises or returns NaN)."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    metrics: list[dict]  # one dict per step, as in metrics.jsonl
+    model: torch.nn.Module
+    tokenizer: object
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Where the model runs and in which dtype: bf16 autocast on CUDA, fp32 on CPU (weights stay fp32)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, log=print) -> TrainResult:
+    """Train from `config`; with resume=True continue config.run_dir from its last checkpoint."""
+    device = _pick_device(config.device)
+    compute = Compute(device, _pick_dtype(config.dtype, device))
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    try:
+        return _train(config, resume, progress, log, compute)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
+    device = compute.device
+
+    # ---- everything that can fail on bad input, before the run folder is touched --------------------
+    task = resolve_task(config.task)
+    if task.num_prompts < config.prompts_per_step:
+        raise ValueError(
+            f"task {task.name!r} has {task.num_prompts} distinct prompts, fewer than "
+            f"prompts_per_step={config.prompts_per_step}"
+        )
+    reward_name = config.reward or task.reward
+    reward_fn = resolve_reward(reward_name)
+    max_new_tokens = config.max_new_tokens or task.max_new_tokens
+    loss_config = config.loss_config(max_new_tokens)
+    hook = make_hook(config.hook, config.hook_options)
+    updates = hook.update_stages(loss_config) * config.num_iterations  # one optimizer step each
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    policy, tokenizer, model_description = load_policy(config.model, config.seed)
+    policy.to(device)
+    eos_ids = eos_token_ids(policy, tokenizer)
+    run_dir, start_step = ckpt.open_run_folder(config, resume)
+
+    # ---- the training state: policy, reference, optimizer, estimator state, random generators --------
+    reference = None
+    if loss_config.needs_reference:  # KL to a frozen copy of the initial policy (log-probs only, no grad)
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    betas = (config.adam_beta1, config.adam_beta2)
+    optimizer = torch.optim.AdamW(policy.parameters(), config.lr, betas, weight_decay=config.weight_decay)
+    estimator_state = SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None
+    prompt_generator = torch.Generator().manual_seed(config.seed)
+    hook_generator = torch.Generator().manual_seed(config.seed + 1)
+    checkpoints_dir = os.path.join(run_dir, "checkpoints")
+    if start_step > 0:
+        folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(start_step))
+        state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
+        ckpt.restore_rng(rng, state["python_rng"], prompt_generator, hook_generator)
+        if estimator_state is not None:
+            estimator_state.load_state_dict(state["estimator_state"])
+        log(f"resumed {run_dir} at step {start_step}")
+    if config.rollout_engine == "vllm":
+        # vLLM reads a model folder: the initial policy goes to <run>/vllm_init, later weights are pushed
+        exported = _save_pretrained(policy, tokenizer, os.path.join(run_dir, "vllm_init"))
+        sampler = VLLMSampler(exported, eos_ids, config.temperature, config.seed)
+    else:
+        sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
+
+    def decode(tokens: list[int]) -> str:  # the text the reward sees: the completion before its EOS
+        return tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=False)
+
+    def score(rollouts: Rollouts) -> Rollouts:
+        kept_note = f"the run folder {run_dir} keeps the steps completed before the failure"
+        try:
+            values = reward_fn(
+                prompts=rollouts.prompts, completions=rollouts.completions, answers=rollouts.answers
+            )
+            rewards = check_rewards(values, len(rollouts), reward_name)
+        except Exception as exc:
+            message = f"reward function {reward_name!r} failed: {type(exc).__name__}: {exc}\n{kept_note}"
+            raise TrainingError(message) from exc
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise TrainingError(
+                f"reward function {reward_name!r} returned {rewards[i].item()} for {len(bad)} "
+                f"completion(s), e.g. prompt {rollouts.prompts[i]!r}, completion "
+                f"{rollouts.completions[i]!r}; rewards must be finite\n{kept_note}"
+            )
+        return dataclasses.replace(rollouts, rewards=rewards)
+
+    hook_context = HookContext(
+        generate=sampler.generate,
+        score=score,
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+        decode=decode,
+        eos_id=eos_ids[0],
+        max_new_tokens=max_new_tokens,
+        group_size=config.group_size,
+        correct_reward=config.correct_reward,
+        generator=hook_generator,
+    )
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    plot_path = os.path.join(run_dir, "metrics.png")
+    plot_title = f"{model_description} | task {task.name} | preset {config.preset}"
+    num_parameters = sum(p.numel() for p in policy.parameters())
+    log(f"model: {model_description}, {num_parameters:,} parameters, on {device}")
+    log(f"task: {task.name} ({task.description}); reward: {reward_name}; preset: {config.preset}")
+    dtype_name = str(compute.dtype).removeprefix("torch.")
+    log(f"loss: {_describe_backend(config.backend, device)}; compute dtype {dtype_name}")
+    log(f"run folder: {run_dir}")
+    started = time.time()
+    bar = _progress_bar(start_step, config.steps, progress)
+
+    for step in range(start_step + 1, config.steps + 1):
+        step_started = time.time()
+        warmup = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+        for group in optimizer.param_groups:  # linear warmup, then constant
+            group["lr"] = config.lr * warmup
+
+        # 1-2. rollouts and rewards (the hook and dynamic sampling act here)
+        sampler.sync_weights(policy)
+        rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
+            config, task, tokenizer, sampler, hook, hook_context, prompt_generator
+        )
+        record = {
+            "step": step,
+            "reward": sampled_rewards.mean().item(),  # the policy's own samples, before hook and filters
+            "reward_std": sampled_rewards.std().item(),
+            "solved": (sampled_rewards >= config.correct_reward).float().mean().item(),
+            **rollout_stats,
+        }
+        if rollouts is None:
+            record["skipped"] = 1  # dynamic sampling found no informative group within max_sampling_rounds
+        else:
+            batch = rollouts.tensors(tokenizer.pad_token_id, device)
+            rewards = rollouts.rewards.to(device)  # [B]
+            lengths = batch.completion_mask.sum(1)  # [B] completion tokens, EOS included
+            record.update(
+                reward_trained=rewards.mean().item(),
+                sequences=len(rollouts),
+                tokens=int(lengths.sum()),
+                completion_length=lengths.float().mean().item(),
+                truncated=sum(rollouts.truncated) / len(rollouts),
+            )
+
+            # 3. per-token log-probs [B, C] without grad: old policy, reference, entropy for the estimator
+            spec = gk_advantages.get(config.advantage)
+            need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
+            entropy = None
+            if need_old or need_entropy:
+                logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy)
+                batch.old_logprobs = logprobs if need_old else None
+            if reference is not None:
+                batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, need_entropy=False)
+
+            # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
+            from_batch = {
+                "entropy": entropy,
+                "mask": batch.completion_mask,
+                "lengths": lengths.float(),
+                "correct": rewards >= config.correct_reward,
+                "prompt_keys": rollouts.prompt_keys,
+                "state": estimator_state,
+            }
+            options = {k: v for k, v in from_batch.items() if k in spec.options} | config.advantage_options
+            group_index = rollouts.group_index.to(device)
+            batch.advantages = gk_advantages.estimate(config.advantage, rewards, group_index, **options)
+
+            # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
+            update_metrics = [_update(policy, optimizer, batch, stage, config, compute) for stage in updates]
+            for key in update_metrics[0]:
+                record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
+
+        if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
+            reference.load_state_dict(policy.state_dict())  # ProRL: the reference becomes the current policy,
+            optimizer.state.clear()  # and the optimizer starts afresh
+            record["ref_reset"] = 1
+        record["lr"] = optimizer.param_groups[0]["lr"]
+        record["step_time_s"] = time.time() - step_started
+        record["elapsed_s"] = time.time() - started
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip"}
+        bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record}, refresh=False)
+        bar.update(1)
+
+        if step % config.save_every == 0 or step == config.steps:
+            rng_tensors, python_rng = ckpt.capture_rng(prompt_generator, hook_generator)
+            state = {
+                "step": step,
+                "python_rng": python_rng,
+                "estimator_state": None if estimator_state is None else estimator_state.state_dict(),
+                "config": config.to_json_dict(),
+            }
+            ckpt.save_checkpoint(
+                os.path.join(checkpoints_dir, ckpt.checkpoint_name(step)),
+                model=policy,
+                reference=reference,
+                optimizer=optimizer,
+                rng_tensors=rng_tensors,
+                state=state,
+            )
+            ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
+            plot_metrics(metrics_path, plot_path, plot_title)
+    bar.close()
+
+    final_dir = _save_pretrained(policy, tokenizer, os.path.join(run_dir, "final_model"))  # for --model
+    metrics = read_metrics(metrics_path)
+    if metrics:
+        first, last, window = metrics[0], metrics[-1], metrics[-10:]
+        window_mean = sum(m["reward"] for m in window) / len(window)
+        log(
+            f"reward {first['reward']:.3f} at step {first['step']} -> {last['reward']:.3f} at step "
+            f"{last['step']} (mean of the last {len(window)} steps {window_mean:.3f}); "
+            f"{time.time() - started:.0f} s"
+        )
+        log(f"plot: {plot_path}\nmetrics: {metrics_path}\nmodel: {final_dir}")
+    return TrainResult(run_dir, metrics, policy, tokenizer)
+
+
+def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prompt_generator):
+    """Sample, score, let the hook act, and (dynamic sampling) keep informative groups until the step has
+    prompts_per_step of them. Returns (rollouts or None, every sampled reward [fp32], statistics)."""
+    per_prompt = config.group_size * hook.sample_multiplier
+    rounds = (config.max_sampling_rounds or 4) if config.dynamic_sampling else 1
+    parts, sampled, stats, seen = [], [], {}, set()
+    for round_index in range(rounds):
+        prompts, answers = task.sample(prompt_generator, config.prompts_per_step, exclude=seen)
+        if not prompts:
+            break  # dynamic sampling has drawn every prompt of the task this step
+        seen.update(prompts)
+        prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
+        rows = [g for g in range(len(prompts)) for _ in range(per_prompt)]  # a group's rows are consecutive
+        completions, truncated, logprobs = sampler.generate(
+            [prompt_tokens[g] for g in rows], hook_context.max_new_tokens
+        )
+        rollouts = hook_context.score(
+            Rollouts(
+                prompts=[prompts[g] for g in rows],
+                answers=[answers[g] for g in rows],
+                groups=[round_index * len(prompts) + g for g in rows],
+                prompt_tokens=[prompt_tokens[g] for g in rows],
+                completion_tokens=completions,
+                completions=[hook_context.decode(c) for c in completions],
+                truncated=truncated,
+                rollout_logprobs=logprobs,
+            )
+        )
+        sampled.append(rollouts.rewards)
+        rollouts, hook_stats = hook.after_scoring(rollouts, hook_context)
+        for key, value in hook_stats.items():
+            stats[key] = stats.get(key, 0.0) + value / rounds
+        if config.dynamic_sampling:
+            kept = gk_advantages.dynamic_sampling(rollouts.rewards, rollouts.group_index).kept
+            rollouts = rollouts.select(kept.tolist())
+        if len(rollouts):
+            parts.append(rollouts)
+        if sum(len(set(p.groups)) for p in parts) >= config.prompts_per_step:
+            break
+    stats["sampling_rounds"] = len(sampled)
+    if not parts:
+        return None, torch.cat(sampled), stats
+    rollouts = Rollouts.concat(parts)
+    if config.dynamic_sampling:  # the first prompts_per_step informative groups
+        first_groups = (rollouts.group_index < config.prompts_per_step).nonzero().flatten()
+        rollouts = rollouts.select(first_groups.tolist())
+    return rollouts, torch.cat(sampled), stats
+
+
+def _completion_hidden(model, batch: PaddedBatch, rows: slice) -> torch.Tensor:
+    """Last hidden states that predict the completion tokens, [b, C, H]. The one-token shift: the state at
+    position t predicts token t + 1, so prompt position P - 1 predicts the first completion token."""
+    input_ids = torch.cat([batch.prompt_ids[rows], batch.completion_ids[rows]], dim=1)  # [b, P + C]
+    attention = torch.cat([batch.prompt_mask[rows], batch.completion_mask[rows]], dim=1).long()
+    positions = (attention.cumsum(1) - 1).clamp(min=0)  # left-padded prompts: count from the first token
+    backbone = model.get_decoder()
+    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False)
+    return hidden.last_hidden_state[:, batch.prompt_ids.shape[1] - 1 : -1]
+
+
+def _micro_batches(size: int, micro_batch_size: int) -> list[slice]:
+    return [slice(start, min(start + micro_batch_size, size)) for start in range(0, size, micro_batch_size)]
+
+
+def _lm_head(model, dtype):
+    weight, bias = lm_head_params(model)  # [V, H], [V] or None; cast copies stay differentiable
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+@torch.no_grad()
+def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool):
+    """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions."""
+    model.eval()
+    logprobs = torch.zeros(batch.completion_ids.shape, device=compute.device)
+    entropy = torch.zeros_like(logprobs) if need_entropy else None
+    for rows in _micro_batches(len(batch), config.micro_batch_size):
+        with compute.autocast():
+            hidden = _completion_hidden(model, batch, rows)  # [b, C, H]
+        weight, bias = _lm_head(model, compute.dtype)
+        out = fused_linear_logprobs(
+            hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
+            mask=batch.completion_mask[rows], compute_entropy=need_entropy, backend=config.backend,
+        )  # fmt: skip
+        logprobs[rows] = out.logprobs
+        if need_entropy:
+            entropy[rows] = out.entropy
+    return logprobs, entropy
+
+
+def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute: Compute) -> dict[str, float]:
+    """One optimizer step on the whole batch, accumulated over micro-batches. With the step's global token
+    and sequence counts as normalizers, the micro-batch losses sum to the loss of the whole batch.
+    Variants that select tokens by batch statistics (top-entropy quantile, Clip-Cov, KL-Cov) select within
+    each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide."""
+    policy.train()
+    mask = batch.completion_mask
+    slices = _micro_batches(len(batch), config.micro_batch_size)
+    if "length-pow" in (loss_config.loss_agg_mode, loss_config.entropy_agg_mode):  # local counts only
+        normalizers = {"grad_accum_steps": len(slices)}
+    else:
+        normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch))}
+    uses_rollout = loss_config.is_level is not None or loss_config.off_policy_mask_threshold is not None
+    rollout_logprobs = batch.rollout_logprobs if uses_rollout else None
+
+    def rows_of(x, rows):
+        return None if x is None else x[rows]
+
+    optimizer.zero_grad(set_to_none=True)
+    loss_total, sums, tokens = 0.0, {}, {}
+    for rows in slices:
+        with compute.autocast():
+            hidden = _completion_hidden(policy, batch, rows)  # [b, C, H]
+        weight, bias = _lm_head(policy, compute.dtype)
+        out = fused_linear_grpo_loss(
+            hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows], mask[rows],
+            old_logprobs=rows_of(batch.old_logprobs, rows), ref_logprobs=rows_of(batch.ref_logprobs, rows),
+            rollout_logprobs=rows_of(rollout_logprobs, rows), bias=bias, config=loss_config,
+            backend=config.backend, **normalizers,
+        )  # fmt: skip
+        out.loss.backward()
+        loss_total += out.loss.item()
+        micro_tokens = float(mask[rows].sum())
+        for key, value in out.metrics.items():  # token-weighted means across micro-batches
+            sums[key] = sums.get(key, 0.0) + float(value) * micro_tokens
+            tokens[key] = tokens.get(key, 0.0) + micro_tokens
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip or float("inf"))
+    optimizer.step()
+    means = {key: sums[key] / max(tokens[key], 1.0) for key in sums}
+    return {"loss": loss_total, "grad_norm": float(grad_norm), **means}
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch sees no CUDA device; use --device cpu or auto")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _save_pretrained(model, tokenizer, folder: str) -> str:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar under ours
+    try:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    finally:
+        hf_logging.enable_progress_bar()
+    return folder
+
+
+def _describe_backend(backend: str, device: torch.device) -> str:
+    """Which grpo_kernels implementation the loss runs on, said once here rather than as a warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
+            resolve_backend(backend, device, "fused_linear_logprobs")
+        except RuntimeError as exc:  # e.g. backend="triton" without CUDA: a configuration error
+            raise ValueError(str(exc)) from None
+    reasons = "; ".join(str(w.message).removeprefix("grpo_kernels: ") for w in caught)
+    return f"grpo_kernels backend {resolved!r}" + (f" ({reasons})" if reasons else "")
+
+
+def _progress_bar(start: int, total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", disable=not enabled, dynamic_ncols=True)
