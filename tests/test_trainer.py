@@ -50,7 +50,8 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
-# ---- reward functions the CLI tests load by "tests.test_trainer:<name>" ------------------------------
+# ---- reward functions the CLI tests load by "test_trainer:<name>" (tests/ is on the subprocess's path;
+# not "tests.test_trainer": verl's wheel installs a top-level `tests` package that would shadow it) ----
 
 _calls = {"nan_on_second_call": 0}
 
@@ -363,7 +364,7 @@ def test_cli_trains_a_local_hugging_face_checkpoint(tmp_path, capsys):
 
 
 def cli(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.run(
         [sys.executable, "-m", "grpo_kernels", "train", "--no-progress", *args],
         cwd=cwd,
@@ -391,7 +392,7 @@ def test_cli_missing_model_exits_2_and_creates_nothing(tmp_path):
 def test_cli_nan_reward_exits_1_and_keeps_the_completed_steps(tmp_path):
     args = [
         "--reward",
-        "tests.test_trainer:nan_on_second_call",
+        "test_trainer:nan_on_second_call",
         "--steps",
         "5",
         "--save-every",
@@ -408,7 +409,7 @@ def test_cli_nan_reward_exits_1_and_keeps_the_completed_steps(tmp_path):
     assert "returned nan" in done.stderr and "rewards must be finite" in done.stderr
     run_dir = tmp_path / "run"
     assert (
-        json.loads((run_dir / "config.json").read_text())["reward"] == "tests.test_trainer:nan_on_second_call"
+        json.loads((run_dir / "config.json").read_text())["reward"] == "test_trainer:nan_on_second_call"
     )
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
@@ -445,7 +446,7 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
     returns(["--preset", "dapo", "--ref-reset-interval", "10"], 2, "this loss has none")
     run_dir = tmp_path / "run"
     returns(
-        ["--reward", "tests.test_trainer:raising_reward", "--run-dir", str(run_dir)], 1, "the grader is down"
+        ["--reward", "test_trainer:raising_reward", "--run-dir", str(run_dir)], 1, "the grader is down"
     )
     assert (run_dir / "config.json").is_file()
     returns(["--run-dir", str(run_dir)], 2, "exists and is not empty")  # never overwrites a run
