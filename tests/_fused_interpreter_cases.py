@@ -1,36 +1,27 @@
 """Run by tests/test_fused_triton_interpreter.py in a subprocess with TRITON_INTERPRET=1.
 
-fused_linear_grpo_loss(backend="triton") in both schedules (one pass per chunk of sequences, and two
-passes) against backend="torch": loss, every metric, and the gradients w.r.t. hidden, weight and
-bias. fp32 inputs (the interpreter's bf16 tl.dot is wrong; TRITON_ON_CPU.md). Prints one JSON line.
+For every configuration of test_loss_head.CONFIGS and both layouts (padded [B, T], packed [N] with
+cu_seqlens): fused_linear_grpo_loss(backend="triton") in both schedules (one pass over the
+vocabulary per chunk of sequences, and two passes) against backend="torch" (the PyTorch
+implementation checked against the references): loss, every metric, and the gradients w.r.t.
+hidden, weight and bias. fp32 inputs (the interpreter's bf16 tl.dot is wrong; TRITON_ON_CPU.md).
+Prints one JSON line.
 """
 
 import json
 import os
 import sys
 
-import torch  # noqa: E402
+import torch
 
-import grpo_kernels as gk  # noqa: E402
-import grpo_kernels.ops.fused.function as fused  # noqa: E402
-from grpo_kernels import PolicyLossConfig as C  # noqa: E402
+import grpo_kernels as gk
+import grpo_kernels.ops.fused.function as fused
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_loss_head import CONFIGS  # noqa: E402
 
-# 6 valid tokens per chunk: the 5 sequences below (1..7 valid tokens) make 4 chunks
+# at most 7 valid tokens per chunk: the 5 sequences below (1..7 valid tokens) make 4 chunks
 fused.ONE_PASS_CHUNK_TOKENS = 7
-
-CONFIGS = {
-    "grpo": C.grpo(temperature=0.7),
-    "dapo_entropy_bonus": C.dapo(entropy_coef=0.01),
-    "gspo": C.gspo(),
-    "gmpo": C.gmpo(),
-    "cispo_absolute": C.cispo(cispo_form="absolute", cispo_cap=1.3, clip_low=0.2, clip_high=0.2),
-    "tis_olmo3": C.olmo3(),
-    "dr_grpo": C.dr_grpo(max_completion_length=7),
-    "top_entropy": C(top_entropy_quantile=0.5),  # needs the whole batch: two passes only
-    "kl_cov": C(loss_type="kl_cov", kl_cov_ratio=0.2),  # likewise
-}
 
 
 def inputs(seed=0, bias=True):
@@ -53,14 +44,21 @@ def inputs(seed=0, bias=True):
                 rollout=rollout, adv=adv)  # fmt: skip
 
 
-def run(cfg, d, backend, schedule):
-    leaves = [None if x is None else x.clone().requires_grad_() for x in (d["hidden"], d["weight"], d["bias"])]
-    torch.manual_seed(3)
+def run(cfg, d, backend, schedule, layout):
+    hidden, mask, targets = d["hidden"], d["mask"], d["targets"]
+    old, ref, rollout = d["old"], d["ref"], d["rollout"]
+    extra = {}
+    if layout == "packed":  # the valid tokens only, with sequence offsets
+        lengths = mask.sum(-1)
+        extra["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        hidden, targets, old, ref, rollout = (x[mask] for x in (hidden, targets, old, ref, rollout))
+        mask = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    leaves = [None if x is None else x.clone().requires_grad_() for x in (hidden, d["weight"], d["bias"])]
+    torch.manual_seed(3)  # clip_cov draws a random subset
     out = gk.fused_linear_grpo_loss(
-        leaves[0], leaves[1], d["targets"], d["adv"], d["mask"], d["old"],
-        d["ref"] if cfg.needs_reference else None,
-        d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
-        bias=leaves[2], config=cfg, backend=backend, schedule=schedule,
+        leaves[0], leaves[1], targets, d["adv"], mask, old, ref if cfg.needs_reference else None,
+        rollout if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+        bias=leaves[2], config=cfg.replace(temperature=0.8), backend=backend, schedule=schedule, **extra,
     )  # fmt: skip
     out.loss.backward()
     return out, [x.grad for x in leaves]
@@ -91,28 +89,29 @@ def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     calls = count_stored_backwards()
     report = {}
-    for name, cfg in CONFIGS.items():
-        d = inputs()
-        ref, g_ref = run(cfg, d, "torch", "two_pass")
-        for schedule in ("one_pass", "two_pass"):
-            case = f"{name}-{schedule}"
-            before = dict(calls)
-            try:
-                out, g = run(cfg, d, "triton", schedule)
-            except ValueError as exc:  # one_pass refused for batch-global variants: reported
-                report[case] = {"refused": str(exc)}
-                continue
-            except Exception as exc:
-                report[case] = {"error": f"{type(exc).__name__}: {exc}"}
-                continue
-            report[case] = {
-                "loss": [out.loss.item(), ref.loss.item()],
-                "grads": {k: worst(a, b) for k, a, b in zip(("hidden", "weight", "bias"), g, g_ref)},
-                "metrics": {k: [out.metrics[k].item() if k in out.metrics else None, v.item()]
-                            for k, v in ref.metrics.items()},  # fmt: skip
-                "logprobs": worst(out.logprobs, ref.logprobs),
-                "backward_calls": {k: calls[k] - before[k] for k in calls},
-            }
+    d = inputs()
+    for name, cfg in sorted(CONFIGS.items()):
+        for layout in ("padded", "packed"):
+            ref, g_ref = run(cfg, d, "torch", "two_pass", layout)
+            for schedule in ("one_pass", "two_pass"):
+                case = f"{name}-{layout}-{schedule}"
+                before = dict(calls)
+                try:
+                    out, g = run(cfg, d, "triton", schedule, layout)
+                except ValueError as exc:  # one_pass refused for batch-global variants: reported
+                    report[case] = {"refused": str(exc)}
+                    continue
+                except Exception as exc:
+                    report[case] = {"error": f"{type(exc).__name__}: {exc}"}
+                    continue
+                report[case] = {
+                    "loss": [out.loss.item(), ref.loss.item()],
+                    "grads": {k: worst(a, b) for k, a, b in zip(("hidden", "weight", "bias"), g, g_ref)},
+                    "metrics": {k: [out.metrics[k].item() if k in out.metrics else None, v.item()]
+                                for k, v in ref.metrics.items()},  # fmt: skip
+                    "logprobs": worst(out.logprobs, ref.logprobs),
+                    "backward_calls": {k: calls[k] - before[k] for k in calls},
+                }
     print(json.dumps(report))
 
 

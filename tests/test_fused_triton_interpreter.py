@@ -1,8 +1,10 @@
 """Tier 2: fused_linear_grpo_loss on the Triton backend (LM-head kernels + loss-head kernel) under
-TRITON_INTERPRET=1, in both schedules, against the PyTorch backend: loss, metrics and the gradients
-w.r.t. hidden, weight and bias. One-pass is refused (a clear error) exactly for the variants whose
-loss needs statistics of the whole batch. fp32 inputs: differences are fp32 rounding of sums over
-V = 203 and H = 24 terms (|diff| <= 2e-5 (1 + |expected|), gradients relative to their largest element).
+TRITON_INTERPRET=1, for every configuration of test_loss_head.CONFIGS, both layouts and both
+schedules, against the PyTorch backend: loss, metrics and the gradients w.r.t. hidden, weight and
+bias. One-pass is refused (a clear error) exactly for the variants whose loss needs statistics of
+the whole batch, and when it runs its backward reads the logits the forward kept. fp32 inputs:
+differences are fp32 rounding of sums over V = 203 and H = 24 terms (|diff| <= 2e-5 (1 + |expected|),
+gradients relative to their largest element).
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _fused_interpreter_cases import CONFIGS  # noqa: E402
+from test_loss_head import CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 TOL = 2e-5
-GLOBAL = {"top_entropy", "kl_cov"}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,11 @@ def close(got, expected, scale=None):
 
 
 @pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_triton_matches_torch(name, schedule, report):
-    r = report[f"{name}-{schedule}"]
-    if schedule == "one_pass" and name in GLOBAL:
+def test_fused_triton_matches_torch(name, layout, schedule, report):
+    r = report[f"{name}-{layout}-{schedule}"]
+    if schedule == "one_pass" and CONFIGS[name].needs_global_statistics:
         assert "needs statistics of the whole batch" in r.get("refused", ""), r
         return
     assert "error" not in r and "refused" not in r, r

@@ -161,7 +161,9 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
     if backend != "triton":
         why_not = "the PyTorch backend computes the loss head with the reference"
     elif cfg.needs_global_statistics:
-        why_not = f"loss_type={cfg.loss_type!r} / top_entropy_quantile needs statistics of the whole batch"
+        which = f"top_entropy_quantile={cfg.top_entropy_quantile}" if cfg.top_entropy_quantile < 1.0 \
+            else f"loss_type={cfg.loss_type!r}"  # fmt: skip
+        why_not = f"{which} needs statistics of the whole batch"
     chunks = None
     if why_not is None:
         chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens) if chunk_tokens > 0 else None
