@@ -44,6 +44,30 @@ class GRPOLossOutput:
 # ------------------------------------------------------------------------------------------------
 
 
+def _check_lm_head_operands(hidden, weight, targets, bias) -> tuple[int, int]:
+    """hidden [..., H], weight [V, H], targets [...] (hidden's leading shape), bias [V]; one dtype.
+    Returns (V, H)."""
+    chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
+    chk.check_tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    chk.check_tensor("targets", targets)
+    vocab, hidden_size = weight.shape
+    if hidden.dim() < 2 or hidden.shape[-1] != hidden_size:
+        chk.fail(
+            f"hidden must be [..., H] with H = weight.shape[1] = {hidden_size}: its last dimension must equal "
+            f"weight.shape[1], got shape {tuple(hidden.shape)}"
+        )
+    chk.check_shape("targets", targets, hidden.shape[:-1], "hidden[..., 0]")
+    if bias is not None:
+        chk.check_tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+        chk.check_shape("bias", bias, (vocab,), "weight.shape[0]")
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        chk.fail(
+            f"hidden, weight and bias must share one dtype, got {hidden.dtype}, {weight.dtype}"
+            + ("" if bias is None else f", {bias.dtype}")
+        )
+    return vocab, hidden_size
+
+
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -63,23 +87,7 @@ def fused_linear_logprobs(
     hidden [..., H] (bf16 / fp16 / fp32), weight [V, H], targets [...] int ids, bias [V].
     Tokens with mask 0 or target == ignore_index are skipped (never multiplied) and get 0.
     """
-    chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
-    chk.check_tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    chk.check_tensor("targets", targets)
-    if hidden.dim() < 2:
-        chk.fail(f"hidden must be [..., H], got shape {tuple(hidden.shape)}")
-    vocab, hidden_size = weight.shape
-    if hidden.shape[-1] != hidden_size:
-        chk.fail(f"hidden's last dimension {hidden.shape[-1]} must equal weight.shape[1] = {hidden_size}")
-    chk.check_shape("targets", targets, hidden.shape[:-1], "hidden[..., 0]")
-    if bias is not None:
-        chk.check_tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
-        chk.check_shape("bias", bias, (vocab,), "weight.shape[0]")
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        chk.fail(
-            f"hidden, weight and bias must share one dtype, got {hidden.dtype}, {weight.dtype}"
-            + ("" if bias is None else f", {bias.dtype}")
-        )
+    vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     _check_temperature(temperature)
     device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
     if targets.numel() == 0:
@@ -399,18 +407,7 @@ def fused_linear_grpo_loss(
         chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
     cfg = _check_config(config)
-    chk.check_tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES)
-    chk.check_tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    chk.check_tensor("targets", targets)
-    vocab, hidden_size = weight.shape
-    if hidden.dim() < 2 or hidden.shape[-1] != hidden_size:
-        chk.fail(f"hidden must be [..., H] with H = weight.shape[1] = {hidden_size}, got {tuple(hidden.shape)}")
-    chk.check_shape("targets", targets, hidden.shape[:-1], "hidden[..., 0]")
-    if bias is not None:
-        chk.check_tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
-        chk.check_shape("bias", bias, (vocab,), "weight.shape[0]")
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        chk.fail("hidden, weight and bias must share one dtype")
+    vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     device = chk.check_same_device(
         hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, bias=bias,

@@ -142,7 +142,7 @@ def test_frozen_weight_gets_no_gradient():
     [
         (dict(targets=torch.tensor([0, 5, 50])), r"targets has 1 id\(s\) outside \[0, 50\).*index \(2,\): 50"),
         (dict(targets=torch.tensor([0, -3, 1])), r"outside \[0, 50\)"),
-        (dict(weight=torch.randn(50, 7)), "must equal weight.shape"),
+        (dict(weight=torch.randn(50, 7)), "last dimension must equal weight.shape"),
         (dict(targets=torch.tensor([0, 1])), "targets must have the shape"),
         (dict(bias=torch.randn(49)), "bias must have the shape"),
         (dict(weight=torch.randn(50, 16, dtype=torch.float64)), "share one dtype"),
