@@ -124,7 +124,8 @@ def _specialise(kernel, args: dict, num_warps: int, num_stages: int, target):
 
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = {"num_warps": num_warps, "num_stages": num_stages}
+    # the options every _launch passes (enable_fp_fusion: see ops/*/triton.py _launch)
+    kwargs = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
     bound_args, specialization, options = binder(**args, **kwargs)
     return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
 

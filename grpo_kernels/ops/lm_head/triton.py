@@ -582,7 +582,8 @@ def lm_head_bwd_kernel_dlogits(
 
 def _launch(kernel, grid, args: dict, num_warps: int, num_stages: int) -> None:
     """Every launch goes through here; grpo_kernels.testing.aot swaps it to record launches instead."""
-    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages)
+    # FP fusion explicitly on: the statistics and dz are written as FMAs (Triton 3.10 turns the default off)
+    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
 
 
 def _check(ok: bool, message: str) -> None:
