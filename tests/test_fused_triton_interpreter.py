@@ -9,10 +9,6 @@ gradients relative to their largest element).
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +18,8 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import interpreter_runner  # noqa: E402
+from interpreter_runner import run_case_script  # noqa: E402
 from test_loss_head import CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -30,20 +28,11 @@ TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run([sys.executable, str(HERE / "_fused_interpreter_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_case_script("_fused_interpreter_cases.py", timeout=1200)
 
 
 def close(got, expected, scale=None):
-    if got is None:
-        return False
-    if isinstance(expected, float) and math.isnan(expected):
-        return isinstance(got, float) and math.isnan(got)
-    return abs(got - expected) <= TOL * (1.0 + abs(expected if scale is None else scale))
+    return interpreter_runner.close(got, expected, TOL, scale)
 
 
 @pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])

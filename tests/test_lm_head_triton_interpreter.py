@@ -17,9 +17,6 @@ the bf16 plumbing (workspace dtype, casts), not the GPU's bf16 MMA.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +27,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _lm_head_interpreter_cases import AUTOGRAD_FIELDS, CASES, FORWARD_FIELDS  # noqa: E402
+from interpreter_runner import run_case_script  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -40,17 +38,7 @@ GRADIENTS = ("grad_hidden", "grad_weight", "grad_bias")
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_lm_head_interpreter_cases.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_case_script("_lm_head_interpreter_cases.py")
 
 
 def _check(name: str, m: dict) -> None:

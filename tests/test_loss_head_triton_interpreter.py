@@ -8,17 +8,14 @@ only differences are fp32 summation order: |diff| <= 1e-5 (1 + |expected|).
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+import interpreter_runner  # noqa: E402
+from interpreter_runner import run_case_script  # noqa: E402
 from test_loss_head import CONFIGS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -28,20 +25,11 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run([sys.executable, str(HERE / "_loss_head_interpreter_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_case_script("_loss_head_interpreter_cases.py")
 
 
 def close(got, expected):
-    if got is None:
-        return False
-    if isinstance(expected, float) and math.isnan(expected):
-        return isinstance(got, float) and math.isnan(got)
-    return abs(got - expected) <= TOL * (1.0 + abs(expected))
+    return interpreter_runner.close(got, expected, TOL)
 
 
 CASES = [f"{name}-{layout}" for name in sorted(CONFIGS) for layout in ("padded", "packed")] + [
