@@ -31,6 +31,8 @@ from collections import defaultdict
 
 import pytest
 import torch
+
+from grpo_kernels.testing.peers import AcceleratorStandIn
 from parity_helpers import (
     EMPTY_ROW,
     HOLE,
@@ -66,28 +68,7 @@ OFF_POLICY_THRESHOLD = 0.1
 # ---------------------------------------------------------------------------------------------------
 # TRL side
 # ---------------------------------------------------------------------------------------------------
-class _Accelerator:
-    """One process: gather / reduce / pad are identities, as accelerate's are for num_processes=1.
-    num_processes only enters the dapo / cispo / vespo normalizer."""
-
-    sync_gradients = True
-
-    def __init__(self, num_processes: int):
-        self.num_processes = num_processes
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
-
-    def pad_across_processes(self, x, dim=0, pad_index=0):
-        return x
-
-
-class _RecordingAccelerator(_Accelerator):
+class _RecordingAccelerator(AcceleratorStandIn):
     """Rank 1 of two processes: records what it contributes to each collective, in call order (the
     values it logs itself are discarded)."""
 
@@ -106,7 +87,7 @@ class _RecordingAccelerator(_Accelerator):
         return x
 
 
-class _ReplayAccelerator(_Accelerator):
+class _ReplayAccelerator(AcceleratorStandIn):
     """Rank 0 of two processes: each collective combines this rank's tensor with what rank 1 sent to
     the same call (accelerate: reduce sums; gather concatenates along dim 0, a 0-d tensor as one row)."""
 
@@ -189,7 +170,7 @@ def trl_trainer(case: dict, per_token_logps, entropies, accelerator=None):
         use_adaptive_entropy=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         model=types.SimpleNamespace(training=case["training"]),
-        accelerator=accelerator or _Accelerator(case["num_processes"]),
+        accelerator=accelerator or AcceleratorStandIn(case["num_processes"]),
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
         get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (per_token_logps, entropies, None),

@@ -22,6 +22,8 @@ from importlib import metadata
 
 import torch
 
+from ..testing.peers import AcceleratorStandIn
+
 from . import oracle
 from .ops import BenchInputs
 
@@ -229,24 +231,6 @@ def _trl_lm_head(hidden, weight, targets, mask):
     return per_token[0], per_token[1]
 
 
-class _OneProcess:
-    """accelerate's Accelerator for one process: gather / reduce / pad are identities."""
-
-    num_processes = 1
-    sync_gradients = True
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
-
-    def pad_across_processes(self, x, dim=0, pad_index=0):
-        return x
-
-
 def _trl_loss(inp: BenchInputs, per_token_logps_and_entropies: Callable):
     """GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py:3020-3292, trl 1.16.0) called unbound on
     a stand-in `self` with exactly the attributes it reads. loss_type "dapo" with num_items_in_batch =
@@ -265,7 +249,7 @@ def _trl_loss(inp: BenchInputs, per_token_logps_and_entropies: Callable):
         use_vllm=False, vllm_importance_sampling_correction=False, max_completion_length=t,
         current_gradient_accumulation_steps=1, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         entropy_coef=0.0, use_adaptive_entropy=False, model=types.SimpleNamespace(training=True),
-        accelerator=_OneProcess(), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        accelerator=AcceleratorStandIn(), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (*per_token_logps_and_entropies(), None),
     )  # fmt: skip
     ones = torch.ones(b, 1, dtype=torch.long, device=inp.device)
