@@ -214,8 +214,9 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         chunk_valid = valid[t0:t1]
         rows = chunk_valid.nonzero().squeeze(-1) + t0  # the valid rows of this chunk, flat indices
         chunk_logits = None if logits is None else logits[: rows.numel()]
-        stats = lm_impl.lm_head_forward(hidden_d.index_select(0, rows), weight_d, bias_d,
-                                        flat_targets.index_select(0, rows).long(), temperature,
+        chunk_hidden = hidden_d.index_select(0, rows)  # [n, H], shared by A and C
+        chunk_targets = flat_targets.index_select(0, rows).long()
+        stats = lm_impl.lm_head_forward(chunk_hidden, weight_d, bias_d, chunk_targets, temperature,
                                         logits_out=chunk_logits)  # fmt: skip
         logprobs[rows] = stats.logprobs
         entropy[rows] = stats.entropy
@@ -234,9 +235,8 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
             continue
         local = rows - t0
         gh, grad_weight_acc, grad_bias_acc = lm_impl.lm_head_backward(
-            hidden_d.index_select(0, rows), weight_d, bias_d, flat_targets.index_select(0, rows).long(),
-            temperature, stats.lse, stats.expected_logit, g_lp.index_select(0, local),
-            None if g_ent is None else g_ent.index_select(0, local),
+            chunk_hidden, weight_d, bias_d, chunk_targets, temperature, stats.lse, stats.expected_logit,
+            g_lp.index_select(0, local), None if g_ent is None else g_ent.index_select(0, local),
             need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
             grad_weight_acc=grad_weight_acc, grad_bias_acc=grad_bias_acc, stored_logits=chunk_logits,
         )  # fmt: skip
