@@ -18,6 +18,12 @@ class BackendFallbackWarning(UserWarning):
     """backend="auto" chose the PyTorch implementation; the message says why."""
 
 
+class SlowPathWarning(RuntimeWarning):
+    """A kernel took a slower fallback path on this device (e.g. fp32-upcast GEMMs where torch has no
+    fp32 out_dtype for half-precision operands). The GPU tier turns it into an error; the benchmark
+    results record which path ran."""
+
+
 _notified: set[str] = set()
 
 

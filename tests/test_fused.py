@@ -173,3 +173,36 @@ def test_active_autocast_does_not_lower_the_precision():
         auto_lp = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"].clamp(min=0), backend="torch")
     assert_close("loss under autocast", auto.loss, plain.loss, atol=0, rtol=0)
     assert_close("logprobs under autocast", auto_lp.logprobs, plain_lp.logprobs, atol=0, rtol=0)
+
+
+def test_gradients_are_handed_to_autograd_without_a_copy(monkeypatch):
+    """The weight gradient computed in the forward becomes the parameter's .grad itself: autograd would
+    clone it (another V x H tensor at the memory peak) if the function still held a reference."""
+    from grpo_kernels.ops.fused import function as fused
+
+    made = {}
+    forward = fused.FusedLinearGRPOLossFunction.forward
+
+    def recording_forward(ctx, hidden_rows, weight, bias, loss, saved):
+        made["weight"] = saved.grad_weight.data_ptr()
+        made["hidden"] = saved.grad_hidden.data_ptr()
+        return forward(ctx, hidden_rows, weight, bias, loss, saved)
+
+    monkeypatch.setattr(fused.FusedLinearGRPOLossFunction, "forward", staticmethod(recording_forward))
+    d = inputs(bias=False)
+    w = d["weight"].clone().requires_grad_()
+    x = d["hidden"].clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(x, w, d["targets"], d["adv"], d["mask"], d["old"], config=C.dapo(),
+                                    backend="torch")  # fmt: skip
+    out.loss.backward()
+    assert w.grad.data_ptr() == made["weight"], "grad_weight was copied on its way to weight.grad"
+
+
+def test_second_backward_through_one_call_says_why():
+    d = inputs(bias=False)
+    w = d["weight"].clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(d["hidden"], w, d["targets"], d["adv"], d["mask"], d["old"], config=C.dapo(),
+                                    backend="torch")  # fmt: skip
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through one call"):
+        out.loss.backward()

@@ -18,6 +18,8 @@ from grpo_kernels.testing import assert_close, assert_no_worse_than
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tier 4)"),
+    # a slower fallback path (fp32-upcast GEMMs where torch lacks an fp32 out_dtype) fails the tier
+    pytest.mark.filterwarnings("error::grpo_kernels._backend.SlowPathWarning"),
 ]
 
 # Qwen2.5-7B's LM head (H = 3584, V = 152064) and Qwen3's vocabulary (151936) with H = 4096; 2048 tokens.
@@ -85,3 +87,15 @@ def test_fused_schedules_agree_in_bf16(config):
     # the schedules differ only by recomputing the logits in bf16 GEMMs vs reading the stored fp32 ones
     for name, a, b in (("grad_hidden", one[1], two[1]), ("grad_weight", one[2], two[2])):
         assert_close(name, a, b, atol=1e-2 * b.abs().max().item(), rtol=0)
+
+
+def test_backward_gemms_take_the_fp32_out_path():
+    """The backward GEMMs must run as half-precision operands with fp32 output (cuBLAS out_dtype); the
+    upcast fallback is several times slower. The results of a GPU session name the path that ran."""
+    from grpo_kernels.ops.lm_head import triton as lm_triton
+
+    hidden, weight, targets = make(256, 512, 4099)
+    w = weight.clone().requires_grad_()
+    out = gk.fused_linear_logprobs(hidden, w, targets, backend="triton")
+    out.logprobs.sum().backward()
+    assert lm_triton.gemm_path("cuda") == "fp32-out", f"backward GEMM path: {lm_triton.gemm_path('cuda')}"

@@ -45,7 +45,10 @@ def git_info() -> dict:
     root = Path(grpo_kernels.__file__).resolve().parents[1]
     sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if sha is None:
-        return {"sha": None, "dirty": None}
+        # a copy of the tree without .git (a GPU machine): the sha recorded where the copy was made
+        sha = os.environ.get("GRPO_KERNELS_GIT_SHA") or None
+        dirty = os.environ.get("GRPO_KERNELS_GIT_DIRTY")
+        return {"sha": sha, "dirty": None if dirty is None else dirty == "1"}
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return {"sha": sha, "dirty": bool(dirty)}
 

@@ -54,7 +54,9 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             ax.grid(True, which="both", alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=8)
-        caption = f"{family} | {device} | {report['date'][:10]}"
+        v, sha = report["versions"], (report["git"]["sha"] or "unknown")[:10]
+        caption = (f"{family} | {device} | torch {v['torch']}, triton {v['triton']} | grpo_kernels {sha} | "
+                   f"{report['date'][:10]}")  # fmt: skip
         if cpu:
             caption += " | CPU: not the product's numbers"
         fig.suptitle(caption)

@@ -8,7 +8,9 @@ for peak memory. Ratios to the floor and to grpo_kernels are filled in at the en
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import sys
 import traceback
 import warnings
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._backend import BackendFallbackWarning
+from .._backend import BackendFallbackWarning, SlowPathWarning
 from . import environment, oracle
 from .ops import OPS, BenchInputs, build_inputs, compulsory_bytes, make_floor, op_flops
 from .parity import check_outputs
@@ -137,6 +139,46 @@ def measure_floor(ctx: ShapeContext, settings: RunSettings) -> dict:
     return row
 
 
+class _PathRecorder(logging.Handler):
+    """Collects what grpo_kernels says at DEBUG about the path it took (the fused loss's schedule) and
+    any SlowPathWarning, during one provider's gated call."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "schedule" in message and message not in self.messages:
+            self.messages.append(message)
+
+
+@contextlib.contextmanager
+def record_paths(row: dict):
+    """Fill row["paths"]: the schedule(s) grpo_kernels chose, its backward GEMM path on CUDA, and any
+    slower fallback it warned about (those warnings are recorded here, not printed)."""
+    logger = logging.getLogger("grpo_kernels")
+    recorder = _PathRecorder()
+    old_level = logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SlowPathWarning)
+            yield
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(old_level)
+    paths = {"schedule": recorder.messages}
+    slow = [str(w.message) for w in caught if issubclass(w.category, SlowPathWarning)]
+    if slow:
+        paths["slow_path_warnings"] = slow
+    lm_triton = sys.modules.get("grpo_kernels.ops.lm_head.triton")  # imported only if the Triton path ran
+    if lm_triton is not None:
+        paths["backward_gemms"] = lm_triton.gemm_path("cuda")
+    row["paths"] = paths
+
+
 def gate(provider: Provider, ctx: ShapeContext, settings: RunSettings):
     """Set the provider up and check one call against the truth. Returns (call, forward, parity);
     raises ProviderSkip, or whatever the provider raises."""
@@ -158,7 +200,8 @@ def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -
     inp = ctx.inputs
     row = _row(inp.op.name, inp.shape, provider.name)
     try:
-        call, forward, parity = gate(provider, ctx, settings)
+        with record_paths(row):
+            call, forward, parity = gate(provider, ctx, settings)
     except ProviderSkip as exc:
         row.update(status="skipped", reason=str(exc))
         return row

@@ -53,6 +53,7 @@ TINY = ("tiny", 128, 1000)
 TINY_TOKENS = (64, 256)
 TINY_SEQ_LEN = 32
 SWEEP_TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
+SESSION_SWEEP_TOKENS = (4096, 8192, 16384, 32768, 65536)  # the GPU session's sweep (benchmarks/gpu/run.sh)
 # The loss head alone moves 17 bytes per token: below ~1M tokens it is launch-latency bound, so its
 # bandwidth is measured over larger batches too (LM-head ops skip shapes above their token range).
 LOSS_SWEEP_TOKENS = (65536, 262144, 1048576, 4194304)
@@ -69,6 +70,7 @@ PRESETS: dict[str, list[BenchShape]] = {
     "llama3-8b": _model_shapes(LLAMA3_8B, (16384,)),
     "qwen3-8b": _model_shapes(QWEN3_8B, (16384,)),
     "sweep": _model_shapes(QWEN3_8B, SWEEP_TOKENS),
+    "session-sweep": _model_shapes(QWEN3_8B, SESSION_SWEEP_TOKENS),
     "loss-sweep": _model_shapes(QWEN3_8B, LOSS_SWEEP_TOKENS),
 }
 PRESETS["full"] = PRESETS["qwen2.5-7b"] + PRESETS["llama3-8b"] + PRESETS["sweep"] + PRESETS["loss-sweep"]
@@ -79,6 +81,7 @@ PRESET_HELP = {
     "llama3-8b": "Llama-3-8B head, H=4096 V=128256, N=16384",
     "qwen3-8b": "Qwen3-8B head, H=4096 V=151936, N=16384 (DESIGN.md section 7 target)",
     "sweep": f"Qwen3-8B head, N in {SWEEP_TOKENS}: how time and memory grow with tokens",
+    "session-sweep": f"Qwen3-8B head, N in {SESSION_SWEEP_TOKENS} (the GPU session's sweep)",
     "loss-sweep": f"N in {LOSS_SWEEP_TOKENS}, for loss_head only (the LM-head ops stop at 65536 tokens)",
     "full": "qwen2.5-7b + llama3-8b + sweep + loss-sweep (the committed GPU run)",
 }

@@ -61,7 +61,15 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        s = ctx.saved
+        # Take the gradients out of the saved holder: the returned tensor is then referenced only by
+        # autograd, which hands it to AccumulateGrad as the parameter's .grad without a copy (a
+        # reference left here would make it clone grad_weight, another V x H tensor at the peak).
+        s, ctx.saved = ctx.saved, None
+        if s is None:
+            raise RuntimeError(
+                "fused_linear_grpo_loss: backward ran twice through one call (retain_graph=True); its "
+                "gradients are computed in the forward and handed to autograd once. Call it again instead."
+            )
 
         def scale(g):
             if g is None:
@@ -206,13 +214,19 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         return None if x is None else x[t0:t1]
 
     vocab = weight.shape[0]
+    # The valid rows of every chunk from ONE nonzero and ONE host read of the chunk boundaries' valid
+    # counts, not a sync per chunk (each would stall the GPU between chunks).
+    valid_rows = valid.nonzero().squeeze(-1)  # [Nv] flat indices, ascending
+    valid_before = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.long().cumsum(0)])  # [N + 1]
+    edges = [t0 for _, _, t0, _ in chunks] + ([chunks[-1][3]] if chunks else [])
+    row_edges = valid_before[torch.tensor(edges, dtype=torch.long, device=device)].tolist() if chunks else []
     logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
     if needs_grad and chunks:
-        capacity = max(int(valid[t0:t1].sum()) for _, _, t0, t1 in chunks)
+        capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))
         logits = torch.empty((capacity, vocab), dtype=torch.float32, device=device)
-    for s0, s1, t0, t1 in chunks:
+    for i, (s0, s1, t0, t1) in enumerate(chunks):
         chunk_valid = valid[t0:t1]
-        rows = chunk_valid.nonzero().squeeze(-1) + t0  # the valid rows of this chunk, flat indices
+        rows = valid_rows[row_edges[i]:row_edges[i + 1]]  # the valid rows of this chunk, flat indices
         chunk_logits = None if logits is None else logits[: rows.numel()]
         chunk_hidden = hidden_d.index_select(0, rows)  # [n, H], shared by A and C
         chunk_targets = flat_targets.index_select(0, rows).long()

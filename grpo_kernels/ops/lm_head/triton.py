@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._backend import interpreter_enabled
+from ..._backend import SlowPathWarning, interpreter_enabled
 from .reference import LMHeadStats
 
 # exp(x) is computed as exp2(x * LOG2E), which is what tl.exp lowers to (mul + ex2.approx.f32); written out,
@@ -796,18 +796,28 @@ def _mm_out_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = No
         return None
     try:
         if acc is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            out = torch.mm(a, b, out_dtype=torch.float32)
+        else:
+            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         _MM_OUT_DTYPE_OK[key] = False
         if key == "cuda":
             warnings.warn(
                 f"grpo_kernels lm_head: torch.mm(out_dtype=float32) is unavailable ({exc}); the backward "
-                "GEMMs upcast their operands instead (slower, bounded extra memory)",
-                RuntimeWarning,
+                "GEMMs upcast their operands instead (several times slower, bounded extra memory)",
+                SlowPathWarning,
                 stacklevel=3,
             )
         return None
+    _MM_OUT_DTYPE_OK[key] = True
+    return out
+
+
+def gemm_path(device_type: str = "cuda") -> str:
+    """Which GEMMs the backward has used on this device type: "fp32-out" (half-precision operands,
+    fp32 accumulation and output by cuBLAS), "upcast" (the fallback) or "untried" (no backward yet)."""
+    ok = _MM_OUT_DTYPE_OK.get(device_type)
+    return "untried" if ok is None else ("fp32-out" if ok else "upcast")
 
 
 def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
