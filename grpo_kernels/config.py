@@ -257,6 +257,22 @@ class PolicyLossConfig:
         return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov", "group_dpo")
 
     @property
+    def token_local(self) -> bool:
+        """True when every token's loss terms and gradients depend only on that token's inputs and its
+        sequence's valid length: a sequence may then be cut into pieces computed apart (the fused
+        one-pass schedule for completions longer than a chunk). Not so for sequence-valued ratios (GSPO,
+        GMPO, TIC-GRPO: each token's gradient needs the whole sequence's log-ratio), the prefix trace (a
+        scan along the sequence), sequence-level IS and off-policy masking (sequence sums), VESPO, and
+        the batch-global variants (needs_global_statistics)."""
+        return (
+            self.ratio_level == "token"
+            and self.is_level != "sequence"
+            and self.off_policy_mask_threshold is None
+            and self.loss_type not in ("vespo", "gmpo", "group_dpo")
+            and not self.needs_global_statistics
+        )
+
+    @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0 or self.loss_type == "group_dpo"
 

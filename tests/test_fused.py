@@ -206,3 +206,46 @@ def test_second_backward_through_one_call_says_why():
     out.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice through one call"):
         out.loss.backward()
+
+
+def test_plan_token_chunks_fills_every_chunk_and_cuts_sequences():
+    """Token-local objectives: chunks of exactly `chunk_tokens` valid tokens (the last fewer), a
+    sequence cut where a chunk ends; each chunk names the sequences it holds pieces of."""
+    from grpo_kernels.ops.fused.function import plan_token_chunks
+
+    cu = torch.tensor([0, 4, 6, 13, 14])  # sequences of 4, 2 (1 valid), 7, 1 tokens: 13 valid
+    valid = torch.ones(14, dtype=torch.bool)
+    valid[5] = False
+    chunks = plan_token_chunks(cu, valid, 5)
+    assert chunks == [(0, 2, 0, 6), (2, 3, 6, 11), (2, 4, 11, 14)]  # sequence 2 is cut at token 11
+    assert [int(valid[t0:t1].sum()) for _, _, t0, t1 in chunks] == [5, 5, 3]
+    assert plan_token_chunks(cu, valid, 100) == [(0, 4, 0, 14)]
+    assert len(plan_token_chunks(cu, valid, 1)) == 13  # one valid token each
+    assert plan_token_chunks(cu, torch.zeros(14, dtype=torch.bool), 5) == [(0, 4, 0, 14)]  # all masked
+
+
+@pytest.mark.parametrize(
+    "cfg,local",
+    [(C.grpo(), True), (C.dapo(), True), (C.dr_grpo(), True), (C.cispo(), True), (C.sapo(), True),
+     (C.olmo3(), True), (C.gspo(), False), (C.gspo(ratio_level="sequence_token"), False), (C.gmpo(), False),
+     (C.tic_grpo(), False), (C(ratio_level="prefix"), False), (C(is_level="sequence"), False),
+     (C(off_policy_mask_threshold=0.5), False), (C(top_entropy_quantile=0.2), False)],
+)  # fmt: skip
+def test_token_local_objectives(cfg, local):
+    """Which objectives may cut a sequence across one-pass chunks (the gradient of each token needs
+    nothing of the other tokens but the sequence's length)."""
+    assert cfg.token_local is local
+
+
+def test_segment_partials_merge_per_sequence():
+    pytest.importorskip("triton")
+    from grpo_kernels.ops.loss_head import triton as lh
+
+    parts = torch.zeros(3, lh.NUM_PARTIALS)
+    parts[:, lh.P_LOSS_PG] = torch.tensor([1.0, 2.0, 4.0])
+    parts[:, lh.P_RATIO_MIN] = torch.tensor([0.75, 0.5, float("inf")])  # the last piece had no valid token
+    parts[:, lh.P_RATIO_MAX] = torch.tensor([1.25, 1.5, float("-inf")])
+    merged = lh.merge_segment_partials(parts, torch.tensor([0, 0, 2]), 3)  # sequence 1: no piece
+    assert merged[:, lh.P_LOSS_PG].tolist() == [3.0, 0.0, 4.0]
+    assert merged[:, lh.P_RATIO_MIN].tolist() == [0.5, float("inf"), float("inf")]
+    assert merged[:, lh.P_RATIO_MAX].tolist() == [1.5, float("-inf"), float("-inf")]

@@ -57,3 +57,26 @@ def test_fused_triton_matches_torch(name, layout, schedule, report):
         assert calls["stored"] >= 2 and calls["recomputed"] == 0, calls
     else:
         assert calls["stored"] == 0 and calls["recomputed"] >= 1, calls
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_pass_cuts_long_completions_of_token_local_objectives(name, report):
+    """Chunks of 3 valid tokens, completions of up to 7: a token-local objective runs one pass with
+    sequences cut across chunks (22 valid tokens: 8 full chunks) and equals the PyTorch backend; any
+    other objective refuses one_pass and says why."""
+    cfg = CONFIGS[name]
+    r = report[f"{name}-packed-one_pass-long"]
+    if cfg.needs_global_statistics:
+        assert "needs statistics of the whole batch" in r.get("refused", ""), r
+        return
+    if not cfg.token_local:
+        assert "is not token-local" in r.get("refused", ""), r
+        return
+    assert "error" not in r and "refused" not in r, r
+    got, expected = r["loss"]
+    assert close(got, expected), f"loss: triton {got!r}, torch {expected!r}"
+    for label, (got, expected, index, scale) in r["grads"].items():
+        assert close(got, expected, scale), f"grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
+    for key, (got, expected) in r["metrics"].items():
+        assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
+    assert r["backward_calls"] == {"stored": 8, "recomputed": 0}, r["backward_calls"]

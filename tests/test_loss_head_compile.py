@@ -55,5 +55,6 @@ def test_cases_cover_every_code_path():
     assert seen["AGG"] | seen["ENT_AGG"] | seen["KL_AGG"] == set(kernel.AGG_IDS.values())
     assert seen["IS_LEVEL"] == {0, 1, 2} and seen["OLDPROB"] == {0, 1, 2}
     for flag in ("HAS_OLD", "HAS_REF", "USE_KL", "KL_RATIO", "KL_ST", "IS_MASK", "HAS_ISW", "HAS_ENT",
-                 "USE_ENT_BONUS", "HAS_TOKW", "HAS_SEL", "HAS_COV", "OFFPOL", "HAS_ROLLOUT", "CISPO_ABS"):  # fmt: skip
+                 "USE_ENT_BONUS", "HAS_TOKW", "HAS_SEL", "HAS_COV", "OFFPOL", "HAS_ROLLOUT", "CISPO_ABS",
+                 "HAS_SEQ_LEN"):  # fmt: skip
         assert seen[flag] == {False, True}, flag

@@ -58,6 +58,8 @@ CASES = {
                                  ("old", "token_weights")),
     "seq_mean_token_sum": (C(loss_agg_mode="seq-mean-token-sum"), ("old",)),
     "lopti_low": (C(old_prob_threshold=0.5), ("old",)),
+    # pieces of longer sequences (the one-pass schedule cuts them for token-local objectives)
+    "grpo_cut_sequences": (C.grpo(entropy_coef=0.01), ALL + ("seq_lengths",)),
 }
 
 
@@ -89,6 +91,7 @@ def record_case(name: str, need_grad: bool = True):
             entropy=tensors["entropy"] if "entropy" in present else None,
             token_weights=tensors["token_weights"] if "token_weights" in present else None,
             need_grad_logprobs=need_grad, need_grad_entropy=need_grad and cfg.entropy_coef > 0,
+            seq_lengths=torch.full((batch,), 3.0 * length) if "seq_lengths" in present else None,
         )  # fmt: skip
     (launch,) = launches
     return launch

@@ -8,16 +8,22 @@ Two schedules give the same result:
   two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
             variant, including those whose loss needs statistics of the whole batch (top-entropy
             quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
-  one-pass  chunks of whole sequences, A -> B -> C per chunk with the batch's normalizers; A keeps
-            the chunk's fp32 logits and C reads them instead of recomputing them, so the work is 3
-            GEMM units (logits, grad_hidden, grad_weight) instead of 4; the loss head's per-sequence
-            partial sums of every chunk are reduced once at the end. Chosen by the Triton backend
-            whenever it is valid (no batch-global statistics, every sequence fits in a chunk whose
-            logits fit ONE_PASS_LOGITS_BYTES), and logged at DEBUG on the "grpo_kernels" logger.
+  one-pass  chunks of tokens, A -> B -> C per chunk with the batch's normalizers; A keeps the
+            chunk's fp32 logits and C reads them instead of recomputing them, so the work is 3 GEMM
+            units (logits, grad_hidden, grad_weight) instead of 4; the loss head's per-sequence
+            partial sums of every chunk are reduced once at the end. For token-local objectives
+            (PolicyLossConfig.token_local: token-level ratios, token IS) every chunk is filled to
+            capacity and a sequence may be cut across chunks (the loss head gets each piece's
+            whole-sequence length; the pieces' partial sums are merged), so completions of any length
+            take it; other objectives need whole sequences in a chunk. Chosen by the Triton backend
+            whenever it is valid (no batch-global statistics; for objectives that are not token-local,
+            every sequence fits in a chunk whose logits fit ONE_PASS_LOGITS_BYTES), and logged at
+            DEBUG on the "grpo_kernels" logger.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
@@ -159,6 +165,27 @@ def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int
     return chunks
 
 
+def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int):
+    """Consecutive token ranges of exactly `chunk_tokens` valid tokens (the last one fewer), cutting
+    sequences where a range ends, as (first_seq, end_seq, first_token, end_token): the sequences
+    first_seq..end_seq-1 each contribute the part of them inside [first_token, end_token). For
+    token-local objectives only (PolicyLossConfig.token_local): every chunk is full, so the fewest
+    chunks, whatever the completion lengths."""
+    cu = cu_seqlens.tolist()
+    valid_before = [0] + valid.long().cumsum(0).tolist()  # valid tokens before each token position
+    n_tokens, total = len(valid_before) - 1, valid_before[-1]
+    # chunk k starts at the token holding valid token number k * chunk_tokens
+    starts = [0] + [bisect.bisect_left(valid_before, k * chunk_tokens + 1) - 1
+                    for k in range(1, -(-total // chunk_tokens))]  # fmt: skip
+    ends = starts[1:] + [n_tokens]
+    chunks = []
+    for t0, t1 in zip(starts, ends):
+        s0 = bisect.bisect_right(cu, t0) - 1  # the sequence holding token t0
+        s1 = bisect.bisect_left(cu, t1)  # one past the sequence holding token t1 - 1
+        chunks.append((s0, s1, t0, t1))
+    return chunks
+
+
 def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int):
     """(schedule, chunks or None, reason)."""
     if requested not in SCHEDULES:
@@ -173,10 +200,18 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
             else f"loss_type={cfg.loss_type!r}"  # fmt: skip
         why_not = f"{which} needs statistics of the whole batch"
     chunks = None
-    if why_not is None:
-        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens) if chunk_tokens > 0 else None
+    if why_not is None and chunk_tokens <= 0:
+        why_not = "no chunk of logits fits the one-pass budget at this vocabulary size"
+    elif why_not is None and cfg.token_local:
+        chunks = plan_token_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
+        return "one_pass", chunks, (f"{len(chunks)} chunk(s) of {chunk_tokens} valid tokens, sequences cut "
+                                    "across chunks where one ends (token-local objective)")  # fmt: skip
+    elif why_not is None:
+        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
         if chunks is None:
-            why_not = f"a sequence has more valid tokens than a chunk holds ({chunk_tokens})"
+            why_not = (f"a sequence has more valid tokens than a chunk holds ({chunk_tokens}) and this objective "
+                       "is not token-local (ratio_level, sequence IS, off-policy masking or loss_type need "
+                       "whole sequences)")  # fmt: skip
     if why_not is not None:
         if requested == "one_pass":
             raise ValueError(f"schedule='one_pass' is not valid here: {why_not}")
@@ -185,8 +220,12 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
 
 
 def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks):
-    """A -> B -> C per chunk of whole sequences (Triton backend). Returns what fused_grpo_forward does."""
+    """A -> B -> C per chunk (Triton backend). Returns what fused_grpo_forward does. A chunk holds whole
+    sequences, or, for token-local objectives, pieces of them (plan_token_chunks): the loss head then
+    gets each piece's whole-sequence length and the pieces' partial sums are merged per sequence."""
     from ..loss_head import triton as loss_head
+
+    cut = cfg.token_local  # chunks from plan_token_chunks: sequences may be cut
 
     valid = batch.valid
     n_tokens = valid.shape[0]
@@ -235,9 +274,11 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         logprobs[rows] = stats.logprobs
         entropy[rows] = stats.entropy
         use_ent = cfg.entropy_coef > 0
+        # segment boundaries of this chunk's (pieces of) sequences s0..s1-1, chunk-local
+        chunk_cu = batch.cu_seqlens[s0:s1 + 1].clamp(t0, t1) - t0 if cut else batch.cu_seqlens[s0:s1 + 1] - t0
         _, _, g_lp, g_ent, chunk_partials = loss_head.loss_head_triton(
-            logprobs[t0:t1], batch.advantages[t0:t1], chunk_valid, batch.cu_seqlens[s0:s1 + 1] - t0,
-            batch.seq_index[t0:t1] - s0, s1 - s0, cfg,
+            logprobs[t0:t1], batch.advantages[t0:t1], chunk_valid, chunk_cu,
+            batch.seq_index[t0:t1] - s0, s1 - s0, cfg, seq_lengths=seq_len[s0:s1] if cut else None,
             old_logprobs=part(batch.old_logprobs, t0, t1), ref_logprobs=part(batch.ref_logprobs, t0, t1),
             rollout_logprobs=part(batch.rollout_logprobs, t0, t1), is_weights=part(batch.is_weights, t0, t1),
             entropy=entropy[t0:t1], token_weights=part(batch.token_weights, t0, t1),
@@ -256,8 +297,13 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         )  # fmt: skip
         if need_h:
             grad_hidden.index_copy_(0, rows, gh)
+    if cut:  # a sequence cut across chunks has one partial row per piece: merge them per sequence
+        owners = torch.cat([torch.arange(s0, s1, device=device) for s0, s1, _, _ in chunks])
+        all_partials = loss_head.merge_segment_partials(torch.cat(partials), owners, batch.num_seqs)
+    else:
+        all_partials = torch.cat(partials)
     loss, metrics = loss_head.finalize_partials(
-        torch.cat(partials), seq_len, cfg, dp_size=norm["dp_size"], grad_accum_steps=norm["grad_accum_steps"],
+        all_partials, seq_len, cfg, dp_size=norm["dp_size"], grad_accum_steps=norm["grad_accum_steps"],
         has_entropy=True, has_ref=batch.ref_logprobs is not None, has_is_weights=batch.is_weights is not None,
     )  # fmt: skip
     if not needs_grad:

@@ -88,7 +88,7 @@ def _max_weight(a, b):
 @triton.jit
 def loss_head_fwd_bwd_kernel(
     lp_ptr, adv_ptr, mask_ptr, old_ptr, ref_ptr, rollout_ptr, isw_ptr, ent_ptr, tokw_ptr, sel_ptr, cov_ptr,
-    cu_ptr, norms_ptr, glp_ptr, gent_ptr, scratch_ptr, part_ptr,
+    cu_ptr, norms_ptr, glp_ptr, gent_ptr, scratch_ptr, part_ptr, seqlen_ptr,
     clip_low, clip_high, dual_c, delta, log_clamp, cispo_cap, tau_pos, tau_neg, pspo_alpha, dcpo_max,
     prefix_decay, vk_pos, vl_pos, vk_neg, vl_neg, kl_coef, is_min, is_max, offpol_thr, oldprob_thr,
     kl_cov_coef, ent_coef, max_len, length_power, dp_size,
@@ -98,7 +98,7 @@ def loss_head_fwd_bwd_kernel(
     KL_ST: tl.constexpr, IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_ENT: tl.constexpr, USE_ENT_BONUS: tl.constexpr, HAS_TOKW: tl.constexpr, HAS_SEL: tl.constexpr,
     HAS_COV: tl.constexpr, OFFPOL: tl.constexpr, HAS_ROLLOUT: tl.constexpr, OLDPROB: tl.constexpr,
-    CISPO_ABS: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    CISPO_ABS: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_SEQ_LEN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     start = tl.load(cu_ptr + seq)
@@ -108,8 +108,10 @@ def loss_head_fwd_bwd_kernel(
     SEQ_RATIO: tl.constexpr = LEVEL == 1 or LEVEL == 2 or LEVEL == 3
     NEED_LEN: tl.constexpr = (AGG >= 4 or ENT_AGG == 4 or ENT_AGG == 5 or KL_AGG >= 4 or LEVEL == 1 or LEVEL == 2
                               or LOSS == 9)  # fmt: skip
-    PASS_A: tl.constexpr = (NEED_LEN or SEQ_RATIO or IS_LEVEL == 2 or OFFPOL or LOSS == 6 or LOSS == 9
-                            or LOSS == 10)  # fmt: skip
+    # HAS_SEQ_LEN: this program holds a segment of a longer sequence (the one-pass schedule cut it across
+    # chunks; only token-local objectives) and the sequence's whole valid length is given, not counted
+    PASS_A: tl.constexpr = ((NEED_LEN and not HAS_SEQ_LEN) or SEQ_RATIO or IS_LEVEL == 2 or OFFPOL or LOSS == 6
+                            or LOSS == 9 or LOSS == 10)  # fmt: skip
 
     # ---------------- pass A: sequence statistics ----------------
     length = 0.0
@@ -175,6 +177,8 @@ def loss_head_fwd_bwd_kernel(
                 ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
                 sum_lp += tl.sum(lp * mf)
                 sum_ref += tl.sum(ref * mf)
+    if HAS_SEQ_LEN:
+        length = tl.load(seqlen_ptr + seq).to(tl.float32)
     len1 = tl.maximum(length, 1.0)
     seq_log_w = 0.0
     if LEVEL == 1 or LEVEL == 2:
@@ -575,7 +579,7 @@ def normalizer_tensor(valid, seq_len, cfg: PolicyLossConfig, num_tokens, num_seq
 
 
 def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_ent, has_tokw, has_sel, has_cov,
-                      has_rollout, need_grad) -> dict:
+                      has_rollout, need_grad, has_seq_len=False) -> dict:
     """The constexpr arguments of the kernel for a config and the inputs present (one compiled
     variant per distinct dict; hyperparameter values never appear here)."""
     return dict(
@@ -588,7 +592,7 @@ def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_e
         USE_ENT_BONUS=has_ent and cfg.entropy_coef > 0, HAS_TOKW=has_tokw, HAS_SEL=has_sel, HAS_COV=has_cov,
         OFFPOL=cfg.off_policy_mask_threshold is not None, HAS_ROLLOUT=has_rollout,
         OLDPROB=0 if cfg.old_prob_threshold is None else (1 if cfg.old_prob_side == "low" else 2),
-        CISPO_ABS=cfg.cispo_form == "absolute", NEED_GRAD=need_grad,
+        CISPO_ABS=cfg.cispo_form == "absolute", NEED_GRAD=need_grad, HAS_SEQ_LEN=has_seq_len,
     )  # fmt: skip
 
 
@@ -602,7 +606,7 @@ def loss_head_triton(
     logprobs, advantages, valid, cu_seqlens, seq_index, num_seqs, cfg: PolicyLossConfig, *,
     old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, is_weights=None, entropy=None,
     token_weights=None, num_tokens=None, num_sequences=None, dp_size=1, grad_accum_steps=1,
-    need_grad_logprobs=True, need_grad_entropy=False, block=None, norms=None, finalize=True,
+    need_grad_logprobs=True, need_grad_entropy=False, block=None, norms=None, finalize=True, seq_lengths=None,
 ):  # fmt: skip
     """Run the kernel on flat [N] inputs (validated by the functional layer).
 
@@ -610,7 +614,10 @@ def loss_head_triton(
     The gradients are those of `loss` (multiply by grad_output in the autograd backward).
     For a chunk of the batch's sequences (the fused one-pass path): pass the batch's `norms`
     (normalizer_tensor) and finalize=False, then `finalize_partials` on the concatenated partials of
-    all chunks; loss and metrics are then None here.
+    all chunks; loss and metrics are then None here. `seq_lengths` [num_seqs] fp32: the whole valid
+    length of the sequence each segment belongs to, when the segments are pieces of longer sequences
+    (token-local objectives only, PolicyLossConfig.token_local; their partials are merged by
+    `merge_segment_partials`).
     """
     from .reference import clip_cov_keep, group_dpo_loss, kl_cov_selected, top_entropy_selection
 
@@ -656,7 +663,7 @@ def loss_head_triton(
             ref_ptr=ptr(ref_logprobs), rollout_ptr=ptr(rollout_logprobs), isw_ptr=ptr(is_weights),
             ent_ptr=ptr(entropy), tokw_ptr=ptr(token_weights), sel_ptr=ptr(entropy_selected), cov_ptr=ptr(cov),
             cu_ptr=cu_seqlens, norms_ptr=norms, glp_ptr=g_lp, gent_ptr=g_ent, scratch_ptr=scratch,
-            part_ptr=partials,
+            part_ptr=partials, seqlen_ptr=seq_lengths.float().contiguous() if seq_lengths is not None else logprobs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_c=_float_or(cfg.dual_clip, inf),
             delta=_float_or(cfg.delta, inf), log_clamp=_float_or(cfg.log_ratio_clamp, inf),
             cispo_cap=_float_or(cfg.cispo_cap, inf), tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
@@ -671,7 +678,7 @@ def loss_head_triton(
                                 has_isw=is_weights is not None, has_ent=entropy is not None,
                                 has_tokw=token_weights is not None, has_sel=entropy_selected is not None,
                                 has_cov=cov is not None, has_rollout=rollout_logprobs is not None,
-                                need_grad=need_grad),
+                                need_grad=need_grad, has_seq_len=seq_lengths is not None),
             BLOCK=block or DEFAULT_BLOCK,
         )  # fmt: skip
         _launch(loss_head_fwd_bwd_kernel, (num_seqs,), args, num_warps=4, num_stages=1)
@@ -693,6 +700,24 @@ def loss_head_triton(
         g_ent if (need_grad_entropy and use_ent_bonus) else None,
         partials,
     )
+
+
+# partial-sum columns that combine by min / max across the segments of one sequence (the others add)
+_MIN_COLUMNS = (P_RATIO_MIN, P_IS_MIN)
+_MAX_COLUMNS = (P_RATIO_MAX, P_IS_MAX)
+
+
+def merge_segment_partials(partials, segment_seq, num_seqs):
+    """[num_segments, 32] partials of sequence pieces -> [num_seqs, 32] per sequence: sums add, the
+    min / max columns take min / max (each column's empty value is its identity: 0, +inf, -inf)."""
+    merged = torch.zeros(num_seqs, partials.shape[1], dtype=partials.dtype, device=partials.device)
+    merged.index_add_(0, segment_seq, partials)
+    index = segment_seq[:, None]
+    for cols, how, identity in ((_MIN_COLUMNS, "amin", float("inf")), (_MAX_COLUMNS, "amax", float("-inf"))):
+        for c in cols:
+            column = torch.full((num_seqs,), identity, dtype=partials.dtype, device=partials.device)
+            merged[:, c] = column.scatter_reduce(0, index[:, 0], partials[:, c], how, include_self=True)
+    return merged
 
 
 def finalize_partials(partials, seq_len, cfg, *, dp_size, grad_accum_steps, has_entropy, has_ref, has_is_weights):
