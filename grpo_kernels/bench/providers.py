@@ -115,7 +115,7 @@ def _resolved_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton_available()[0] else "torch"
 
 
-def _ours(backend: str) -> dict:
+def _ours(backend: str, schedule: str = "auto") -> dict:
     import grpo_kernels as gk
 
     def logprobs(inp, s):
@@ -133,10 +133,10 @@ def _ours(backend: str) -> dict:
             targets = inp.targets.view(b, t)
             return gk.fused_linear_grpo_loss(
                 hidden, inp.weight, targets, inp.advantages, inp.mask, inp.old_logprobs, inp.ref_logprobs,
-                config=inp.config, backend=backend,
+                config=inp.config, backend=backend, schedule=schedule,
             ).loss  # fmt: skip
 
-        return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}")
+        return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}, schedule={schedule}")
 
     def head(inp, s):
         def fn():
@@ -148,6 +148,12 @@ def _ours(backend: str) -> dict:
         return Forward(fn, f"backend={backend}")
 
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
+
+
+def _two_pass_only_on_triton(settings: RunSettings) -> str | None:
+    if _resolved_backend("auto", settings.device) == "torch":
+        return f"the PyTorch backend (what 'auto' runs on {settings.device.type}) always takes two passes"
+    return None
 
 
 def _same_as_auto(settings: RunSettings) -> str | None:
@@ -490,6 +496,14 @@ REGISTRY.add(
         "grpo_kernels, backend='torch' (chunked PyTorch)",
         _ours("torch"),
         extra_check=_same_as_auto,
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-two-pass",
+        "grpo_kernels fused loss with schedule='two_pass' (4 GEMM units, no stored logits): the other schedule",
+        {"fused_grpo": _ours("auto", "two_pass")["fused_grpo"]},
+        extra_check=_two_pass_only_on_triton,
     )
 )
 REGISTRY.add(

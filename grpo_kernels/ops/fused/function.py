@@ -50,9 +50,10 @@ ONE_PASS_LOGITS_BYTES = 768 * 2**20
 SCHEDULES = ("auto", "one_pass", "two_pass")
 
 
-def one_pass_capacity(vocab: int) -> int:
-    """Valid tokens per one-pass chunk: the logits budget, in whole 64-token tiles, capped."""
-    rows = ONE_PASS_LOGITS_BYTES // (4 * vocab)
+def one_pass_capacity(vocab: int, logits_bytes: int | None = None) -> int:
+    """Valid tokens per one-pass chunk: the logits budget (default ONE_PASS_LOGITS_BYTES), in whole
+    64-token tiles, capped at ONE_PASS_CHUNK_TOKENS."""
+    rows = (ONE_PASS_LOGITS_BYTES if logits_bytes is None else logits_bytes) // (4 * vocab)
     if rows >= 64:
         rows = rows // 64 * 64
     return max(0, min(ONE_PASS_CHUNK_TOKENS, rows))
@@ -297,6 +298,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         )  # fmt: skip
         if need_h:
             grad_hidden.index_copy_(0, rows, gh)
+    del logits  # released before the accumulator's cast below: never logits + fp32 + cast copy at once
     if cut:  # a sequence cut across chunks has one partial row per piece: merge them per sequence
         owners = torch.cat([torch.arange(s0, s1, device=device) for s0, s1, _, _ in chunks])
         all_partials = loss_head.merge_segment_partials(torch.cat(partials), owners, batch.num_seqs)
