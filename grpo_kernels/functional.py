@@ -399,7 +399,9 @@ def fused_linear_grpo_loss(
     (only positions with mask 1 are read). Differentiable w.r.t. hidden, weight and bias; the
     gradients are computed inside the forward and scaled by grad_output in backward.
     The temperature is config.temperature. schedule: "auto" (one pass over the vocabulary per chunk
-    of sequences when valid, else two passes; the choice is logged at DEBUG), "one_pass" or "two_pass".
+    of sequences when valid, else two passes; the choice is logged at DEBUG), "one_pass", "two_pass",
+    or "low_memory" (two passes with the vocabulary outside in the backward: no fp32 [V, H]
+    accumulator, grad_weight written once per block; opt-in, never chosen by "auto").
     """
     from .ops.fused.function import SCHEDULES, run_fused
 

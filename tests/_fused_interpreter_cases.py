@@ -112,6 +112,26 @@ def main():
                     "logprobs": worst(out.logprobs, ref.logprobs),
                     "backward_calls": {k: calls[k] - before[k] for k in calls},
                 }
+    # the low-memory schedule (vocabulary outside in C): 128-column slabs of V = 203, packed layout
+    fused.LOW_MEMORY_SLAB_BYTES = 1
+    for name, cfg in sorted(CONFIGS.items()):
+        ref, g_ref = run(cfg, d, "torch", "two_pass", "packed")
+        case = f"{name}-packed-low_memory"
+        before = dict(calls)
+        try:
+            out, g = run(cfg, d, "triton", "low_memory", "packed")
+        except Exception as exc:
+            report[case] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        report[case] = {
+            "loss": [out.loss.item(), ref.loss.item()],
+            "grads": {k: worst(a, b) for k, a, b in zip(("hidden", "weight", "bias"), g, g_ref)},
+            "metrics": {k: [out.metrics[k].item() if k in out.metrics else None, v.item()]
+                        for k, v in ref.metrics.items()},  # fmt: skip
+            "logprobs": worst(out.logprobs, ref.logprobs),
+            "backward_calls": {k: calls[k] - before[k] for k in calls},
+        }
+
     # long completions: 3 valid tokens per chunk, shorter than 4 of the 5 sequences. Token-local
     # objectives cut sequences across chunks; the others must refuse one_pass (two passes instead).
     fused.ONE_PASS_CHUNK_TOKENS = 3

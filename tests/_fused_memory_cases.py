@@ -13,13 +13,18 @@ targets = torch.randint(0, V, (B, T), generator=g)
 lengths = torch.tensor([13, 9, 11, 7]); mask = torch.arange(T)[None] < lengths[:, None]
 adv = torch.randn(B, generator=g); old = -torch.rand(B, T, generator=g) * 8
 fused.ONE_PASS_LOGITS_BYTES = 12 * 4 * V  # 12 valid tokens per chunk: 4 chunks of the 40
+fused.LOW_MEMORY_SLAB_BYTES = 1024 * (40 * 4 + H * 4)  # 1024-column slabs: 5 of V = 4099
 out = {}
-for schedule in ("one_pass", "two_pass"):
+for schedule in ("one_pass", "two_pass", "low_memory"):
     x = hidden.clone().requires_grad_(); w = weight.clone().requires_grad_()
     def call():
         return gk.fused_linear_grpo_loss(x, w, targets, adv, mask, old, config=gk.PolicyLossConfig.dapo(),
                                          backend="triton", schedule=schedule)
     res, peak, end = peak_allocated_bytes(call)
     model = schedule_memory(schedule, int(mask.sum()), H, V, 4, logits_bytes=fused.ONE_PASS_LOGITS_BYTES)
-    out[schedule] = dict(peak=peak, model=model.peak_extra, grads=x.numel() * 4, tokens=B * T)
+    # gradients allocated inside the call: grad_hidden always; grad_weight by low_memory (written per
+    # block in its final dtype; the other schedules' fp32 accumulator IS the fp32 gradient here)
+    grads = x.numel() * 4 + (w.numel() * 4 if schedule == "low_memory" else 0)
+    slab_dz = next((b for k, b in model.buffers.items() if k.startswith("slab dz")), 0)
+    out[schedule] = dict(peak=peak, model=model.peak_extra, grads=grads, tokens=B * T, slab_dz=slab_dz)
 print(json.dumps(out))

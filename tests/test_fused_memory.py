@@ -33,6 +33,10 @@ def test_model_matches_the_bytes_a_run_allocates():
     for schedule, r in report.items():
         measured = r["peak"] - r["grads"]  # grad_hidden is allocated inside the call; grad_weight is fp32 here
         slack = 64 * r["tokens"] + 16 * 1024
+        # the interpreter keeps a launch's tensor arguments alive until the next launch, so with
+        # back-to-back backward calls (low_memory's slabs) the previous slab's dz workspace is still
+        # there when the next one is allocated; a GPU launch holds no reference
+        slack += r["slab_dz"]
         assert abs(measured - r["model"]) <= slack, (
             f"{schedule}: measured peak extra {measured} B, model {r['model']} B (slack {slack} B)"
         )
@@ -41,11 +45,18 @@ def test_model_matches_the_bytes_a_run_allocates():
 def test_model_at_the_target_shape():
     one = schedule_memory("one_pass", **TARGET)
     two = schedule_memory("two_pass", **TARGET)
+    low = schedule_memory("low_memory", **TARGET)
+    assert not any("[V, H]" in name for name in low.buffers), low.table()  # no V x H fp32 buffer
+    # within the goal at the target shape and at 64k tokens when every token is valid (a masked batch
+    # adds the gathered valid rows, N x H in the input dtype: 0.5 GiB at 64k)
+    for n_valid in (16384, 65536):
+        low_n = schedule_memory("low_memory", **{**TARGET, "n_valid": n_valid}, masked=False)
+        assert low_n.peak_extra <= EXTRA_GOAL, low_n.table()
     acc = 4 * TARGET["vocab"] * TARGET["hidden"]
     assert one.buffers["grad_weight accumulator, fp32 [V, H]"] == acc == two.buffers["grad_weight accumulator, fp32 [V, H]"]
     # 1280 tokens of fp32 logits (the 768 MiB budget in whole 64-token tiles)
     assert one.buffers["chunk logits, fp32 [chunk, V]"] == 4 * 1280 * TARGET["vocab"]
-    print("\n" + one.table() + "\n" + two.table())
+    print("\n" + one.table() + "\n" + two.table() + "\n" + low.table())
 
 
 @pytest.mark.xfail(strict=True, reason="the fp32 grad_weight accumulator alone is 2.3 GiB at V = 152k, H = 4096 "

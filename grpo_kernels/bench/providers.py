@@ -508,6 +508,13 @@ REGISTRY.add(
 )
 REGISTRY.add(
     Provider(
+        "grpo_kernels-low-memory",
+        "grpo_kernels fused loss with schedule='low_memory' (vocabulary-outer backward, no fp32 [V, H] accumulator)",
+        {"fused_grpo": _ours("auto", "low_memory")["fused_grpo"]},
+    )
+)
+REGISTRY.add(
+    Provider(
         "torch-eager",
         "PyTorch eager: [N, V] logits in the input dtype, fp32 log-softmax, fp32 reference loss head",
         _torch_setups(compile_it=False),

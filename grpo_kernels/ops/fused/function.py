@@ -19,6 +19,10 @@ Two schedules give the same result:
             whenever it is valid (no batch-global statistics; for objectives that are not token-local,
             every sequence fits in a chunk whose logits fit ONE_PASS_LOGITS_BYTES), and logged at
             DEBUG on the "grpo_kernels" logger.
+  low-memory  (opt-in, schedule="low_memory") two passes with the vocabulary outside in C: per slab
+            of columns, every token's dz, the slab's grad_weight block written once in its final
+            dtype, grad_hidden summed in fp32 [N, H]. No fp32 [V, H] accumulator (README.md beside
+            ops/lm_head, "Memory and bytes moved per schedule"); 4 GEMM units.
 """
 
 from __future__ import annotations
@@ -47,7 +51,13 @@ ONE_PASS_CHUNK_TOKENS = 8192
 # This budget, not ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 tokens at
 # V = 152k), so completions longer than that take the two-pass schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
-SCHEDULES = ("auto", "one_pass", "two_pass")
+SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory")
+# The low-memory schedule (opt-in: a GPU run has not yet compared it with the others): two passes with
+# the vocabulary outside in C, so grad_weight is written once per block in its final dtype and no
+# V x H fp32 accumulator exists. Per slab of columns: a dz workspace of LOW_MEMORY_DZ_ROWS token rows
+# and the slab's fp32 grad_weight block, within LOW_MEMORY_SLAB_BYTES; plus grad_hidden in fp32 [N, H].
+LOW_MEMORY_SLAB_BYTES = 256 * 2**20
+LOW_MEMORY_DZ_ROWS = 8192
 
 
 def one_pass_capacity(vocab: int, logits_bytes: int | None = None) -> int:
@@ -88,7 +98,48 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
         return scale(s.grad_hidden), scale(s.grad_weight), scale(s.grad_bias), None, None
 
 
-def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head):
+def vocab_slab_columns(n_rows: int, hidden_size: int, element_size: int, vocab: int) -> int:
+    """Vocabulary columns per slab of the low-memory schedule: the slab's dz rows (input dtype) and its
+    fp32 grad_weight block within LOW_MEMORY_SLAB_BYTES, in whole 128-column tiles."""
+    per_column = min(n_rows, LOW_MEMORY_DZ_ROWS) * element_size + hidden_size * 4
+    columns = max(128, LOW_MEMORY_SLAB_BYTES // max(per_column, 1) // 128 * 128)
+    return min(vocab, columns)
+
+
+def lm_head_grads_vocab_outer(lm_impl, hidden_rows, weight, bias, targets_rows, temperature, stats, g_lp, g_ent,
+                              need_h, need_w, need_b):  # fmt: skip
+    """C with the vocabulary outside (the low-memory schedule): per slab of columns, every token's dz,
+    then the slab's grad_weight block (contracted over all tokens in fp32, written once in the weight's
+    dtype) and its share of grad_hidden (added into one fp32 [N, H] accumulator, cast once at the end).
+    A target outside the slab never matches a column id there, so the one-hot term of dz stays in the
+    slab that holds it. Returns (grad_hidden, grad_weight, grad_bias) in the inputs' dtypes."""
+    n_rows, hidden_size = hidden_rows.shape
+    vocab = weight.shape[0]
+    device = hidden_rows.device
+    grad_hidden_acc = torch.zeros((n_rows, hidden_size), dtype=torch.float32, device=device) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None  # the gradient itself: no V x H fp32 copy
+    grad_bias = torch.empty_like(bias) if need_b else None
+    columns = vocab_slab_columns(n_rows, hidden_size, hidden_rows.element_size(), vocab)
+    extra = {}
+    if lm_impl.__name__.endswith(".triton"):  # the dz workspace of one token chunk of the slab
+        extra["workspace_bytes"] = LOW_MEMORY_DZ_ROWS * ((columns + 64) * hidden_rows.element_size() + 4 * hidden_size)
+    for v0 in range(0, vocab, columns):
+        v1 = min(vocab, v0 + columns)
+        _, slab_grad_weight, slab_grad_bias = lm_impl.lm_head_backward(
+            hidden_rows, weight[v0:v1], None if bias is None else bias[v0:v1], targets_rows - v0, temperature,
+            stats.lse, stats.expected_logit, g_lp, g_ent, need_grad_hidden=need_h, need_grad_weight=need_w,
+            need_grad_bias=need_b, grad_hidden_acc=grad_hidden_acc, **extra,
+        )  # fmt: skip
+        if need_w:
+            grad_weight[v0:v1] = slab_grad_weight  # fp32 over all tokens, rounded once
+        if need_b:
+            grad_bias[v0:v1] = slab_grad_bias
+        del slab_grad_weight, slab_grad_bias
+    grad_hidden = grad_hidden_acc.to(hidden_rows.dtype) if need_h else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, low_memory=False):
     """Returns (loss, metrics, logprobs [N], entropy [N]); loss is differentiable w.r.t. hidden,
     weight and bias when they require grad and grad mode is on."""
     valid = batch.valid
@@ -134,6 +185,15 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
 
     # C: LM-head gradients, logits recomputed
     saved = _Saved()
+    if low_memory:
+        grad_hidden, grad_weight, grad_bias = lm_head_grads_vocab_outer(
+            lm_impl, hidden_rows.detach(), weight.detach(), None if bias is None else bias.detach(), targets_rows,
+            temperature, stats, to_rows(g_lp), to_rows(g_ent), flat_hidden.requires_grad, weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )  # fmt: skip
+        saved.grad_hidden, saved.grad_weight, saved.grad_bias = grad_hidden, grad_weight, grad_bias
+        loss = FusedLinearGRPOLossFunction.apply(hidden_rows, weight, bias, out.loss.detach(), saved)
+        return loss, out.metrics, logprobs, entropy
     grad_hidden, grad_weight, grad_bias = lm_impl.lm_head_backward(
         hidden_rows.detach(), weight.detach(), None if bias is None else bias.detach(), targets_rows, temperature,
         stats.lse, stats.expected_logit, to_rows(g_lp), to_rows(g_ent),
@@ -191,8 +251,8 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
     """(schedule, chunks or None, reason)."""
     if requested not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {requested!r}")
-    if requested == "two_pass":
-        return "two_pass", None, "requested"
+    if requested in ("two_pass", "low_memory"):
+        return requested, None, "requested"
     why_not = None
     if backend != "triton":
         why_not = "the PyTorch backend computes the loss head with the reference"
@@ -330,4 +390,5 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
         if chosen == "one_pass":
             return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
                                                chunks)  # fmt: skip
-        return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head)
+        return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
+                                  low_memory=chosen == "low_memory")  # fmt: skip

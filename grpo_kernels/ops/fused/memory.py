@@ -34,16 +34,33 @@ class ScheduleMemory:
 
 def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, element_size: int = 2, *,
                     bias: bool = False, logits_bytes: int = ONE_PASS_LOGITS_BYTES,
-                    workspace_bytes: int | None = None, block_m: int = 128) -> ScheduleMemory:  # fmt: skip
+                    workspace_bytes: int | None = None, block_m: int = 128, masked: bool = True) -> ScheduleMemory:  # fmt: skip
     """The peak of the Triton backend's fused forward (which computes every gradient) for `n_valid`
     valid tokens. one_pass: the fp32 grad_weight accumulator, the chunk's fp32 logits, and per chunk
     the dz slab (input dtype) and the chunk's fp32 grad_hidden and gathered hidden rows. two_pass:
     the accumulator, the gathered hidden rows of the whole batch, and per backward chunk the dz slab
     and its fp32 grad_hidden. The cast of the accumulator to the weight's dtype (the gradient) happens
-    after the logits buffer is released."""
+    after the logits buffer is released. low_memory: no V x H fp32 buffer; grad_hidden in fp32, and per
+    vocabulary slab the dz rows and the slab's fp32 grad_weight block. `masked`: some tokens are masked,
+    so the two-pass schedules gather the valid hidden rows (a copy) first."""
     from ..lm_head.triton import DEFAULT_WORKSPACE_BYTES, plan_backward
 
     workspace_bytes = workspace_bytes or DEFAULT_WORKSPACE_BYTES
+    if schedule == "low_memory":
+        from .function import LOW_MEMORY_DZ_ROWS, vocab_slab_columns
+
+        columns = vocab_slab_columns(n_valid, hidden, element_size, vocab)
+        budget = LOW_MEMORY_DZ_ROWS * ((columns + 64) * element_size + 4 * hidden)
+        plan = plan_backward(n_valid, columns, hidden, element_size, block_m, budget, store_dlogits=True,
+                             need_bias_grad=bias, need_hidden_grad=True)  # fmt: skip
+        buffers = {
+            "grad_hidden accumulator, fp32 [N, H]": 4 * n_valid * hidden,
+            "valid hidden rows [N, H] (when tokens are masked)": element_size * n_valid * hidden if masked else 0,
+            f"slab grad_weight block, fp32 [{columns}, H]": 4 * columns * hidden,
+            "slab dz rows [rows, slab] + fp32 grad_hidden rows": plan.workspace_bytes,
+            "per-token vectors (O(N) bound)": PER_TOKEN_BYTES * n_valid,
+        }
+        return ScheduleMemory(schedule, buffers, sum(buffers.values()))
     buffers: dict[str, int] = {"grad_weight accumulator, fp32 [V, H]": 4 * vocab * hidden}
     if bias:
         buffers["grad_bias accumulator, fp32 [V]"] = 4 * vocab
@@ -54,11 +71,11 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
         plan = plan_backward(rows, vocab, hidden, element_size, block_m, workspace_bytes, store_dlogits=True,
                              need_bias_grad=bias, need_hidden_grad=True)  # fmt: skip
     elif schedule == "two_pass":
-        buffers["valid hidden rows [N, H]"] = element_size * n_valid * hidden
+        buffers["valid hidden rows [N, H] (when tokens are masked)"] = element_size * n_valid * hidden if masked else 0
         plan = plan_backward(n_valid, vocab, hidden, element_size, block_m, workspace_bytes, store_dlogits=True,
                              need_bias_grad=bias, need_hidden_grad=True)  # fmt: skip
     else:
-        raise ValueError(f"schedule must be 'one_pass' or 'two_pass', got {schedule!r}")
+        raise ValueError(f"schedule must be 'one_pass', 'two_pass' or 'low_memory', got {schedule!r}")
     buffers["dz slab [rows, V_pad] + fp32 grad_hidden rows"] = plan.workspace_bytes
     buffers["per-token vectors (O(N) bound)"] = PER_TOKEN_BYTES * n_valid
     return ScheduleMemory(schedule, buffers, sum(buffers.values()))

@@ -119,6 +119,7 @@ def lm_head_backward(
     grad_bias_acc: torch.Tensor | None = None,  # [V] fp32, accumulated into when given
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+    grad_hidden_acc: torch.Tensor | None = None,  # [N, H] fp32, accumulated into when given
 ):
     """Recompute each logits tile and stream dL/dz through it:
 
@@ -127,19 +128,22 @@ def lm_head_backward(
 
     Returns (grad_hidden in hidden's dtype or None, grad_weight_acc fp32 or None, grad_bias_acc fp32
     or None). grad_weight / grad_bias stay fp32 so that callers chunking over tokens accumulate in
-    fp32 and cast once.
+    fp32 and cast once. With `grad_hidden_acc` the fp32 grad_hidden is added into it and returned in
+    its place (callers chunking over the vocabulary: the fused low-memory schedule).
     """
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     inv_t = 1.0 / float(temperature)
     need_grad_bias = need_grad_bias and bias is not None
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    grad_hidden = None
+    if need_grad_hidden:
+        grad_hidden = grad_hidden_acc if grad_hidden_acc is not None else torch.empty_like(hidden)
     if need_grad_weight and grad_weight_acc is None:
         grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
     if need_grad_bias and grad_bias_acc is None:
         grad_bias_acc = torch.zeros(vocab, dtype=torch.float32, device=device)
     if grad_logprobs is None and grad_entropy is None:
-        if grad_hidden is not None:
+        if grad_hidden is not None and grad_hidden_acc is None:
             grad_hidden.zero_()
         return grad_hidden, grad_weight_acc if need_grad_weight else None, grad_bias_acc
     for r0 in range(0, n_tokens, token_chunk):
@@ -172,6 +176,8 @@ def lm_head_backward(
                 grad_weight_acc[c0:c1] += dz.T @ h32
             if need_grad_bias:
                 grad_bias_acc[c0:c1] += dz.sum(0)
-        if grad_hidden is not None:
+        if grad_hidden_acc is not None and need_grad_hidden:
+            grad_hidden_acc[rows] += gh_acc
+        elif grad_hidden is not None:
             grad_hidden[rows] = gh_acc.to(hidden.dtype)
     return grad_hidden, grad_weight_acc if need_grad_weight else None, grad_bias_acc

@@ -847,6 +847,14 @@ def _grad_hidden_chunk(dlogits: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     return out
 
 
+def _grad_hidden_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, weight: torch.Tensor) -> None:
+    """acc[n, H] (fp32) += dlogits[n, V] @ weight[V, H], by cuBLAS into acc when it can (no temporary)."""
+    if dlogits.dtype == torch.float32:
+        acc.addmm_(dlogits, weight)
+    elif _mm_out_fp32(dlogits, weight, acc) is None:
+        acc += _grad_hidden_chunk(dlogits, weight)
+
+
 @torch.no_grad()
 def lm_head_backward(
     hidden: torch.Tensor,  # [N, H]
@@ -867,6 +875,7 @@ def lm_head_backward(
     config: LMHeadTritonConfig | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     stored_logits: torch.Tensor | None = None,
+    grad_hidden_acc: torch.Tensor | None = None,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -875,7 +884,8 @@ def lm_head_backward(
     Tokens are processed in chunks whose [chunk, V] dL/dlogit slab (input dtype) fits `workspace_bytes`
     (plan_backward); each slab is written by lm_head_bwd_kernel_dlogits from the recomputed fp32 logits
     and contracted by cuBLAS with fp32 accumulation. Returns (grad_hidden in hidden's dtype or None,
-    grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py.
+    grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py; with
+    `grad_hidden_acc` (fp32 [N, H]) the fp32 grad_hidden is added into it and returned in its place.
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -911,7 +921,17 @@ def lm_head_backward(
         )  # fmt: skip
         _check_device(stored_logits, device, "stored_logits")
 
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
+    if grad_hidden_acc is not None and need_grad_hidden:
+        _check(
+            grad_hidden_acc.shape == hidden.shape and grad_hidden_acc.dtype == torch.float32,
+            f"grad_hidden_acc must be fp32 {tuple(hidden.shape)}, got {grad_hidden_acc.dtype} "
+            f"{tuple(grad_hidden_acc.shape)}",
+        )
+        _check_device(grad_hidden_acc, device, "grad_hidden_acc")
+        grad_hidden = grad_hidden_acc
+    else:
+        grad_hidden_acc = None
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
     if need_grad_weight and grad_weight_acc is None:
         grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
     if need_grad_bias and grad_bias_acc is None:
@@ -919,7 +939,7 @@ def lm_head_backward(
     result = (grad_hidden, grad_weight_acc if need_grad_weight else None, grad_bias_acc)
     no_upstream = grad_logprobs is None and grad_entropy is None
     if no_upstream or n_tokens == 0 or not (need_grad_hidden or need_grad_weight or need_grad_bias):
-        if grad_hidden is not None:
+        if grad_hidden is not None and grad_hidden_acc is None:
             grad_hidden.zero_()
         return result
 
@@ -1001,7 +1021,10 @@ def lm_head_backward(
                 dlogits = workspace[:n, :vocab]  # [n, V]
                 if need_grad_hidden:
                     # [n, V] @ [V, H] -> [n, H]: fp32 over the whole vocabulary, rounded once
-                    grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
+                    if grad_hidden_acc is not None:  # fp32, summed over the caller's vocabulary slabs
+                        _grad_hidden_accumulate(grad_hidden_acc[chunk], dlogits, weight)
+                    else:
+                        grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
                 if need_grad_weight:
                     # [V, n] @ [n, H] added into the fp32 [V, H] accumulator
                     _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk])
