@@ -38,6 +38,7 @@ def test_loss_head_kernel_compiles_without_spills(case, arch, rows):
     r = rows[f"{case}-sm{arch}"]
     assert "error" not in r, r["error"]
     assert r["registers"] > 0
+    assert r["global_stores"] > 0, f"{r['id']}: no st.global in the PTX (an empty kernel body?)"
     assert not r["spills"], f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']}"
 
 

@@ -74,6 +74,9 @@ class CompileResult:
     static_shared: int  # bytes, from cuobjdump
     shared: int  # bytes of (dynamic) shared memory Triton allocates for the kernel
     mma: str  # tensor-core instruction family found in the PTX: "wgmma", "mma.sync" or "none"
+    global_stores: int  # st.global instructions in the PTX: 0 means the kernel writes nothing (compiled to
+    # an empty body, as a persistent warp-specialised loop can with triton 3.6 / 3.9)
+    tma: bool  # operands or results moved by the tensor memory accelerator (cp.async.bulk.tensor)
     seconds: float
     signature: dict = field(default_factory=dict)
     ttir: str = field(default="", repr=False)  # Triton IR before any lowering (not in as_dict)
@@ -159,6 +162,8 @@ def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
         static_shared=usage["SHARED"],
         shared=int(compiled.metadata.shared),
         mma=mma,
+        global_stores=ptx.count("st.global"),
+        tma="cp.async.bulk.tensor" in ptx,
         seconds=seconds,
         signature={k: v for k, v in signature.items() if v != "constexpr"},
         ttir=compiled.asm["ttir"],
