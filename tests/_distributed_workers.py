@@ -1,0 +1,172 @@
+"""Workers of the multi-process tests (module level: spawned processes import them by name).
+
+Each worker builds the same inputs on every rank, runs grpo_kernels with the process group, runs the
+single-process call on the whole weight / whole batch itself, and returns the worst differences as
+[got, expected, index, scale] (the parent asserts, so a failure names the worst element and the rank).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def worst(a, b):
+    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    if a.numel() == 0:
+        return [0.0, 0.0, -1, 0.0]
+    diff = (a - b).abs()
+    i = int(diff.argmax())
+    return [a[i].item(), b[i].item(), i, b.abs().max().item()]
+
+
+def lm_inputs(vocab, seed=0, b=5, t=7, h=24):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g)
+    weight = torch.randn(vocab, h, generator=g) / h**0.5 * 3
+    bias = torch.randn(vocab, generator=g) * 0.3
+    targets = torch.randint(0, vocab, (b, t), generator=g)
+    lengths = torch.tensor([7, 3, 5, 1, 6][:b])
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    adv = torch.randn(b, generator=g)
+    noise = torch.randn(3, b, t, generator=g)
+    return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, mask=mask, adv=adv, noise=noise)
+
+
+def _configs():
+    from grpo_kernels import PolicyLossConfig as C
+
+    return {
+        "grpo_kl": C.grpo(),
+        "grpo_kl_entropy_bonus": C.grpo(entropy_coef=0.01),
+        "dapo": C.dapo(),
+        "gspo": C.gspo(),
+        "cispo": C.cispo(),
+    }
+
+
+def tp_worker(rank, world, sizes, backend, schedules):
+    """Vocabulary-parallel log-probs, entropy and fused losses against the whole head on one process."""
+    import grpo_kernels as gk
+    import grpo_kernels.ops.fused.function as fused
+
+    fused.ONE_PASS_CHUNK_TOKENS = 7  # several one-pass chunks, sequences cut for token-local objectives
+    group = dist.group.WORLD
+    d = lm_inputs(sum(sizes))
+    start, end = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    out = {}
+
+    def leaves(full):
+        x = d["hidden"].clone().requires_grad_()
+        w = (d["weight"] if full else d["weight"][start:end]).clone().requires_grad_()
+        bb = (d["bias"] if full else d["bias"][start:end]).clone().requires_grad_()
+        return x, w, bb
+
+    # log-probs + entropy, forward and every gradient
+    results = {}
+    for full in (True, False):
+        x, w, bb = leaves(full)
+        lp = gk.fused_linear_logprobs(x, w, d["targets"], bb, 0.8, mask=d["mask"], backend=backend,
+                                      tp_group=None if full else group)  # fmt: skip
+        ((lp.logprobs * d["noise"][0]).sum() + (lp.entropy * d["noise"][1]).sum()).backward()
+        results[full] = (lp.logprobs, lp.entropy, x.grad, w.grad if full else w.grad, bb.grad)
+    ref, got = results[True], results[False]
+    out["logprobs/logprobs"] = worst(got[0], ref[0])
+    out["logprobs/entropy"] = worst(got[1], ref[1])
+    out["logprobs/grad_hidden"] = worst(got[2], ref[2])
+    out["logprobs/grad_weight"] = worst(got[3], ref[3][start:end])
+    out["logprobs/grad_bias"] = worst(got[4], ref[4][start:end])
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        base = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"], d["bias"], mask=d["mask"],
+                                        backend="torch").logprobs  # fmt: skip
+    old = base + 0.3 * torch.randn(base.shape, generator=g)
+    ref_lp = base + 0.2 * torch.randn(base.shape, generator=g)
+    for name, cfg in _configs().items():
+        for layout in ("padded", "packed"):
+            for schedule in schedules:
+                runs = {}
+                for full in (True, False):
+                    x, w, bb = leaves(full)
+                    hidden, targets, mask, o, r = x, d["targets"], d["mask"], old, ref_lp
+                    extra = {}
+                    if layout == "packed":
+                        lengths = d["mask"].sum(-1)
+                        extra["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+                        hidden, targets, o, r = (z[d["mask"]] for z in (x, targets, old, ref_lp))
+                        mask = torch.ones(int(lengths.sum()), dtype=torch.bool)
+                    res = gk.fused_linear_grpo_loss(
+                        hidden, w, targets, d["adv"], mask, o, r if cfg.kl_coef > 0 else None, bias=bb,
+                        config=cfg.replace(temperature=0.9), backend=backend, schedule=schedule,
+                        tp_group=None if full else group, **extra,
+                    )  # fmt: skip
+                    res.loss.backward()
+                    runs[full] = (res, x.grad, w.grad, bb.grad)
+                (rr, rx, rw, rb), (gr, gx, gw, gb) = runs[True], runs[False]
+                key = f"{name}/{layout}/{schedule}"
+                out[f"{key}/loss"] = worst(gr.loss, rr.loss)
+                out[f"{key}/logprobs"] = worst(gr.logprobs, rr.logprobs)
+                out[f"{key}/entropy"] = worst(gr.entropy, rr.entropy)
+                out[f"{key}/grad_hidden"] = worst(gx, rx)
+                out[f"{key}/grad_weight"] = worst(gw, rw[start:end])
+                out[f"{key}/grad_bias"] = worst(gb, rb[start:end])
+                for m, v in rr.metrics.items():
+                    out[f"{key}/metric/{m}"] = worst(gr.metrics[m], v)
+    return out
+
+
+def one_rank_group_worker(rank, world, backend):
+    """A process group of one rank behaves exactly as tp_group=None."""
+    import grpo_kernels as gk
+
+    d = lm_inputs(203)
+    a = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"], d["bias"], backend=backend)
+    b = gk.fused_linear_logprobs(d["hidden"], d["weight"], d["targets"], d["bias"], backend=backend,
+                                 tp_group=dist.group.WORLD)  # fmt: skip
+    return bool(torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy))
+
+
+def ddp_worker(rank, world, with_normalizers):
+    """Data parallelism: each rank holds its share of the sequences; gradients averaged over ranks (what
+    DDP does) against one process on the whole batch."""
+    import grpo_kernels as gk
+    from grpo_kernels import PolicyLossConfig as C
+
+    d = lm_inputs(203, b=5)
+    mine = list(range(rank, 5, world))  # sequences of this rank: uneven token counts on purpose
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(5, 7, generator=g) * 4
+    for name, cfg in {"token-mean": C.dapo(), "token-sum": C(loss_agg_mode="token-sum"),
+                      "seq-mean-token-mean": C.grpo(kl_coef=0.0)}.items():  # fmt: skip
+        w_full = d["weight"].clone().requires_grad_()
+        # the whole batch on this one process: its own counts ARE the batch's (said explicitly, no warning)
+        full = gk.fused_linear_grpo_loss(d["hidden"], w_full, d["targets"], d["adv"], d["mask"], old,
+                                         config=cfg, backend="torch", num_tokens=int(d["mask"].sum()),
+                                         num_sequences=5)  # fmt: skip
+        full.loss.backward()
+        w = d["weight"].clone().requires_grad_()
+        kwargs = {}
+        if with_normalizers:
+            kwargs = dict(num_tokens=int(d["mask"].sum()), num_sequences=5, dp_size=world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            local = gk.fused_linear_grpo_loss(d["hidden"][mine], w, d["targets"][mine], d["adv"][mine],
+                                              d["mask"][mine], old[mine], config=cfg, backend="torch", **kwargs)  # fmt: skip
+        local.loss.backward()
+        grad = w.grad.clone()
+        dist.all_reduce(grad)  # DDP: the mean of the ranks' gradients
+        grad /= world
+        loss = local.loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= world
+        out[name] = {
+            "grad_weight": worst(grad, w_full.grad),
+            "loss": worst(loss, full.loss),
+            "warned": [str(c.message) for c in caught if c.category is gk.DistributedNormalizerWarning],
+        }
+    return out
