@@ -170,3 +170,27 @@ def ddp_worker(rank, world, with_normalizers):
             "warned": [str(c.message) for c in caught if c.category is gk.DistributedNormalizerWarning],
         }
     return out
+
+
+def verl_lce_worker(rank, world):
+    """verl's Megatron calling convention: linear_cross_entropy(hidden, local weight block, global labels,
+    temperature, "none", tp_group) positionally, against the whole head on one process."""
+    import checkout
+
+    checkout.use_this_checkouts_integrations()
+    from grpo_kernels.integrations import verl as gk_verl
+
+    d = lm_inputs(204)
+    block = 204 // world
+    x = d["hidden"].clone().requires_grad_()
+    w = d["weight"][rank * block:(rank + 1) * block].clone().requires_grad_()
+    lp, ent = gk_verl.linear_cross_entropy(x, w, d["targets"], 0.7, "none", dist.group.WORLD)
+    (lp * d["noise"][0].reshape(-1)).sum().backward()
+    x_full = d["hidden"].clone().requires_grad_()
+    w_full = d["weight"].clone().requires_grad_()
+    lp_full, ent_full = gk_verl.linear_cross_entropy(x_full, w_full, d["targets"], 0.7, "none", None)
+    (lp_full * d["noise"][0].reshape(-1)).sum().backward()
+    return {
+        "logprobs": worst(lp, lp_full), "entropy": worst(ent, ent_full), "grad_/hidden": worst(x.grad, x_full.grad),
+        "grad_/weight": worst(w.grad, w_full.grad[rank * block:(rank + 1) * block]),
+    }

@@ -52,3 +52,11 @@ def test_vocab_parallel_triton_interpreter(sizes):
 
 def test_one_rank_group_is_exactly_no_group():
     assert run_group(workers.one_rank_group_worker, 1, "torch") == [True]
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+def test_verl_linear_cross_entropy_under_megatron_tp(world):
+    """verl's Megatron forward always passes the TP group, also at TP = 1 (refused before)."""
+    pytest.importorskip("verl")
+    for rank, report in enumerate(run_group(workers.verl_lce_worker, world)):
+        check(report, rank)
