@@ -18,6 +18,7 @@ import torch
 
 from . import _checks as chk
 from ._backend import resolve_backend
+from ._params import gather_lm_head_param
 from .config import PolicyLossConfig
 from .ops import lm_head as lm_head_ops
 from .ops.lm_head.function import LMHeadFunction
@@ -95,6 +96,8 @@ def fused_linear_logprobs(
     those of the full head, identical on every rank; grad_hidden is the full gradient (all-reduced
     inside); grad_weight / grad_bias are the local block's. Communication is O(tokens).
     """
+    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+    bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     _check_temperature(temperature)
     device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
@@ -501,6 +504,8 @@ def fused_linear_grpo_loss(
         chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
     cfg = _check_config(config)
+    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+    bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     device = chk.check_same_device(
         hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,

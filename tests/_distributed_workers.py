@@ -194,3 +194,83 @@ def verl_lce_worker(rank, world):
         "logprobs": worst(lp, lp_full), "entropy": worst(ent, ent_full), "grad_/hidden": worst(x.grad, x_full.grad),
         "grad_/weight": worst(w.grad, w_full.grad[rank * block:(rank + 1) * block]),
     }
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one MLP block and an LM head: enough to shard and to check every gradient."""
+
+    def __init__(self, vocab=203, hidden=24):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.block = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, loss_inputs=None):
+        hidden = self.block(self.embed(ids))
+        if loss_inputs is None:
+            return hidden
+        import grpo_kernels as gk  # the loss inside the forward, on the head's weight as FSDP hands it over
+
+        return gk.fused_linear_grpo_loss(hidden, self.lm_head.weight, **loss_inputs).loss
+
+
+def fsdp_worker(rank, world, head_own_unit, inside_forward):
+    """FSDP2 (fully_shard) with grpo_kernels on lm_head.weight: each rank its share of the sequences and the
+    global normalizers; the sharded gradients after FSDP's reduce-scatter against one process."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import grpo_kernels as gk
+    from grpo_kernels import PolicyLossConfig as C
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    if head_own_unit:
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(3)
+    b, t = 4, 7
+    ids = torch.randint(0, 203, (b, t + 1), generator=g)
+    lengths = torch.tensor([7, 3, 5, 6])
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    adv = torch.randn(b, generator=g)
+    old = -torch.rand(b, t, generator=g) * 5
+    cfg = C.dapo()
+    mine = list(range(rank, b, world))
+    common = dict(config=cfg, backend="torch", num_tokens=int(mask.sum()), num_sequences=b)
+
+    def loss_inputs(rows, dp_size):
+        return dict(targets=ids[rows, 1:], advantages=adv[rows], mask=mask[rows], old_logprobs=old[rows],
+                    dp_size=dp_size, **common)  # fmt: skip
+
+    if inside_forward:
+        loss = model(ids[mine, :-1], loss_inputs(mine, world))
+    else:
+        hidden = model(ids[mine, :-1])
+        loss = gk.fused_linear_grpo_loss(hidden, model.lm_head.weight, **loss_inputs(mine, world)).loss
+    loss.backward()
+    ref_hidden = reference(ids[:, :-1])
+    ref_loss = gk.fused_linear_grpo_loss(ref_hidden, reference.lm_head.weight, **loss_inputs(list(range(b)), 1)).loss
+    ref_loss.backward()
+    out = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        out[f"grad_/{name}"] = worst(p.grad.full_tensor(), q.grad)
+    return out
+
+
+def zero3_stub_worker(rank, world):
+    """A ZeRO-3 partitioned parameter as DeepSpeed leaves it outside the forward: 0 elements, a ds_id."""
+    import grpo_kernels as gk
+
+    d = lm_inputs(203)
+    stub = torch.nn.Parameter(torch.empty(0))
+    stub.ds_id = 7
+    try:
+        gk.fused_linear_logprobs(d["hidden"], stub, d["targets"])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
