@@ -307,7 +307,19 @@ def trl_logit_scale(text_config) -> float:
 
 
 def _unwrap(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    """The transformers model inside PEFT and distributed wrappers: a DeepSpeed engine (ZeRO-3 wraps the
+    reference model in one; its `.config` is the DeepSpeed dict), DDP / FSDP1 (`.module`),
+    torch.compile (`._orig_mod`)."""
+    for _ in range(8):  # wrappers nest (a DeepSpeed engine around a PEFT model, ...)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        if hasattr(getattr(model, "config", None), "get_text_config"):
+            return model
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+    return model
 
 
 def _is_prompt_learning(model) -> bool:

@@ -551,3 +551,30 @@ def test_logprobs_head_regathers_the_weight_for_its_backward(monkeypatch):
     ):
         err = float((got.double() - want).abs().max())
         assert err <= 1e-5 * float(want.abs().max()), f"d/d{name}: {err:.3e}"
+
+
+def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
+    """Under ZeRO-3 TRL wraps the reference model in a DeepSpeed engine (whose .config is the DeepSpeed
+    dict): the adapter looks through it. One process started as torchrun would (gloo, DeepSpeed's CPU
+    accelerator), beta > 0, one step against TRL's GRPOTrainer under the same ZeRO-3 config: the same
+    loss and parameters, to within 16 ulp of the largest parameter (fp32 sums in another order, one
+    SGD step)."""
+    pytest.importorskip("deepspeed")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from grpo_kernels.testing.distributed import free_port
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(CHECKOUT))  # fmt: skip
+    proc = subprocess.run([sys.executable, str(CHECKOUT / "tests" / "_trl_zero3_case.py")], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = report["fused"]
+    assert ours["losses"] and len(ours["losses"]) == len(report["trl_losses"])
+    for a, b in zip(ours["losses"], report["trl_losses"]):
+        assert abs(a - b) <= 1e-6 * (1 + abs(b)), (a, b)
+    assert ours["param_diff"] <= 16 * 2**-23 * ours["param_scale"], ours
