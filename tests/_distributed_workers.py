@@ -190,7 +190,11 @@ def verl_lce_worker(rank, world):
     w_full = d["weight"].clone().requires_grad_()
     lp_full, ent_full = gk_verl.linear_cross_entropy(x_full, w_full, d["targets"], 0.7, "none", None)
     (lp_full * d["noise"][0].reshape(-1)).sum().backward()
+    # TP = 1: verl passes a 1-rank tensor-parallel group; every rank is its own (new_group: all ranks call it)
+    singles = [dist.new_group([r]) for r in range(world)]
+    lp_one, ent_one = gk_verl.linear_cross_entropy(d["hidden"], d["weight"], d["targets"], 0.7, "none", singles[rank])
     return {
+        "tp1/logprobs": worst(lp_one, lp_full), "tp1/entropy": worst(ent_one, ent_full),
         "logprobs": worst(lp, lp_full), "entropy": worst(ent, ent_full), "grad_/hidden": worst(x.grad, x_full.grad),
         "grad_/weight": worst(w.grad, w_full.grad[rank * block:(rank + 1) * block]),
     }
