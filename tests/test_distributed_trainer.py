@@ -1,8 +1,9 @@
-"""`torchrun --nproc_per_node=K -m grpo_kernels.train` on CPU (gloo): two processes, stopped after 2 steps
-and resumed to 3, against one process for 3 steps with the same seed and global batch. The per-step
-loss, KL, reward and grad norm, and the final parameters, agree to fp32 rounding (the two ranks' gradient
-halves are summed by DDP's average instead of in one process: a few ulp per step; after 3 AdamW steps
-the parameters differ by < 1e-6 of their largest value). Files come from rank 0 only."""
+"""`torchrun --nproc_per_node=K -m grpo_kernels.train` on CPU (gloo): two processes with DDP, and with FSDP2
+(--fsdp) stopped after 2 steps and resumed to 3, against one process for 3 steps with the same seed and
+global batch. The per-step loss, KL, reward and grad norm, and the final parameters, agree to fp32
+rounding (the two ranks' gradient halves are summed by DDP's / FSDP's average instead of in one
+process: a few ulp per step; after 3 AdamW steps the parameters differ by < 1e-6 of their largest
+value). Files come from rank 0 only."""
 
 from __future__ import annotations
 
@@ -34,14 +35,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_two_processes_resumed_equal_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    torchrun(1, "--steps", "3", "--run-dir", str(run_dir), *ARGS)
+    return run_dir
+
+
+def assert_same_run(one: Path, two: Path):
     from safetensors.torch import load_file
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    torchrun(1, "--steps", "3", "--run-dir", str(one), *ARGS)
-    first = torchrun(2, "--steps", "2", "--run-dir", str(two), *ARGS)
-    assert first.stdout.count("run folder:") == 1  # rank 0 speaks, the other rank is quiet
-    torchrun(2, "--resume", str(two), "--steps", "3")
     a, b = metrics(one), metrics(two)
     assert [m["step"] for m in b] == [1, 2, 3] and all(m["processes"] == 2 for m in b)
     for m1, m2 in zip(a, b):
@@ -52,4 +55,28 @@ def test_two_processes_resumed_equal_one_process(tmp_path):
     scale = max(t.abs().max().item() for t in pa.values())
     worst = max((pa[k] - pb[k]).abs().max().item() for k in pa)
     assert worst <= 1e-6 * scale, f"parameters differ by {worst} (largest {scale})"
+
+
+def test_two_processes_ddp_equal_one_process(one_process, tmp_path):
+    two = tmp_path / "ddp"
+    run = torchrun(2, "--steps", "3", "--run-dir", str(two), *ARGS)
+    assert run.stdout.count("run folder:") == 1  # rank 0 speaks, the other rank is quiet
+    assert_same_run(one_process, two)
+
+
+def test_two_processes_fsdp2_stopped_and_resumed_equal_one_process(one_process, tmp_path):
+    two = tmp_path / "fsdp"
+    torchrun(2, "--steps", "2", "--run-dir", str(two), "--fsdp", *ARGS)
+    torchrun(2, "--resume", str(two), "--steps", "3")  # the sharded model and optimizer from the checkpoint
+    assert_same_run(one_process, two)
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_fsdp_without_torchrun_is_refused(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(CHECKOUT))
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.train", "--fsdp", "--steps", "1",
+                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 2 and "torchrun" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()

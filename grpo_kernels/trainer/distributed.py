@@ -160,3 +160,54 @@ class LossModule(torch.nn.Module):
 
     def forward(self, compute_loss, *args, **kwargs):
         return compute_loss(self.policy, *args, **kwargs)
+
+
+class FSDPState:
+    """--fsdp: the policy sharded by FSDP2 (fully_shard on each decoder layer, the decoder and the root),
+    with an unsharded mirror of the model and its optimizer that checkpoints, the reference reset and
+    the final model are read from and written to (the checkpoint format stays that of one process)."""
+
+    def __init__(self, policy, ctx: DistContext, make_optimizer):
+        import copy
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.policy, self.ctx = policy, ctx
+        self.mirror = copy.deepcopy(policy)
+        self.mirror_optimizer = make_optimizer(self.mirror)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+        decoder = policy.get_decoder()
+        for layer in getattr(decoder, "layers", []):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(decoder, mesh=mesh)
+        fully_shard(policy, mesh=mesh)
+        self.optimizer = make_optimizer(policy)  # over the sharded (DTensor) parameters
+
+    def pull(self) -> None:
+        """Mirror <- the sharded policy and optimizer (a collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        self.mirror.load_state_dict(get_model_state_dict(self.policy, options=full))
+        optim_state = get_optimizer_state_dict(self.policy, self.optimizer, options=full)
+        set_optimizer_state_dict(self.mirror, self.mirror_optimizer, optim_state_dict=optim_state, options=full)
+
+    def push(self) -> None:
+        """The sharded policy and optimizer <- mirror (after a checkpoint was loaded into the mirror)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.policy, self.mirror.state_dict(), options=full)
+        optim_state = get_optimizer_state_dict(self.mirror, self.mirror_optimizer, options=full)
+        set_optimizer_state_dict(self.policy, self.optimizer, optim_state_dict=optim_state, options=full)

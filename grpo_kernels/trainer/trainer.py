@@ -33,7 +33,7 @@ from ..advantages.stateful import SmoothAdvantageStandardizer
 from ..functional import fused_linear_grpo_loss, fused_linear_logprobs
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .distributed import DistContext, LossModule, ShardedSampler, init_from_env, launched_by_torchrun
+from .distributed import DistContext, FSDPState, LossModule, ShardedSampler, init_from_env, launched_by_torchrun
 from .hooks import HookContext, make_hook
 from .model import eos_token_ids, lm_head_params, load_policy
 from .plot import plot_metrics, read_metrics
@@ -71,6 +71,8 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, l
     torchrun, the ranks share each step's work (trainer/distributed.py)."""
     if config.rollout_engine == "vllm" and launched_by_torchrun():
         raise ValueError("--rollout-engine vllm runs on one process; under torchrun use the transformers sampler")
+    if config.fsdp and not launched_by_torchrun():
+        raise ValueError("--fsdp shards the policy over processes: start with torchrun --nproc_per_node=K")
     ctx = init_from_env(config.device)
     device = ctx.device if ctx is not None else _pick_device(config.device)
     compute = Compute(device, _pick_dtype(config.dtype, device))
@@ -122,14 +124,24 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     if loss_config.needs_reference:  # KL to a frozen copy of the initial policy (log-probs only, no grad)
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     betas = (config.adam_beta1, config.adam_beta2)
-    optimizer = torch.optim.AdamW(policy.parameters(), config.lr, betas, weight_decay=config.weight_decay)
+
+    def make_optimizer(model):
+        return torch.optim.AdamW(model.parameters(), config.lr, betas, weight_decay=config.weight_decay)
+
+    fsdp = FSDPState(policy, ctx, make_optimizer) if config.fsdp else None
+    optimizer = fsdp.optimizer if fsdp is not None else make_optimizer(policy)
     estimator_state = SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None
     prompt_generator = torch.Generator().manual_seed(config.seed)
     hook_generator = torch.Generator().manual_seed(config.seed + 1)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     if start_step > 0:
         folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(start_step))
-        state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
+        if fsdp is None:
+            state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
+        else:  # into the unsharded mirror, then onto the shards
+            state, rng = ckpt.load_checkpoint(folder, model=fsdp.mirror, reference=reference,
+                                              optimizer=fsdp.mirror_optimizer)  # fmt: skip
+            fsdp.push()
         ckpt.restore_rng(rng, state["python_rng"], prompt_generator, hook_generator)
         if estimator_state is not None:
             estimator_state.load_state_dict(state["estimator_state"])
@@ -141,7 +153,9 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     else:
         sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
     loss_module = None
-    if ctx is not None:
+    if ctx is not None and fsdp is not None:
+        sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
+    elif ctx is not None:
         sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
         from torch.nn.parallel import DistributedDataParallel
 
@@ -259,7 +273,10 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                 record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
         if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
-            reference.load_state_dict(policy.state_dict())  # ProRL: the reference becomes the current policy,
+            if fsdp is not None:
+                fsdp.pull()
+            # ProRL: the reference becomes the current policy,
+            reference.load_state_dict((fsdp.mirror if fsdp is not None else policy).state_dict())
             optimizer.state.clear()  # and the optimizer starts afresh
             record["ref_reset"] = 1
         record["lr"] = optimizer.param_groups[0]["lr"]
@@ -274,7 +291,10 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record}, refresh=False)
         bar.update(1)
 
-        if (step % config.save_every == 0 or step == config.steps) and main:
+        saving = step % config.save_every == 0 or step == config.steps
+        if saving and fsdp is not None:
+            fsdp.pull()  # every rank: the full model and optimizer state into the mirror
+        if saving and main:
             rng_tensors, python_rng = ckpt.capture_rng(prompt_generator, hook_generator)
             state = {
                 "step": step,
@@ -284,21 +304,21 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             }
             ckpt.save_checkpoint(
                 os.path.join(checkpoints_dir, ckpt.checkpoint_name(step)),
-                model=policy,
+                model=fsdp.mirror if fsdp is not None else policy,
                 reference=reference,
-                optimizer=optimizer,
+                optimizer=fsdp.mirror_optimizer if fsdp is not None else optimizer,
                 rng_tensors=rng_tensors,
                 state=state,
             )
             ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
             plot_metrics(metrics_path, plot_path, plot_title)
-        if ctx is not None and (step % config.save_every == 0 or step == config.steps):
+        if ctx is not None and saving:
             ctx.barrier()  # the checkpoint is on disk before any rank goes on (or resumes from it)
     bar.close()
 
     final_dir = os.path.join(run_dir, "final_model")
     if main:
-        _save_pretrained(policy, tokenizer, final_dir)  # for --model
+        _save_pretrained(fsdp.mirror if fsdp is not None else policy, tokenizer, final_dir)  # for --model
     if ctx is not None:
         ctx.barrier()
     metrics = read_metrics(metrics_path)
@@ -470,6 +490,8 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
         for key in sorted(sums):
             sums[key], tokens[key] = ctx.sum(sums[key]), ctx.sum(tokens[key])
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     means = {key: sums[key] / max(tokens[key], 1.0) for key in sums}
     return {"loss": loss_total, "grad_norm": float(grad_norm), **means}
