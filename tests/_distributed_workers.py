@@ -278,3 +278,35 @@ def zero3_stub_worker(rank, world):
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def trl_fsdp2_head_worker(rank, world):
+    """The TRL adapter's check on an FSDP2 head given as its own unit (a DTensor inside the forward)."""
+    import checkout
+
+    checkout.use_this_checkouts_integrations()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from grpo_kernels.integrations.trl import check_fsdp2_head
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = Model()
+    fully_shard(model.lm_head, mesh=mesh)  # its own unit: a DTensor whenever its own forward is not running
+    out = {}
+    with torch.no_grad():
+        check_fsdp2_head(model)  # no gradient flows (reference / old-policy passes): fine
+    try:
+        check_fsdp2_head(model)
+        out["with_grad"] = "no error"
+    except RuntimeError as exc:
+        out["with_grad"] = str(exc)
+    return out

@@ -31,3 +31,11 @@ def test_fsdp2_gradients_equal_one_process(head_own_unit, inside_forward):
 def test_zero3_partitioned_parameter_is_refused_with_the_ways_out():
     (message,) = run_group(workers.zero3_stub_worker, 1)
     assert "ZeRO-3" in message and "inside the model's forward" in message and "GatheredParameters" in message, message
+
+
+def test_trl_adapter_refuses_an_fsdp2_head_in_its_own_unit():
+    """TRL's own full_tensor() gather of such a head would drop the other ranks' gradients (Replicate
+    placement); the adapter says so and what to do instead."""
+    pytest.importorskip("trl")
+    (report,) = run_group(workers.trl_fsdp2_head_worker, 1)
+    assert "own FSDP2 unit" in report["with_grad"] and "root FSDP unit" in report["with_grad"], report
