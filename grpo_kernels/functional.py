@@ -114,8 +114,8 @@ def fused_linear_logprobs(
     if check_finite:
         chk.check_finite("hidden", hidden, valid[..., None])
         chk.check_finite("weight", weight)
-        if bias is not None:
-            chk.check_finite("bias", bias)
+        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+            chk.check_finite("bias", bias, allow_neg_inf=True)
     impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout)
 
     flat_hidden = hidden.reshape(-1, hidden_size)
@@ -333,6 +333,11 @@ def _flatten_batch(
             "(groups must be laid out consecutively)"
         )
     chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
+    if normalizers["num_tokens"] is not None:
+        chk.check_global_count("num_tokens", normalizers["num_tokens"], int(valid.sum()), "valid tokens")
+    if normalizers["num_sequences"] is not None:
+        nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
+        chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
     _check_inputs_used(config, flat)
     return _FlatBatch(
         token_shape=tuple(token_shape),
@@ -532,8 +537,8 @@ def fused_linear_grpo_loss(
     if check_finite:
         chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
         chk.check_finite("weight", weight)
-        if bias is not None:
-            chk.check_finite("bias", bias)
+        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+            chk.check_finite("bias", bias, allow_neg_inf=True)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     loss, metrics, logprobs, entropy = run_fused(
         flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout),
