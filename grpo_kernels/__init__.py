@@ -10,6 +10,7 @@ from . import advantages
 from ._backend import BackendFallbackWarning
 from .config import PolicyLossConfig
 from .functional import (
+    DistributedNormalizerWarning,
     GRPOLossOutput,
     LogProbsOutput,
     fused_linear_grpo_loss,
@@ -21,6 +22,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BackendFallbackWarning",
+    "DistributedNormalizerWarning",
     "GRPOLossOutput",
     "LogProbsOutput",
     "PolicyLossConfig",

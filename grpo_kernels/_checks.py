@@ -26,6 +26,11 @@ def check_tensor(name: str, x, *, dtypes=None, ndim=None) -> None:
 
 def check_same_device(**tensors) -> torch.device:
     present = {k: v for k, v in tensors.items() if v is not None}
+    for name, value in present.items():  # a numpy array or a list has no torch device: say what is expected
+        if not isinstance(value, torch.Tensor):
+            fail(f"{name} must be a torch.Tensor, got {type(value).__module__}.{type(value).__name__}")
+        if value.device.type == "meta":
+            fail(f"{name} is on the meta device (it has no values): pass a cpu or cuda tensor")
     devices = {k: v.device for k, v in present.items()}
     first_name, first = next(iter(devices.items()))
     for name, device in devices.items():
@@ -39,9 +44,10 @@ def check_shape(name: str, x: torch.Tensor, shape: tuple, ref_name: str) -> None
         fail(f"{name} must have the shape of {ref_name} {tuple(shape)}, got {tuple(x.shape)}")
 
 
-def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """NaN / inf anywhere `where` is true (default: everywhere) is an error showing the first offender."""
-    bad = ~torch.isfinite(x)
+def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None, allow_neg_inf: bool = False) -> None:
+    """NaN / inf anywhere `where` is true (default: everywhere) is an error showing the first offender.
+    allow_neg_inf: -inf is allowed (a bias that forbids tokens: p = 0 for them)."""
+    bad = torch.isnan(x) | (x == float("inf")) if allow_neg_inf else ~torch.isfinite(x)
     if where is not None:
         bad = bad & where
     if bool(bad.any()):
@@ -74,6 +80,19 @@ def check_targets(name: str, targets: torch.Tensor, vocab_size: int, valid: torc
         fail(
             f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) at trained positions; first at "
             f"index {idx}: {targets[idx].item()}"
+        )
+
+
+def check_global_count(name: str, value, local: int, what: str) -> None:
+    """A global normalizer (num_tokens / num_sequences) counts the whole optimizer step: never fewer than
+    what this call alone holds."""
+    if value is None:
+        return
+    value = value.item() if isinstance(value, torch.Tensor) else value
+    if value < local:
+        fail(
+            f"{name}={value} is fewer than the {local} {what} of this call: it must count the whole optimizer "
+            "step (every micro-batch of every data-parallel rank), or be left out (None) for local counts"
         )
 
 

@@ -11,12 +11,14 @@ Internally both become flat tokens with a sequence id per token.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from . import _checks as chk
 from ._backend import resolve_backend
+from ._params import gather_lm_head_param
 from .config import PolicyLossConfig
 from .ops import lm_head as lm_head_ops
 from .ops.lm_head.function import LMHeadFunction
@@ -79,6 +81,7 @@ def fused_linear_logprobs(
     ignore_index: int = -100,
     compute_entropy: bool = True,
     check_finite: bool = True,
+    tp_group=None,
     backend: str = "auto",
 ) -> LogProbsOutput:
     """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
@@ -86,10 +89,20 @@ def fused_linear_logprobs(
 
     hidden [..., H] (bf16 / fp16 / fp32), weight [V, H], targets [...] int ids, bias [V].
     Tokens with mask 0 or target == ignore_index are skipped (never multiplied) and get 0.
+    tp_group: a torch.distributed process group over which the vocabulary is sharded (Megatron /
+    torchtitan tensor parallelism): `weight` / `bias` are this rank's contiguous block of the full
+    head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), `targets` are global ids and
+    `hidden` / `targets` / `mask` are the same on every rank (the caller's contract). Results are
+    those of the full head, identical on every rank; grad_hidden is the full gradient (all-reduced
+    inside); grad_weight / grad_bias are the local block's. Communication is O(tokens).
     """
+    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+    bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     _check_temperature(temperature)
     device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
+    layout = _vocab_layout(tp_group, vocab, device)
+    vocab = layout.vocab_total if layout is not None else vocab
     if targets.numel() == 0:
         chk.fail("targets is empty: nothing to compute")
     valid = targets != ignore_index
@@ -101,9 +114,9 @@ def fused_linear_logprobs(
     if check_finite:
         chk.check_finite("hidden", hidden, valid[..., None])
         chk.check_finite("weight", weight)
-        if bias is not None:
-            chk.check_finite("bias", bias)
-    impl = lm_head_ops.get_impl(resolve_backend(backend, device, "fused_linear_logprobs"))
+        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+            chk.check_finite("bias", bias, allow_neg_inf=True)
+    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout)
 
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
@@ -124,6 +137,83 @@ def fused_linear_logprobs(
         return full.index_put((rows,), x).reshape(targets.shape)
 
     return LogProbsOutput(scatter(logprobs), scatter(entropy))
+
+
+@dataclass
+class _VocabLayout:
+    group: object
+    sizes: list
+    rank: int
+
+    @property
+    def vocab_total(self) -> int:
+        return sum(self.sizes)
+
+
+def _vocab_layout(tp_group, local_vocab: int, device) -> _VocabLayout | None:
+    """None without vocabulary parallelism (also for a 1-rank group); else every rank's block size."""
+    if tp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        chk.fail("tp_group was given but torch.distributed is not initialised (init_process_group first)")
+    if not isinstance(tp_group, dist.ProcessGroup):
+        chk.fail(f"tp_group must be a torch.distributed ProcessGroup (or None), got {type(tp_group).__name__}")
+    if dist.get_world_size(tp_group) == 1:
+        return None
+    from .ops.lm_head.vocab_parallel import group_layout
+
+    sizes, rank = group_layout(tp_group, local_vocab, device)
+    return _VocabLayout(tp_group, sizes, rank)
+
+
+def _lm_impl(resolved: str, layout: _VocabLayout | None):
+    impl = lm_head_ops.get_impl(resolved)
+    if layout is None:
+        return impl
+    from .ops.lm_head.vocab_parallel import VocabParallel
+
+    return VocabParallel(impl, layout.group, layout.sizes, layout.rank)
+
+
+class DistributedNormalizerWarning(UserWarning):
+    """A loss ran on several data-parallel processes with its local token / sequence counts."""
+
+
+_warned_local_normalizers = False
+
+
+def _warn_local_normalizers(cfg: PolicyLossConfig, normalizers: dict, tp_group) -> None:
+    """Once per process: torch.distributed has several ranks but the loss normalises by this rank's
+    counts (DDP / FSDP then average per-rank means: not the single-process loss)."""
+    global _warned_local_normalizers
+    if _warned_local_normalizers or normalizers["dp_size"] != 1:
+        return
+    if normalizers["num_tokens"] is not None or normalizers["num_sequences"] is not None:
+        return
+    if "length-pow" in (cfg.loss_agg_mode, cfg.entropy_agg_mode, cfg.kl_agg_mode) or cfg.loss_type == "group_dpo":
+        return  # these normalise by local counts by definition (num_tokens / num_sequences are refused)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if tp_group is not None:
+        world //= max(1, dist.get_world_size(tp_group))
+    if world <= 1:
+        return
+    _warned_local_normalizers = True
+    warnings.warn(
+        f"grpo_kernels: torch.distributed runs {world} data-parallel ranks but this loss "
+        f"(loss_agg_mode={cfg.loss_agg_mode!r}) normalises by this rank's own token / sequence counts, and "
+        "DDP / FSDP average the ranks' gradients: that is not the loss of the whole batch. Pass "
+        "num_tokens= (valid tokens of the optimizer step over all ranks and micro-batches), num_sequences= "
+        f"and dp_size={world} (the ranks whose gradients are averaged). Said once per process; filter "
+        "grpo_kernels.DistributedNormalizerWarning if local normalisation is what you want.",
+        DistributedNormalizerWarning,
+        stacklevel=3,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,6 +333,11 @@ def _flatten_batch(
             "(groups must be laid out consecutively)"
         )
     chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
+    if normalizers["num_tokens"] is not None:
+        chk.check_global_count("num_tokens", normalizers["num_tokens"], int(valid.sum()), "valid tokens")
+    if normalizers["num_sequences"] is not None:
+        nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
+        chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
     _check_inputs_used(config, flat)
     return _FlatBatch(
         token_shape=tuple(token_shape),
@@ -324,6 +419,7 @@ def grpo_loss(
                        grad_accum_steps=grad_accum_steps)  # fmt: skip
     batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
                            check_finite, device)  # fmt: skip
+    _warn_local_normalizers(cfg, normalizers, None)
     flat_lp = logprobs.reshape(-1)
     if check_finite:
         chk.check_finite("logprobs", flat_lp, batch.valid)
@@ -389,6 +485,7 @@ def fused_linear_grpo_loss(
     dp_size: int = 1,
     grad_accum_steps: int = 1,
     check_finite: bool = True,
+    tp_group=None,
     backend: str = "auto",
     schedule: str = "auto",
 ) -> GRPOLossOutput:
@@ -402,6 +499,9 @@ def fused_linear_grpo_loss(
     of sequences when valid, else two passes; the choice is logged at DEBUG), "one_pass", "two_pass",
     or "low_memory" (two passes with the vocabulary outside in the backward: no fp32 [V, H]
     accumulator, grad_weight written once per block; opt-in, never chosen by "auto").
+    tp_group: vocabulary-parallel LM head, as in fused_linear_logprobs (weight / bias are this rank's
+    block of rows, targets global ids, every per-token input the same on every rank); loss, metrics,
+    log-probs and entropy are identical on every rank.
     """
     from .ops.fused.function import SCHEDULES, run_fused
 
@@ -409,6 +509,8 @@ def fused_linear_grpo_loss(
         chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
     cfg = _check_config(config)
+    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+    bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
     device = chk.check_same_device(
         hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,
@@ -423,17 +525,23 @@ def fused_linear_grpo_loss(
                        grad_accum_steps=grad_accum_steps)  # fmt: skip
     batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
                            check_finite, device)  # fmt: skip
+    if tp_group is not None and schedule == "low_memory":
+        chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
+                 "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
+    layout = _vocab_layout(tp_group, vocab, device)
+    vocab = layout.vocab_total if layout is not None else vocab
+    _warn_local_normalizers(cfg, normalizers, tp_group)
     flat_targets = targets.reshape(-1)
     chk.check_targets("targets", flat_targets, vocab, batch.valid)
     flat_hidden = hidden.reshape(-1, hidden_size)
     if check_finite:
         chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
         chk.check_finite("weight", weight)
-        if bias is not None:
-            chk.check_finite("bias", bias)
+        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+            chk.check_finite("bias", bias, allow_neg_inf=True)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg, lm_head_ops.get_impl(resolved),
+        flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout),
         lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape

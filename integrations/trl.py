@@ -307,7 +307,19 @@ def trl_logit_scale(text_config) -> float:
 
 
 def _unwrap(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    """The transformers model inside PEFT and distributed wrappers: a DeepSpeed engine (ZeRO-3 wraps the
+    reference model in one; its `.config` is the DeepSpeed dict), DDP / FSDP1 (`.module`),
+    torch.compile (`._orig_mod`)."""
+    for _ in range(8):  # wrappers nest (a DeepSpeed engine around a PEFT model, ...)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        if hasattr(getattr(model, "config", None), "get_text_config"):
+            return model
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+    return model
 
 
 def _is_prompt_learning(model) -> bool:
@@ -512,6 +524,30 @@ class FusedLossHead:
         return logprobs, entropy, None, None, None
 
 
+def check_fsdp2_head(model) -> None:
+    """Under FSDP2 TRL gathers a DTensor LM-head weight with `full_tensor()`, whose gradient placement is
+    Replicate: each rank would keep only its own rows of its own gradient (the ranks' gradients are
+    never averaged for the head). The head is a DTensor inside the forward only when it is its own
+    FSDP2 unit; in the root unit (accelerate's default wrapping) it is unsharded there and exact. Refuse
+    the first case when gradients flow, saying what to do."""
+    if model is None or not torch.is_grad_enabled():
+        return
+    head = _unwrap(model).get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    if isinstance(weight, DTensor) and weight.requires_grad:
+        raise RuntimeError(
+            "grpo_kernels: the LM head is its own FSDP2 unit, so TRL gathers lm_head.weight with full_tensor(), "
+            "whose Replicate gradient placement leaves each rank only its own rows of its own gradient (the "
+            "ranks' head gradients would never be averaged). Keep lm_head in the root FSDP unit (accelerate's "
+            "default auto-wrap), or call grpo_kernels.fused_linear_grpo_loss yourself on the DTensor weight "
+            "(it gathers with an averaged Partial placement)"
+        )
+
+
 @contextlib.contextmanager
 def _lm_head_kernel(head):
     """Put `head` in place of TRL's LM-head kernel for the duration of a forward, then restore it."""
@@ -588,6 +624,7 @@ def _build_trainer_class():
                 )
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            check_fsdp2_head(args[0] if args else kwargs.get("model"))
             head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_backend)
             with _lm_head_kernel(head):
                 result = super()._get_per_token_logps_and_entropies(*args, **kwargs)

@@ -6,7 +6,8 @@
    `actor_rollout_ref.actor.policy_loss.loss_mode=gk_vanilla` (etc.).
 2. `linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
    dist_process_group=None)`: a drop-in for verl's fused log-prob + entropy kernel, backed by
-   `grpo_kernels.fused_linear_logprobs`. Switch it on with `actor_rollout_ref.model.use_fused_kernels=True`,
+   `grpo_kernels.fused_linear_logprobs` (vocabulary-parallel when verl's Megatron path passes its
+   tensor-parallel group). Switch it on with `actor_rollout_ref.model.use_fused_kernels=True`,
    `...fused_kernel_options.impl_backend=triton` and the environment variable
    `GRPO_KERNELS_VERL_LINEAR_CE=1` (propagate it to the Ray workers through `runtime_env`), or call
    `install_linear_cross_entropy()` yourself.
@@ -170,15 +171,19 @@ def registered_losses() -> list[str]:
 def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduction: str = "none",
                          dist_process_group=None):  # fmt: skip
     """verl's signature: hidden [..., H], weight [V, H], labels [...]; returns flat fp32 (log-probs,
-    entropy) for reduction "none", or (sum / mean of the log-probs, per-token entropy)."""
-    if dist_process_group is not None:
-        raise NotImplementedError("grpo_kernels' linear_cross_entropy has no vocabulary-parallel (TP) mode yet")
+    entropy) for reduction "none", or (sum / mean of the log-probs, per-token entropy).
+
+    dist_process_group: verl's Megatron path passes the tensor-parallel group (also at TP = 1): then
+    `weight` is this rank's block of the vocabulary (Megatron's ColumnParallelLinear output layer,
+    rank r holding the rows after ranks 0..r-1), `labels` are global ids, and the results are those of
+    the whole head on every rank (grpo_kernels' vocabulary-parallel LM head, `tp_group`)."""
     if not isinstance(temperature, float):
         raise TypeError(f"temperature must be a float (verl's contract), got {type(temperature).__name__}")
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    out = gk.fused_linear_logprobs(flat_hidden, weight, labels.reshape(-1), temperature=temperature)
+    out = gk.fused_linear_logprobs(flat_hidden, weight, labels.reshape(-1), temperature=temperature,
+                                   tp_group=dist_process_group)  # fmt: skip
     logprobs = out.logprobs
     if reduction == "sum":
         logprobs = logprobs.sum()

@@ -108,7 +108,9 @@ def test_linear_cross_entropy_contract():
     assert hidden.grad.shape == hidden.shape
     with pytest.raises(TypeError, match="temperature must be a float"):
         gk_verl.linear_cross_entropy(hidden, weight, labels, 1)
-    with pytest.raises(NotImplementedError, match="vocabulary-parallel"):
+    # a TP group is passed on as tp_group (tests/test_distributed_tp.py runs it on real groups); a
+    # non-group object is refused, saying what is expected
+    with pytest.raises(ValueError, match="tp_group"):
         gk_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "none", dist_process_group=object())
 
 

@@ -69,6 +69,8 @@ def check_index(
     """An integer tensor of the given shape with entries in [low, high) (high=None: no upper bound)."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (it has no values): pass a cpu or cuda tensor")
     if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
         raise ValueError(f"{name} must be an integer tensor (int64), got dtype {value.dtype}")
     if tuple(value.shape) != tuple(shape):
@@ -107,7 +109,9 @@ def check_rewards(rewards: object, ndim: int | tuple[int, ...] = 1) -> torch.Ten
     """rewards: a finite floating tensor of rank ``ndim`` (1 for [B], 2 for [B, K])."""
     allowed = (ndim,) if isinstance(ndim, int) else ndim
     if not isinstance(rewards, torch.Tensor):
-        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__module__}.{type(rewards).__name__}")
+    if rewards.device.type == "meta":
+        raise ValueError("rewards is on the meta device (it has no values): pass a cpu or cuda tensor")
     if rewards.ndim not in allowed:
         want = " or ".join({1: "[B]", 2: "[B, K]"}.get(d, f"{d}-d") for d in allowed)
         raise ValueError(f"rewards must have shape {want}, got {tuple(rewards.shape)}")

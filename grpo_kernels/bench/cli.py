@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import run_suite
 
     report = run_suite(ops, shapes, providers, settings, presets)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:  # torchrun (grpo_kernels-tp): rank 0 reports
+        return 0
     out_dir = Path(args.out)
     json_path = write_json(report, out_dir)
     if not args.json_only:

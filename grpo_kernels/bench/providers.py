@@ -13,6 +13,8 @@ Peers are imported only inside their factories; `unavailable()` answers without 
 
 from __future__ import annotations
 
+import os
+
 import functools
 import types
 from collections import defaultdict
@@ -148,6 +150,72 @@ def _ours(backend: str, schedule: str = "auto") -> dict:
         return Forward(fn, f"backend={backend}")
 
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
+
+
+def _tp_group(device: torch.device):
+    """(the process group the benchmark runs in, its size): torchrun's world, or a 1-rank group made here."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: its world, one GPU per rank
+            if device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        else:
+            from ..testing.distributed import free_port
+
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+
+
+def _ours_tp() -> dict:
+    """The vocabulary-parallel path: each rank holds its block of the head's rows (tp_group). Under
+    torchrun with K ranks the weight gradient's blocks are summed over ranks (a hook), so the parity
+    gate sees the whole gradient; on one process it is TP = 1 (the report says so)."""
+    import grpo_kernels as gk
+
+    def setup(inp):
+        group, world, rank = _tp_group(inp.device)
+        vocab = inp.weight.shape[0]
+        base, extra = divmod(vocab, world)
+        start = rank * base + min(rank, extra)
+        stop = start + base + (1 if rank < extra else 0)
+        if world > 1 and not getattr(inp.weight, "_gk_tp_hook", False):
+            import torch.distributed as dist
+
+            def all_blocks(grad):  # each rank's gradient is non-zero on its block only
+                grad = grad.clone()
+                dist.all_reduce(grad, group=group)
+                return grad
+
+            inp.weight.register_hook(all_blocks)
+            inp.weight._gk_tp_hook = True
+        impl = f"tp_group of {world} rank(s)" + (" (TP = 1: one process; torchrun for K > 1)" if world == 1 else "")
+        return group, slice(start, stop), impl
+
+    def logprobs(inp, s):
+        group, block, impl = setup(inp)
+
+        def fn():
+            out = gk.fused_linear_logprobs(inp.hidden, inp.weight[block], inp.targets, tp_group=group)
+            return out.logprobs, out.entropy
+
+        return Forward(fn, impl)
+
+    def fused(inp, s):
+        group, block, impl = setup(inp)
+        b, t = _bt(inp)
+
+        def fn():
+            return gk.fused_linear_grpo_loss(
+                inp.hidden.view(b, t, -1), inp.weight[block], inp.targets.view(b, t), inp.advantages, inp.mask,
+                inp.old_logprobs, inp.ref_logprobs, config=inp.config, tp_group=group,
+            ).loss  # fmt: skip
+
+        return Forward(fn, impl)
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
 
 
 def _two_pass_only_on_triton(settings: RunSettings) -> str | None:
@@ -511,6 +579,13 @@ REGISTRY.add(
         "grpo_kernels-low-memory",
         "grpo_kernels fused loss with schedule='low_memory' (vocabulary-outer backward, no fp32 [V, H] accumulator)",
         {"fused_grpo": _ours("auto", "low_memory")["fused_grpo"]},
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-tp",
+        "grpo_kernels vocabulary-parallel (tp_group): each rank 1/K of the head; TP = 1 on one process",
+        _ours_tp(),
     )
 )
 REGISTRY.add(

@@ -33,6 +33,7 @@ from ..advantages.stateful import SmoothAdvantageStandardizer
 from ..functional import fused_linear_grpo_loss, fused_linear_logprobs
 from . import checkpoint as ckpt
 from .config import TrainConfig
+from .distributed import DistContext, FSDPState, LossModule, ShardedSampler, init_from_env, launched_by_torchrun
 from .hooks import HookContext, make_hook
 from .model import eos_token_ids, lm_head_params, load_policy
 from .plot import plot_metrics, read_metrics
@@ -66,20 +67,31 @@ class Compute:
 
 
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, log=print) -> TrainResult:
-    """Train from `config`; with resume=True continue config.run_dir from its last checkpoint."""
-    device = _pick_device(config.device)
+    """Train from `config`; with resume=True continue config.run_dir from its last checkpoint. Started by
+    torchrun, the ranks share each step's work (trainer/distributed.py)."""
+    if config.rollout_engine == "vllm" and launched_by_torchrun():
+        raise ValueError("--rollout-engine vllm runs on one process; under torchrun use the transformers sampler")
+    if config.fsdp and not launched_by_torchrun():
+        raise ValueError("--fsdp shards the policy over processes: start with torchrun --nproc_per_node=K")
+    ctx = init_from_env(config.device)
+    device = ctx.device if ctx is not None else _pick_device(config.device)
     compute = Compute(device, _pick_dtype(config.dtype, device))
     threads_before = torch.get_num_threads()
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
+    if ctx is not None and not ctx.is_main:  # rank 0 speaks and writes; the others work quietly
+        log, progress = (lambda *args, **kwargs: None), False
     try:
-        return _train(config, resume, progress, log, compute)
+        return _train(config, resume, progress, log, compute, ctx)
     finally:
         torch.set_num_threads(threads_before)
+        if ctx is not None:
+            ctx.close()
 
 
-def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
+def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | None) -> TrainResult:
     device = compute.device
+    main = ctx is None or ctx.is_main
 
     # ---- everything that can fail on bad input, before the run folder is touched --------------------
     task = resolve_task(config.task)
@@ -99,21 +111,37 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
     policy, tokenizer, model_description = load_policy(config.model, config.seed)
     policy.to(device)
     eos_ids = eos_token_ids(policy, tokenizer)
-    run_dir, start_step = ckpt.open_run_folder(config, resume)
+    if ctx is not None and config.prompts_per_step * config.group_size < ctx.world:
+        raise ValueError(f"{ctx.world} processes need at least as many completions per step, got "
+                         f"{config.prompts_per_step} x {config.group_size}")  # fmt: skip
+    if ctx is None:
+        run_dir, start_step = ckpt.open_run_folder(config, resume)
+    else:  # rank 0 makes (or reopens) the folder; every rank learns its path, or rank 0's error
+        run_dir, start_step = ctx.from_main(lambda: ckpt.open_run_folder(config, resume))
 
     # ---- the training state: policy, reference, optimizer, estimator state, random generators --------
     reference = None
     if loss_config.needs_reference:  # KL to a frozen copy of the initial policy (log-probs only, no grad)
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     betas = (config.adam_beta1, config.adam_beta2)
-    optimizer = torch.optim.AdamW(policy.parameters(), config.lr, betas, weight_decay=config.weight_decay)
+
+    def make_optimizer(model):
+        return torch.optim.AdamW(model.parameters(), config.lr, betas, weight_decay=config.weight_decay)
+
+    fsdp = FSDPState(policy, ctx, make_optimizer) if config.fsdp else None
+    optimizer = fsdp.optimizer if fsdp is not None else make_optimizer(policy)
     estimator_state = SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None
     prompt_generator = torch.Generator().manual_seed(config.seed)
     hook_generator = torch.Generator().manual_seed(config.seed + 1)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     if start_step > 0:
         folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(start_step))
-        state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
+        if fsdp is None:
+            state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
+        else:  # into the unsharded mirror, then onto the shards
+            state, rng = ckpt.load_checkpoint(folder, model=fsdp.mirror, reference=reference,
+                                              optimizer=fsdp.mirror_optimizer)  # fmt: skip
+            fsdp.push()
         ckpt.restore_rng(rng, state["python_rng"], prompt_generator, hook_generator)
         if estimator_state is not None:
             estimator_state.load_state_dict(state["estimator_state"])
@@ -124,6 +152,16 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
         sampler = VLLMSampler(exported, eos_ids, config.temperature, config.seed)
     else:
         sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
+    loss_module = None
+    if ctx is not None and fsdp is not None:
+        sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
+    elif ctx is not None:
+        sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
+        from torch.nn.parallel import DistributedDataParallel
+
+        loss_module = DistributedDataParallel(
+            LossModule(policy), device_ids=[device.index] if device.type == "cuda" else None
+        )
 
     def decode(tokens: list[int]) -> str:  # the text the reward sees: the completion before its EOS
         return tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=False)
@@ -178,6 +216,8 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
             group["lr"] = config.lr * warmup
 
         # 1-2. rollouts and rewards (the hook and dynamic sampling act here)
+        if ctx is not None:
+            sampler.begin_step(step)
         sampler.sync_weights(policy)
         rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
             config, task, tokenizer, sampler, hook, hook_context, prompt_generator
@@ -208,10 +248,10 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
             need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
             entropy = None
             if need_old or need_entropy:
-                logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy)
+                logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx)
                 batch.old_logprobs = logprobs if need_old else None
             if reference is not None:
-                batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, need_entropy=False)
+                batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx)
 
             # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
             from_batch = {
@@ -227,24 +267,34 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
             batch.advantages = gk_advantages.estimate(config.advantage, rewards, group_index, **options)
 
             # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
-            update_metrics = [_update(policy, optimizer, batch, stage, config, compute) for stage in updates]
+            update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module)
+                              for stage in updates]  # fmt: skip
             for key in update_metrics[0]:
                 record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
         if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
-            reference.load_state_dict(policy.state_dict())  # ProRL: the reference becomes the current policy,
+            if fsdp is not None:
+                fsdp.pull()
+            # ProRL: the reference becomes the current policy,
+            reference.load_state_dict((fsdp.mirror if fsdp is not None else policy).state_dict())
             optimizer.state.clear()  # and the optimizer starts afresh
             record["ref_reset"] = 1
         record["lr"] = optimizer.param_groups[0]["lr"]
         record["step_time_s"] = time.time() - step_started
         record["elapsed_s"] = time.time() - started
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if ctx is not None:
+            record["processes"] = ctx.world
+        if main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip"}
         bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record}, refresh=False)
         bar.update(1)
 
-        if step % config.save_every == 0 or step == config.steps:
+        saving = step % config.save_every == 0 or step == config.steps
+        if saving and fsdp is not None:
+            fsdp.pull()  # every rank: the full model and optimizer state into the mirror
+        if saving and main:
             rng_tensors, python_rng = ckpt.capture_rng(prompt_generator, hook_generator)
             state = {
                 "step": step,
@@ -254,17 +304,23 @@ def _train(config, resume, progress, log, compute: Compute) -> TrainResult:
             }
             ckpt.save_checkpoint(
                 os.path.join(checkpoints_dir, ckpt.checkpoint_name(step)),
-                model=policy,
+                model=fsdp.mirror if fsdp is not None else policy,
                 reference=reference,
-                optimizer=optimizer,
+                optimizer=fsdp.mirror_optimizer if fsdp is not None else optimizer,
                 rng_tensors=rng_tensors,
                 state=state,
             )
             ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
             plot_metrics(metrics_path, plot_path, plot_title)
+        if ctx is not None and saving:
+            ctx.barrier()  # the checkpoint is on disk before any rank goes on (or resumes from it)
     bar.close()
 
-    final_dir = _save_pretrained(policy, tokenizer, os.path.join(run_dir, "final_model"))  # for --model
+    final_dir = os.path.join(run_dir, "final_model")
+    if main:
+        _save_pretrained(fsdp.mirror if fsdp is not None else policy, tokenizer, final_dir)  # for --model
+    if ctx is not None:
+        ctx.barrier()
     metrics = read_metrics(metrics_path)
     if metrics:
         first, last, window = metrics[0], metrics[-1], metrics[-10:]
@@ -348,12 +404,15 @@ def _lm_head(model, dtype):
 
 
 @torch.no_grad()
-def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool):
-    """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions."""
+def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool, ctx=None):
+    """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions.
+    Several processes: each computes its block of rows, then every rank gets all of them."""
     model.eval()
     logprobs = torch.zeros(batch.completion_ids.shape, device=compute.device)
     entropy = torch.zeros_like(logprobs) if need_entropy else None
-    for rows in _micro_batches(len(batch), config.micro_batch_size):
+    block = ctx.block(len(batch)) if ctx is not None else slice(0, len(batch))
+    for local in _micro_batches(block.stop - block.start, config.micro_batch_size):
+        rows = slice(block.start + local.start, block.start + local.stop)
         with compute.autocast():
             hidden = _completion_hidden(model, batch, rows)  # [b, C, H]
         weight, bias = _lm_head(model, compute.dtype)
@@ -364,46 +423,75 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
         logprobs[rows] = out.logprobs
         if need_entropy:
             entropy[rows] = out.entropy
+    if ctx is not None:
+        logprobs = ctx.gather_rows(logprobs[block], len(batch))
+        entropy = ctx.gather_rows(entropy[block], len(batch)) if need_entropy else None
     return logprobs, entropy
 
 
-def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute: Compute) -> dict[str, float]:
+def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normalizers, rollout_logprobs):
+    """The fused loss of one micro-batch (rows of the batch): (loss, metrics)."""
+
+    def rows_of(x):
+        return None if x is None else x[rows]
+
+    with compute.autocast():
+        hidden = _completion_hidden(policy, batch, rows)  # [b, C, H]
+    weight, bias = _lm_head(policy, compute.dtype)
+    out = fused_linear_grpo_loss(
+        hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows],
+        batch.completion_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
+        ref_logprobs=rows_of(batch.ref_logprobs), rollout_logprobs=rows_of(rollout_logprobs), bias=bias,
+        config=loss_config, backend=config.backend, **normalizers,
+    )  # fmt: skip
+    return out.loss, out.metrics
+
+
+def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute: Compute, ctx=None,
+            loss_module=None) -> dict[str, float]:  # fmt: skip
     """One optimizer step on the whole batch, accumulated over micro-batches. With the step's global token
     and sequence counts as normalizers, the micro-batch losses sum to the loss of the whole batch.
     Variants that select tokens by batch statistics (top-entropy quantile, Clip-Cov, KL-Cov) select within
     each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide."""
     policy.train()
     mask = batch.completion_mask
-    slices = _micro_batches(len(batch), config.micro_batch_size)
+    # several processes: this rank's block of rows; the normalizers stay those of the whole batch, with
+    # dp_size = K so that DDP's average of the ranks' gradients is the gradient of the batch's loss
+    block = ctx.block(len(batch)) if ctx is not None else slice(0, len(batch))
+    world = ctx.world if ctx is not None else 1
+    slices = [slice(block.start + s.start, block.start + s.stop)
+              for s in _micro_batches(block.stop - block.start, config.micro_batch_size)]  # fmt: skip
     if "length-pow" in (loss_config.loss_agg_mode, loss_config.entropy_agg_mode):  # local counts only
-        normalizers = {"grad_accum_steps": len(slices)}
+        normalizers = {"grad_accum_steps": len(slices), "dp_size": world}
     else:
-        normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch))}
+        normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch)), "dp_size": world}
     uses_rollout = loss_config.is_level is not None or loss_config.off_policy_mask_threshold is not None
     rollout_logprobs = batch.rollout_logprobs if uses_rollout else None
-
-    def rows_of(x, rows):
-        return None if x is None else x[rows]
+    args = (batch, loss_config, config, compute, normalizers, rollout_logprobs)
 
     optimizer.zero_grad(set_to_none=True)
     loss_total, sums, tokens = 0.0, {}, {}
-    for rows in slices:
-        with compute.autocast():
-            hidden = _completion_hidden(policy, batch, rows)  # [b, C, H]
-        weight, bias = _lm_head(policy, compute.dtype)
-        out = fused_linear_grpo_loss(
-            hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows], mask[rows],
-            old_logprobs=rows_of(batch.old_logprobs, rows), ref_logprobs=rows_of(batch.ref_logprobs, rows),
-            rollout_logprobs=rows_of(rollout_logprobs, rows), bias=bias, config=loss_config,
-            backend=config.backend, **normalizers,
-        )  # fmt: skip
-        out.loss.backward()
-        loss_total += out.loss.item()
+    for i, rows in enumerate(slices):
+        if loss_module is None:
+            loss, metrics = _micro_batch_loss(policy, batch, rows, *args[1:])
+            loss.backward()
+        else:  # DDP averages the gradients once, after the last micro-batch of this rank
+            sync = contextlib.nullcontext() if i == len(slices) - 1 else loss_module.no_sync()
+            with sync:
+                loss, metrics = loss_module(_micro_batch_loss, batch, rows, *args[1:])
+                loss.backward()
+        loss_total += loss.item()
         micro_tokens = float(mask[rows].sum())
-        for key, value in out.metrics.items():  # token-weighted means across micro-batches
+        for key, value in metrics.items():  # token-weighted means across micro-batches
             sums[key] = sums.get(key, 0.0) + float(value) * micro_tokens
             tokens[key] = tokens.get(key, 0.0) + micro_tokens
+    if ctx is not None:  # the whole batch's values: each rank's loss carries the factor dp_size = K
+        loss_total = ctx.sum(loss_total) / world
+        for key in sorted(sums):
+            sums[key], tokens[key] = ctx.sum(sums[key]), ctx.sum(tokens[key])
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     means = {key: sums[key] / max(tokens[key], 1.0) for key in sums}
     return {"loss": loss_total, "grad_norm": float(grad_norm), **means}

@@ -381,7 +381,9 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
 def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, backend, schedule,
               chunk_tokens=None):  # fmt: skip
     """Pick the schedule (see the module docstring), say which at DEBUG, run it."""
-    chunk_tokens = chunk_tokens or one_pass_capacity(weight.shape[0])
+    # plan from the vocabulary every rank agrees on (vocabulary-parallel: the largest block), so every
+    # rank makes the same calls in the same order
+    chunk_tokens = chunk_tokens or one_pass_capacity(getattr(lm_impl, "planning_vocab", weight.shape[0]))
     chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
     # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would

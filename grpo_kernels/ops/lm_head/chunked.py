@@ -18,6 +18,7 @@ from .reference import LMHeadStats
 # the per-tile Python overhead is negligible next to the matmul.
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_VOCAB_CHUNK = 8192
+NEG_BIG = -1.0e30  # the logit of a forbidden token (a -inf bias): exp of it minus any lse is exactly 0
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,9 @@ def _logits_tile(hidden_rows, weight_cols, bias_cols, inv_temperature):
     if bias_cols is not None:
         tile += bias_cols.float()
     tile *= inv_temperature
-    return tile
+    # a -inf bias forbids its token: NEG_BIG instead keeps p = exp(z - lse) = 0 exactly while p * z and
+    # p * (E_p[z] - z) stay 0 (with -inf they would be 0 * inf = NaN)
+    return tile.clamp_(min=NEG_BIG)
 
 
 @torch.no_grad()

@@ -334,6 +334,8 @@ def _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS: tl.constexpr)
     col_ok = cols < vocab
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * inv_temperature
+        # a -inf bias (a forbidden token) becomes NEG_BIG: p = 0 exactly, and p * (z - max) is 0, not NaN
+        b = tl.maximum(b, -1.0e30)
     else:
         b = tl.zeros(cols.shape, dtype=tl.float32)
     return tl.where(col_ok, b, -1.0e30)

@@ -166,8 +166,8 @@ def policy_loss_reference(
         per_seq_low = seq_sum(low * m) / seq_len.clamp(min=1.0)
         per_seq_high = seq_sum(high * m) / seq_len.clamp(min=1.0)
         nonempty = seq_nonempty.bool()
-        metrics["clip_ratio/low_min"] = _masked_min(per_seq_low, nonempty)
-        metrics["clip_ratio/high_max"] = _masked_max(per_seq_high, nonempty)
+        metrics["clip_ratio/low_min"] = _masked_min(per_seq_low, nonempty, 0.0)
+        metrics["clip_ratio/high_max"] = _masked_max(per_seq_high, nonempty, 0.0)
 
     # ---- token selection (each a {0,1} multiplier on the policy term) ----------------------------
     selection = m.clone()
@@ -199,8 +199,8 @@ def policy_loss_reference(
         weights = weights * clean(is_weights)
     if cfg.is_level is not None or is_weights is not None:
         metrics["is_weight/mean"] = (weights * m).sum() / m.sum().clamp(min=1.0)
-        metrics["is_weight/min"] = _masked_min(weights, valid)
-        metrics["is_weight/max"] = _masked_max(weights, valid)
+        metrics["is_weight/min"] = _masked_min(weights, valid, 1.0)
+        metrics["is_weight/max"] = _masked_max(weights, valid, 1.0)
         if cfg.is_mode == "mask" and cfg.is_level is not None:
             metrics["is_weight/masked_frac"] = ((weights == 0).float() * m).sum() / m.sum().clamp(min=1.0)
     if token_weights is not None:
@@ -243,8 +243,8 @@ def policy_loss_reference(
 
     metrics["ppo_kl"] = (-clamp_log(log_ratio) * m).detach().sum() / m.sum().clamp(min=1.0)
     metrics["ratio/mean"] = level_mean(ratio).detach()
-    metrics["ratio/min"] = _masked_min(ratio.detach(), valid)
-    metrics["ratio/max"] = _masked_max(ratio.detach(), valid)
+    metrics["ratio/min"] = _masked_min(ratio.detach(), valid, 1.0)
+    metrics["ratio/max"] = _masked_max(ratio.detach(), valid, 1.0)
     return LossHeadOutput(loss, {k: v.detach().float() for k, v in metrics.items()})
 
 
@@ -325,12 +325,14 @@ def _discounted_prefix_sum(x, seq_index, decay):
     return out
 
 
-def _masked_min(x, valid):
-    return x[valid].min().detach().float() if valid.any() else torch.tensor(float("nan"), device=x.device)
+def _masked_min(x, valid, empty: float):
+    """Min over the valid entries; `empty` when there is none (an all-masked batch: a defined value for
+    loggers that reject NaN, README "Metrics")."""
+    return x[valid].min().detach().float() if valid.any() else torch.tensor(empty, device=x.device)
 
 
-def _masked_max(x, valid):
-    return x[valid].max().detach().float() if valid.any() else torch.tensor(float("nan"), device=x.device)
+def _masked_max(x, valid, empty: float):
+    return x[valid].max().detach().float() if valid.any() else torch.tensor(empty, device=x.device)
 
 
 def _kl(cfg, lp, ref):

@@ -776,8 +776,8 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
         metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
         metrics["clip_ratio/region_mean"] = level_mean(P_REGION)
-        metrics["clip_ratio/low_min"] = _seq_min(p[:, P_LOW] / lengths, nonempty)
-        metrics["clip_ratio/high_max"] = _seq_max(p[:, P_HIGH] / lengths, nonempty)
+        metrics["clip_ratio/low_min"] = _seq_min(p[:, P_LOW] / lengths, nonempty, 0.0)
+        metrics["clip_ratio/high_max"] = _seq_max(p[:, P_HIGH] / lengths, nonempty, 0.0)
     if cfg.off_policy_mask_threshold is not None:
         metrics["selection/off_policy_dropped_frac"] = token_mean(P_OFFPOL_DROP)
     if cfg.top_entropy_quantile < 1.0:
@@ -786,8 +786,8 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["selection/old_prob_kept_frac"] = token_mean(P_OLDPROB_KEPT)
     if cfg.is_level is not None or has_isw:
         metrics["is_weight/mean"] = token_mean(P_IS_SUM)
-        metrics["is_weight/min"] = _seq_min(p[:, P_IS_MIN], nonempty)
-        metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty)
+        metrics["is_weight/min"] = _seq_min(p[:, P_IS_MIN], nonempty, 1.0)
+        metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty, 1.0)
         if cfg.is_mode == "mask" and cfg.is_level is not None:
             metrics["is_weight/masked_frac"] = token_mean(P_IS_ZERO)
     if cfg.loss_type == "gmpo":
@@ -809,16 +809,17 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
             loss = loss - cfg.entropy_coef * entropy_loss
     metrics["ppo_kl"] = token_mean(P_PPO_KL)
     metrics["ratio/mean"] = level_mean(P_RATIO_SUM)
-    metrics["ratio/min"] = _seq_min(p[:, P_RATIO_MIN], nonempty)
-    metrics["ratio/max"] = _seq_max(p[:, P_RATIO_MAX], nonempty)
+    metrics["ratio/min"] = _seq_min(p[:, P_RATIO_MIN], nonempty, 1.0)
+    metrics["ratio/max"] = _seq_max(p[:, P_RATIO_MAX], nonempty, 1.0)
     return loss.detach(), extra_grad
 
 
-def _seq_min(values, nonempty):
+def _seq_min(values, nonempty, empty: float):
+    """Min over non-empty sequences; `empty` for an all-masked batch (as reference._masked_min)."""
     v = values[nonempty]
-    return v.min() if v.numel() else torch.tensor(float("nan"), device=values.device)
+    return v.min() if v.numel() else torch.tensor(empty, device=values.device)
 
 
-def _seq_max(values, nonempty):
+def _seq_max(values, nonempty, empty: float):
     v = values[nonempty]
-    return v.max() if v.numel() else torch.tensor(float("nan"), device=values.device)
+    return v.max() if v.numel() else torch.tensor(empty, device=values.device)

@@ -1,0 +1,115 @@
+"""Bad and edge inputs that once went through silently: forbidden tokens (-inf bias), normalizers that
+cannot be global counts, non-tensor inputs, meta tensors, all-masked metrics. Both backends (the Triton
+one under the interpreter, in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import PolicyLossConfig as C
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_cases(backend: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    if backend == "triton":
+        pytest.importorskip("triton")
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(HERE / "_bad_inputs_cases.py"), backend], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def cases(request):
+    return run_cases(request.param)
+
+
+def test_forbidden_tokens_are_the_head_without_them(cases):
+    """A -inf bias (the default check allows it) gives p = 0 for those tokens: log-probs, entropy and
+    gradients equal the head without their rows (fp32 sums over 97 or 93 columns: a few ulp), their
+    own weight gradient is exactly 0, and nothing is NaN."""
+    assert cases["finite"], cases
+    for key in ("logprobs", "entropy", "grad_hidden", "grad_weight_allowed"):
+        assert cases[key] <= 1e-5, (key, cases[key])
+    assert cases["grad_weight_forbidden"] == 0.0
+    assert cases["loss_finite"], "entropy bonus with forbidden tokens gave a non-finite loss or gradient"
+
+
+def test_all_masked_batch_has_defined_metrics(cases):
+    """Loss 0 and zero gradients, and every metric a number: ratio min / max 1 (no update), the clip
+    extremes 0 (nothing clipped)."""
+    assert cases["empty_loss"] == 0.0 and cases["empty_grads_zero"]
+    metrics = cases["empty_metrics"]
+    assert not [k for k, v in metrics.items() if math.isnan(v)], metrics
+    assert metrics["ratio/min"] == metrics["ratio/max"] == 1.0
+    assert metrics["clip_ratio/low_min"] == metrics["clip_ratio/high_max"] == 0.0
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 8, generator=g)
+    weight = torch.randn(31, 8, generator=g)
+    targets = torch.randint(0, 31, (2, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)  # 8 valid tokens, 2 sequences
+    return hidden, weight, targets, mask, torch.randn(2, generator=g)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_tokens=5), "num_tokens=5 is fewer than the 8 valid tokens"),
+    (dict(num_tokens=0), "num_tokens=0 is fewer than the 8 valid tokens"),
+    (dict(num_sequences=1), "num_sequences=1 is fewer than the 2 sequences"),
+])  # fmt: skip
+def test_normalizers_smaller_than_this_call_are_refused(kwargs, match):
+    hidden, weight, targets, mask, adv = _batch()
+    with pytest.raises(ValueError, match=match):
+        gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, config=C.dapo(), backend="torch", **kwargs)
+    with pytest.raises(ValueError, match=match):
+        gk.grpo_loss(torch.randn(2, 5), adv, mask, config=C.dapo(), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["mask", "advantages", "cu_seqlens"])
+def test_non_tensor_inputs_say_what_is_expected(name):
+    hidden, weight, targets, mask, adv = _batch()
+    args = dict(mask=mask, advantages=adv)
+    if name == "mask":
+        args["mask"] = mask.numpy()
+        expected = "mask must be a torch.Tensor, got numpy.ndarray"
+    elif name == "advantages":
+        args["advantages"] = adv.tolist()
+        expected = "advantages must be a torch.Tensor, got builtins.list"
+    else:
+        hidden, targets = hidden.reshape(10, 8), targets.reshape(10)
+        args.update(mask=torch.ones(10, dtype=torch.bool), cu_seqlens=[0, 5, 10])
+        expected = "cu_seqlens must be a torch.Tensor, got builtins.list"
+    with pytest.raises(ValueError, match=expected):
+        gk.fused_linear_grpo_loss(hidden, weight, targets, config=C.dapo(), backend="torch", **args)
+
+
+def test_meta_tensors_are_refused_before_torch_sees_them():
+    with pytest.raises(ValueError, match="rewards is on the meta device"):
+        gk.advantages.estimate("grpo", torch.zeros(4, device="meta"), torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match="group_index is on the meta device"):
+        gk.advantages.estimate("grpo", torch.zeros(4), torch.zeros(4, dtype=torch.long, device="meta"))
+    hidden, weight, targets, mask, adv = _batch()
+    with pytest.raises(ValueError, match="hidden is on the meta device"):
+        gk.fused_linear_logprobs(hidden.to("meta"), weight.to("meta"), targets.to("meta"))
+
+
+def test_nan_bias_is_still_refused():
+    hidden, weight, targets, mask, adv = _batch()
+    bias = torch.zeros(31)
+    bias[4] = float("nan")
+    with pytest.raises(ValueError, match="bias has 1 non-finite"):
+        gk.fused_linear_logprobs(hidden, weight, targets, bias)
