@@ -82,6 +82,7 @@ def fused_linear_logprobs(
     compute_entropy: bool = True,
     check_finite: bool = True,
     tp_group=None,
+    batch_invariant: bool = False,
     backend: str = "auto",
 ) -> LogProbsOutput:
     """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
@@ -95,6 +96,9 @@ def fused_linear_logprobs(
     `hidden` / `targets` / `mask` are the same on every rank (the caller's contract). Results are
     those of the full head, identical on every rank; grad_hidden is the full gradient (all-reduced
     inside); grad_weight / grad_bias are the local block's. Communication is O(tokens).
+    batch_invariant: each token's log-prob and entropy are bitwise the same whatever else is in the batch
+    (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
+    (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
     """
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
@@ -116,7 +120,8 @@ def fused_linear_logprobs(
         chk.check_finite("weight", weight)
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
-    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout)
+    _check_flag("batch_invariant", batch_invariant)
+    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant)
 
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
@@ -168,8 +173,17 @@ def _vocab_layout(tp_group, local_vocab: int, device) -> _VocabLayout | None:
     return _VocabLayout(tp_group, sizes, rank)
 
 
-def _lm_impl(resolved: str, layout: _VocabLayout | None):
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        chk.fail(f"{name} must be True or False, got {value!r}")
+
+
+def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False):
     impl = lm_head_ops.get_impl(resolved)
+    if batch_invariant:
+        from .ops.lm_head.batch_invariant import BatchInvariant
+
+        impl = BatchInvariant(impl)
     if layout is None:
         return impl
     from .ops.lm_head.vocab_parallel import VocabParallel
@@ -486,6 +500,7 @@ def fused_linear_grpo_loss(
     grad_accum_steps: int = 1,
     check_finite: bool = True,
     tp_group=None,
+    batch_invariant: bool = False,
     backend: str = "auto",
     schedule: str = "auto",
 ) -> GRPOLossOutput:
@@ -502,6 +517,9 @@ def fused_linear_grpo_loss(
     tp_group: vocabulary-parallel LM head, as in fused_linear_logprobs (weight / bias are this rank's
     block of rows, targets global ids, every per-token input the same on every rank); loss, metrics,
     log-probs and entropy are identical on every rank.
+    batch_invariant: as in fused_linear_logprobs: each token's log-prob and entropy (and so its ratio
+    and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
+    aggregated loss depends on the batch by definition.
     """
     from .ops.fused.function import SCHEDULES, run_fused
 
@@ -540,8 +558,9 @@ def fused_linear_grpo_loss(
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
+    _check_flag("batch_invariant", batch_invariant)
     loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout),
+        flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout, batch_invariant),
         lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape

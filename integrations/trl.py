@@ -49,6 +49,7 @@ here; the ZeRO-3, FSDP2 and multi-process paths follow TRL's code but are not ex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 
@@ -364,14 +365,31 @@ def _connected_empty(hidden, weight, bias) -> torch.Tensor:
     return hidden.new_zeros(0, dtype=torch.float32) + zero.float()
 
 
-def _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, backend) -> gk.LogProbsOutput:
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the adapter calls grpo_kernels: the backend, and the batch-invariant mode (each token's log-prob
+    bitwise independent of the micro-batch it is scored in: the old-policy and training passes then
+    give ratio exactly 1 on-policy, whatever their batch sizes)."""
+
+    backend: str = "auto"
+    batch_invariant: bool = False
+
+    def kwargs(self) -> dict:
+        return {"backend": self.backend, "batch_invariant": self.batch_invariant}
+
+
+def _options(options) -> KernelOptions:
+    return options if isinstance(options, KernelOptions) else KernelOptions(backend=options)
+
+
+def _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, options) -> gk.LogProbsOutput:
     """fused_linear_logprobs in TRL's compute dtype, outside autocast (which would otherwise run
     grpo_kernels' fp32-accumulating tiles in half precision)."""
     dtype = _compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
         return gk.fused_linear_logprobs(
             hidden.to(dtype), weight.to(dtype), targets, _cast(bias, dtype), temperature,
-            compute_entropy=compute_entropy, backend=backend,
+            compute_entropy=compute_entropy, **_options(options).kwargs(),
         )  # fmt: skip
 
 
@@ -382,12 +400,12 @@ class _LogProbsWithGatheredBackward(torch.autograd.Function):
     copy), and the backward differentiates that graph inside the gather."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
+    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, options):
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
         hidden_leaf = hidden.detach().requires_grad_(hidden.requires_grad)
         with torch.enable_grad():
-            out = _logprobs(hidden_leaf, weight, bias, targets, temperature, compute_entropy, backend)
+            out = _logprobs(hidden_leaf, weight, bias, targets, temperature, compute_entropy, options)
         ctx.graph_outputs = (out.logprobs, out.entropy)
         ctx.hidden_leaf, ctx.weight, ctx.bias = hidden_leaf, weight, bias
         ctx.gather = maybe_gather_lm_head_ctx
@@ -418,8 +436,8 @@ class LogProbsHead:
     """Stands in for trl.kernels.ChunkedLogProbFunction (same `apply` arguments, same 5 outputs:
     log-probs, entropy or None, and None for the statistics GRPO does not request)."""
 
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
+    def __init__(self, options: KernelOptions | str = "auto"):
+        self.options = _options(options)  # a backend name is accepted too
         self.calls = 0
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -436,10 +454,10 @@ class LogProbsHead:
             empty = _connected_empty(hidden, weight, bias)
             return empty, (empty.clone() if compute_entropy else None), None, None, None
         if not torch.is_grad_enabled():  # old-policy and reference passes
-            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, self.backend)
+            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, self.options)
             return out.logprobs, out.entropy, None, None, None
         logprobs, entropy = _LogProbsWithGatheredBackward.apply(
-            hidden, weight, bias, targets, temperature, compute_entropy, self.backend
+            hidden, weight, bias, targets, temperature, compute_entropy, self.options
         )
         return logprobs, entropy, None, None, None
 
@@ -454,13 +472,13 @@ class FusedLossHead:
     gradient attached to one scored row: the loss then leaves the model's forward through its own
     output (`log_probs`), as TRL's loss does."""
 
-    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, backend):
+    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, options):
         self.label_mask = label_mask  # [B, L - 1] bool: TRL's scored positions (shifted labels != -100)
         self.per_token = per_token  # name -> [B, L - 1] tensor (completion values in the last T columns)
         self.advantages = advantages  # [B] or [B, L - 1]
         self.config = config
         self.normalizers = normalizers
-        self.backend = backend
+        self.options = _options(options)
         self.calls = 0
         self.output = None  # GRPOLossOutput of the micro-batch (None: no scored row)
         self.loss = None
@@ -508,7 +526,7 @@ class FusedLossHead:
                 old_logprobs=take(self.per_token.get("old")), ref_logprobs=take(self.per_token.get("ref")),
                 rollout_logprobs=take(self.per_token.get("rollout")), bias=_cast(bias, dtype),
                 config=self.config.replace(temperature=temperature), cu_seqlens=cu_seqlens,
-                backend=self.backend, **self.normalizers,
+                **self.options.kwargs(), **self.normalizers,
             )  # fmt: skip
         self.output, self.loss = out, out.loss
         # The loss leaves through one scored row of the log-probs: value + 0, gradient d loss. Every
@@ -597,19 +615,25 @@ def _build_trainer_class():
           grpo_kernels_mode: "fused" (default; the loss is fused_linear_grpo_loss) or "logprobs"
             (TRL's loss on log-probs and entropies from fused_linear_logprobs).
           grpo_kernels_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+          grpo_kernels_batch_invariant: each token's log-prob bitwise independent of the micro-batch
+            (the old-policy pass and the training pass then agree exactly on-policy); default False.
         Raises ValueError naming every setting the chosen mode cannot honour."""
 
         def __init__(
-            self, *args, grpo_kernels_mode: str = "fused", grpo_kernels_backend: str = "auto", **kwargs
-        ):
+            self, *args, grpo_kernels_mode: str = "fused", grpo_kernels_backend: str = "auto",
+            grpo_kernels_batch_invariant: bool = False, **kwargs,
+        ):  # fmt: skip
             if grpo_kernels_mode not in MODES:
                 raise ValueError(f"grpo_kernels_mode must be one of {MODES}, got {grpo_kernels_mode!r}")
             if grpo_kernels_backend not in ("auto", "triton", "torch"):
                 raise ValueError(
                     f"grpo_kernels_backend must be 'auto', 'triton' or 'torch', got {grpo_kernels_backend!r}"
                 )
+            if not isinstance(grpo_kernels_batch_invariant, bool):
+                raise ValueError(f"grpo_kernels_batch_invariant must be True or False, got {grpo_kernels_batch_invariant!r}")
             self.grpo_kernels_mode = grpo_kernels_mode
             self.grpo_kernels_backend = grpo_kernels_backend
+            self.grpo_kernels_options = KernelOptions(grpo_kernels_backend, grpo_kernels_batch_invariant)
             self._grpo_kernels_head = None
             super().__init__(*args, **kwargs)
             problems = unsupported_settings(self, grpo_kernels_mode)
@@ -625,7 +649,7 @@ def _build_trainer_class():
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             check_fsdp2_head(args[0] if args else kwargs.get("model"))
-            head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_backend)
+            head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_options)
             with _lm_head_kernel(head):
                 result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
             if head.calls == 0:
@@ -677,7 +701,7 @@ def _build_trainer_class():
                 advantages = positions(advantages)
             head = FusedLossHead(
                 label_mask=label_mask, per_token=per_token, advantages=advantages,
-                config=policy_loss_config(self), backend=self.grpo_kernels_backend,
+                config=policy_loss_config(self), options=self.grpo_kernels_options,
                 normalizers=loss_normalizers(self, completion_ids.size(0), inputs["num_items_in_batch"]),
             )  # fmt: skip
             self._grpo_kernels_head = head

@@ -590,3 +590,14 @@ def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
     for a, b in zip(ours["losses"], report["trl_losses"]):
         assert abs(a - b) <= 1e-6 * (1 + abs(b)), (a, b)
     assert ours["param_diff"] <= 16 * 2**-23 * ours["param_scale"], ours
+
+
+@pytest.mark.parametrize("mode", gk_trl.MODES)
+def test_batch_invariant_switch_trains_like_trl(mode, model_dirs, tmp_path):
+    """grpo_kernels_batch_invariant=True changes reduction orders, not formulas: training equals TRL's."""
+    name = "dapo"
+    kind, keywords, config = ALL_CASES[name]
+    theirs = trl_run(name, model_dirs, tmp_path)
+    ours = train(gk_trl.GRPOKernelsTrainer, model_dirs[kind], tmp_path / mode, config, grpo_kernels_mode=mode,
+                 grpo_kernels_batch_invariant=True, **keywords)  # fmt: skip
+    compare(f"[{name}, {mode}, batch-invariant]", theirs, ours)

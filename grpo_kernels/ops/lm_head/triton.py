@@ -690,13 +690,14 @@ def lm_head_forward(
     config: LMHeadTritonConfig | None = None,
     num_sms: int | None = None,
     logits_out: torch.Tensor | None = None,
+    tiles_per_split: int | None = None,
 ) -> LMHeadStats:
     """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
 
     Statistics come from the fp32 GEMM accumulators; no [N, V] tensor exists. Extra memory: the fp32
     split partials, 4 * N * (3 * num_splits + 1) bytes (plan_forward; < 1 MiB at N = 16384 on an H100).
     A target outside [0, V) gives a NaN logprob. `config` overrides the dispatcher, `num_sms` the SM count
-    used to size the vocabulary splits. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
+    used to size the vocabulary splits, `tiles_per_split` fixes the split instead. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
     logits z are also written there, for a backward that reads them instead of recomputing them (the
     fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace).
     """
@@ -720,7 +721,12 @@ def lm_head_forward(
             if device.type == "cuda"
             else DEFAULT_NUM_SMS
         )
-    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    if tiles_per_split is None:
+        plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    else:  # a fixed split of the vocabulary, whatever N and the SM count (the batch-invariant mode)
+        vocab_tiles = triton.cdiv(vocab, tile.block_n)
+        tps = max(1, min(int(tiles_per_split), vocab_tiles))
+        plan = ForwardPlan(triton.cdiv(n_tokens, tile.block_m), vocab_tiles, tps, triton.cdiv(vocab_tiles, tps))
     if logits_out is not None:
         _check(
             logits_out.dtype == torch.float32 and logits_out.dim() == 2 and logits_out.shape[0] == n_tokens
