@@ -83,6 +83,8 @@ def fused_linear_logprobs(
     check_finite: bool = True,
     tp_group=None,
     batch_invariant: bool = False,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
     backend: str = "auto",
 ) -> LogProbsOutput:
     """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
@@ -99,6 +101,9 @@ def fused_linear_logprobs(
     batch_invariant: each token's log-prob and entropy are bitwise the same whatever else is in the batch
     (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
     (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
+    softcap, logit_scale: the model's logit transform before the temperature, z = softcap *
+    tanh(logit_scale * x / softcap) / temperature (Gemma 2 / 3 final_logit_softcapping; without a cap
+    z = logit_scale * x / temperature, Granite's 1 / logits_scaling), x = hidden @ weight.T + bias.
     """
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
@@ -121,7 +126,9 @@ def fused_linear_logprobs(
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
     _check_flag("batch_invariant", batch_invariant)
-    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant)
+    _check_transform(softcap, logit_scale)
+    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant,
+                    softcap, logit_scale)  # fmt: skip
 
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
@@ -178,12 +185,29 @@ def _check_flag(name: str, value) -> None:
         chk.fail(f"{name} must be True or False, got {value!r}")
 
 
-def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False):
+def _check_transform(softcap, logit_scale) -> None:
+    for name, value in (("softcap", softcap), ("logit_scale", logit_scale)):
+        if value is None and name == "softcap":
+            continue
+        if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+            chk.fail(f"{name} must be a Python float{' or None' if name == 'softcap' else ''}, got {type(value).__name__}")
+        if not (value > 0 and value != float("inf")):
+            chk.fail(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False, softcap=None,
+             logit_scale: float = 1.0):  # fmt: skip
+    """The backend module, wrapped (innermost first) for the batch-invariant mode, the logit transform and
+    the vocabulary-parallel head."""
     impl = lm_head_ops.get_impl(resolved)
     if batch_invariant:
         from .ops.lm_head.batch_invariant import BatchInvariant
 
         impl = BatchInvariant(impl)
+    if softcap is not None or logit_scale != 1.0:
+        from .ops.lm_head.transform import LogitTransform
+
+        impl = LogitTransform(impl, softcap, logit_scale)
     if layout is None:
         return impl
     from .ops.lm_head.vocab_parallel import VocabParallel
@@ -501,6 +525,8 @@ def fused_linear_grpo_loss(
     check_finite: bool = True,
     tp_group=None,
     batch_invariant: bool = False,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
     backend: str = "auto",
     schedule: str = "auto",
 ) -> GRPOLossOutput:
@@ -520,6 +546,8 @@ def fused_linear_grpo_loss(
     batch_invariant: as in fused_linear_logprobs: each token's log-prob and entropy (and so its ratio
     and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
     aggregated loss depends on the batch by definition.
+    softcap, logit_scale: the model's logit transform, as in fused_linear_logprobs (the temperature is
+    config.temperature).
     """
     from .ops.fused.function import SCHEDULES, run_fused
 
@@ -559,8 +587,10 @@ def fused_linear_grpo_loss(
             chk.check_finite("bias", bias, allow_neg_inf=True)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     _check_flag("batch_invariant", batch_invariant)
+    _check_transform(softcap, logit_scale)
     loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout, batch_invariant),
+        flat_hidden, weight, bias, flat_targets, batch, cfg,
+        _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
         lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape

@@ -35,9 +35,9 @@ FSDP / ZeRO-3 hooks are armed) and passes its gradient out through the forward's
 output. A forward that does not reach the grpo_kernels head (something else replaced the model's
 forward) is an error, never a silent fallback to TRL's kernel.
 
-The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b.
-grpo_kernels has temperature but no softcap: `logit_scale` s > 0 is folded into the temperature
-(x s / T = x / (T / s)); a model whose config sets `final_logit_softcapping` (Gemma 2 / 3) is refused.
+The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b;
+each call passes its final_logit_softcapping (Gemma 2 / 3) and logit_scale (Granite) to grpo_kernels'
+`softcap` / `logit_scale`, the same formula in the kernels' epilogue.
 
 Distributed: the LM-head weight arrives gathered (TRL's forward does it). In "logprobs" mode the
 backward re-enters `maybe_gather_lm_head_ctx` before recomputing (as TRL's kernel does); "fused"
@@ -206,6 +206,8 @@ def log_trl_metrics(
 
     def extreme(name, pick, empty_row_value):  # nanmin / nanmax over the gathered per-row values
         local = ours(name, default=float("nan")).reshape(1)
+        if nonempty == 0:  # grpo_kernels gives an all-masked micro-batch defined extremes; TRL's nanmin /
+            local = local.new_tensor([float("nan")])  # nanmax skip it: so must the logged value
         if sequence_level and nonempty < rows:  # TRL's all-masked rows hold their own value
             local = _nan_reduce(torch.cat([local, local.new_tensor([empty_row_value])]), pick).reshape(1)
         return _nan_reduce(accelerator.gather(local), pick).item()
@@ -250,12 +252,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
         if model is None:
             continue
         text_config = _unwrap(model).config.get_text_config()
-        softcap = getattr(text_config, "final_logit_softcapping", None)
-        if softcap is not None:
-            problems.append(
-                f"final_logit_softcapping={softcap} ({role} config): grpo_kernels' LM head has no logit "
-                "soft-capping (Gemma 2 / 3 style); use TRL's GRPOTrainer for this model"
-            )
         scale = trl_logit_scale(text_config)
         if not (math.isfinite(scale) and scale > 0):
             problems.append(f"logit scale {scale} ({role} config): grpo_kernels needs a finite scale > 0")
@@ -335,16 +331,6 @@ def _is_prompt_learning(model) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _effective_temperature(temperature, final_logit_softcapping, logit_scale) -> float:
-    if final_logit_softcapping is not None:
-        raise NotImplementedError(
-            f"final_logit_softcapping={final_logit_softcapping}: grpo_kernels' LM head has no soft-capping"
-        )
-    if not (math.isfinite(logit_scale) and logit_scale > 0):
-        raise ValueError(f"logit_scale must be finite and > 0 for grpo_kernels, got {logit_scale}")
-    return float(temperature) / float(logit_scale)  # x * s / T = x / (T / s)
-
-
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype TRL's kernel runs the projection in: autocast's when it is on, else the hidden's.
     grpo_kernels accumulates in fp32 either way."""
@@ -373,9 +359,20 @@ class KernelOptions:
 
     backend: str = "auto"
     batch_invariant: bool = False
+    softcap: float | None = None  # TRL's final_logit_softcapping of the call (Gemma 2 / 3)
+    logit_scale: float = 1.0  # TRL's logit_scale of the call (Granite: 1 / logits_scaling)
 
     def kwargs(self) -> dict:
-        return {"backend": self.backend, "batch_invariant": self.batch_invariant}
+        return {"backend": self.backend, "batch_invariant": self.batch_invariant, "softcap": self.softcap,
+                "logit_scale": self.logit_scale}  # fmt: skip
+
+    def with_transform(self, final_logit_softcapping, logit_scale) -> "KernelOptions":
+        """The options of one kernel call: TRL's logit transform z = c tanh(s x / c) / T, as grpo_kernels'
+        softcap / logit_scale (the temperature stays T)."""
+        if not (math.isfinite(logit_scale) and logit_scale > 0):
+            raise ValueError(f"logit_scale must be finite and > 0 for grpo_kernels, got {logit_scale}")
+        cap = None if final_logit_softcapping is None else float(final_logit_softcapping)
+        return dataclasses.replace(self, softcap=cap, logit_scale=float(logit_scale))
 
 
 def _options(options) -> KernelOptions:
@@ -447,17 +444,18 @@ class LogProbsHead:
             raise NotImplementedError(
                 f"grpo_kernels' LM head computes log_probs and entropy, not {sorted(unsupported)}"
             )
-        temperature = _effective_temperature(temperature, final_logit_softcapping, logit_scale)
+        options = self.options.with_transform(final_logit_softcapping, logit_scale)
+        temperature = float(temperature)
         self.calls += 1
         compute_entropy = "entropy" in outputs
         if hidden.shape[0] == 0:
             empty = _connected_empty(hidden, weight, bias)
             return empty, (empty.clone() if compute_entropy else None), None, None, None
         if not torch.is_grad_enabled():  # old-policy and reference passes
-            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, self.options)
+            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, options)
             return out.logprobs, out.entropy, None, None, None
         logprobs, entropy = _LogProbsWithGatheredBackward.apply(
-            hidden, weight, bias, targets, temperature, compute_entropy, self.options
+            hidden, weight, bias, targets, temperature, compute_entropy, options
         )
         return logprobs, entropy, None, None, None
 
@@ -498,7 +496,8 @@ class FusedLossHead:
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
-        temperature = _effective_temperature(temperature, final_logit_softcapping, logit_scale)
+        self.call_options = self.options.with_transform(final_logit_softcapping, logit_scale)
+        temperature = float(temperature)
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError("grpo_kernels fused loss: the LM head ran twice in one policy forward")
@@ -526,7 +525,7 @@ class FusedLossHead:
                 old_logprobs=take(self.per_token.get("old")), ref_logprobs=take(self.per_token.get("ref")),
                 rollout_logprobs=take(self.per_token.get("rollout")), bias=_cast(bias, dtype),
                 config=self.config.replace(temperature=temperature), cu_seqlens=cu_seqlens,
-                **self.options.kwargs(), **self.normalizers,
+                **self.call_options.kwargs(), **self.normalizers,
             )  # fmt: skip
         self.output, self.loss = out, out.loss
         # The loss leaves through one scored row of the log-probs: value + 0, gradient d loss. Every
