@@ -259,6 +259,10 @@ def write_report(
             flags.append(f"grads={r['grads']}")
             if r["needs"] != "hwb":
                 flags.append(f"needs={r['needs']}")
+        if r.get("stored"):
+            flags.append("stored logits")
+        if r.get("softcap"):
+            flags.append("softcap")
         if "error" in r:
             lines.append(
                 f"| sm_{r['arch']} | {r['config']} | {KERNEL_NAMES[r['kernel']]} | {r['dtype']} | "
