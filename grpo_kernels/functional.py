@@ -82,6 +82,9 @@ def fused_linear_logprobs(
     compute_entropy: bool = True,
     check_finite: bool = True,
     tp_group=None,
+    batch_invariant: bool = False,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
     backend: str = "auto",
 ) -> LogProbsOutput:
     """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
@@ -95,6 +98,12 @@ def fused_linear_logprobs(
     `hidden` / `targets` / `mask` are the same on every rank (the caller's contract). Results are
     those of the full head, identical on every rank; grad_hidden is the full gradient (all-reduced
     inside); grad_weight / grad_bias are the local block's. Communication is O(tokens).
+    batch_invariant: each token's log-prob and entropy are bitwise the same whatever else is in the batch
+    (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
+    (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
+    softcap, logit_scale: the model's logit transform before the temperature, z = softcap *
+    tanh(logit_scale * x / softcap) / temperature (Gemma 2 / 3 final_logit_softcapping; without a cap
+    z = logit_scale * x / temperature, Granite's 1 / logits_scaling), x = hidden @ weight.T + bias.
     """
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
@@ -116,7 +125,10 @@ def fused_linear_logprobs(
         chk.check_finite("weight", weight)
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
-    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout)
+    _check_flag("batch_invariant", batch_invariant)
+    _check_transform(softcap, logit_scale)
+    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant,
+                    softcap, logit_scale)  # fmt: skip
 
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
@@ -168,8 +180,34 @@ def _vocab_layout(tp_group, local_vocab: int, device) -> _VocabLayout | None:
     return _VocabLayout(tp_group, sizes, rank)
 
 
-def _lm_impl(resolved: str, layout: _VocabLayout | None):
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        chk.fail(f"{name} must be True or False, got {value!r}")
+
+
+def _check_transform(softcap, logit_scale) -> None:
+    for name, value in (("softcap", softcap), ("logit_scale", logit_scale)):
+        if value is None and name == "softcap":
+            continue
+        if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+            chk.fail(f"{name} must be a Python float{' or None' if name == 'softcap' else ''}, got {type(value).__name__}")
+        if not (value > 0 and value != float("inf")):
+            chk.fail(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False, softcap=None,
+             logit_scale: float = 1.0):  # fmt: skip
+    """The backend module, wrapped (innermost first) for the batch-invariant mode, the logit transform and
+    the vocabulary-parallel head."""
     impl = lm_head_ops.get_impl(resolved)
+    if batch_invariant:
+        from .ops.lm_head.batch_invariant import BatchInvariant
+
+        impl = BatchInvariant(impl)
+    if softcap is not None or logit_scale != 1.0:
+        from .ops.lm_head.transform import LogitTransform
+
+        impl = LogitTransform(impl, softcap, logit_scale)
     if layout is None:
         return impl
     from .ops.lm_head.vocab_parallel import VocabParallel
@@ -486,6 +524,9 @@ def fused_linear_grpo_loss(
     grad_accum_steps: int = 1,
     check_finite: bool = True,
     tp_group=None,
+    batch_invariant: bool = False,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
     backend: str = "auto",
     schedule: str = "auto",
 ) -> GRPOLossOutput:
@@ -502,6 +543,11 @@ def fused_linear_grpo_loss(
     tp_group: vocabulary-parallel LM head, as in fused_linear_logprobs (weight / bias are this rank's
     block of rows, targets global ids, every per-token input the same on every rank); loss, metrics,
     log-probs and entropy are identical on every rank.
+    batch_invariant: as in fused_linear_logprobs: each token's log-prob and entropy (and so its ratio
+    and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
+    aggregated loss depends on the batch by definition.
+    softcap, logit_scale: the model's logit transform, as in fused_linear_logprobs (the temperature is
+    config.temperature).
     """
     from .ops.fused.function import SCHEDULES, run_fused
 
@@ -540,8 +586,11 @@ def fused_linear_grpo_loss(
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
+    _check_flag("batch_invariant", batch_invariant)
+    _check_transform(softcap, logit_scale)
     loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg, _lm_impl(resolved, layout),
+        flat_hidden, weight, bias, flat_targets, batch, cfg,
+        _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
         lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape

@@ -35,9 +35,9 @@ FSDP / ZeRO-3 hooks are armed) and passes its gradient out through the forward's
 output. A forward that does not reach the grpo_kernels head (something else replaced the model's
 forward) is an error, never a silent fallback to TRL's kernel.
 
-The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b.
-grpo_kernels has temperature but no softcap: `logit_scale` s > 0 is folded into the temperature
-(x s / T = x / (T / s)); a model whose config sets `final_logit_softcapping` (Gemma 2 / 3) is refused.
+The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b;
+each call passes its final_logit_softcapping (Gemma 2 / 3) and logit_scale (Granite) to grpo_kernels'
+`softcap` / `logit_scale`, the same formula in the kernels' epilogue.
 
 Distributed: the LM-head weight arrives gathered (TRL's forward does it). In "logprobs" mode the
 backward re-enters `maybe_gather_lm_head_ctx` before recomputing (as TRL's kernel does); "fused"
@@ -49,6 +49,7 @@ here; the ZeRO-3, FSDP2 and multi-process paths follow TRL's code but are not ex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 
@@ -205,6 +206,8 @@ def log_trl_metrics(
 
     def extreme(name, pick, empty_row_value):  # nanmin / nanmax over the gathered per-row values
         local = ours(name, default=float("nan")).reshape(1)
+        if nonempty == 0:  # grpo_kernels gives an all-masked micro-batch defined extremes; TRL's nanmin /
+            local = local.new_tensor([float("nan")])  # nanmax skip it: so must the logged value
         if sequence_level and nonempty < rows:  # TRL's all-masked rows hold their own value
             local = _nan_reduce(torch.cat([local, local.new_tensor([empty_row_value])]), pick).reshape(1)
         return _nan_reduce(accelerator.gather(local), pick).item()
@@ -249,12 +252,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
         if model is None:
             continue
         text_config = _unwrap(model).config.get_text_config()
-        softcap = getattr(text_config, "final_logit_softcapping", None)
-        if softcap is not None:
-            problems.append(
-                f"final_logit_softcapping={softcap} ({role} config): grpo_kernels' LM head has no logit "
-                "soft-capping (Gemma 2 / 3 style); use TRL's GRPOTrainer for this model"
-            )
         scale = trl_logit_scale(text_config)
         if not (math.isfinite(scale) and scale > 0):
             problems.append(f"logit scale {scale} ({role} config): grpo_kernels needs a finite scale > 0")
@@ -334,16 +331,6 @@ def _is_prompt_learning(model) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _effective_temperature(temperature, final_logit_softcapping, logit_scale) -> float:
-    if final_logit_softcapping is not None:
-        raise NotImplementedError(
-            f"final_logit_softcapping={final_logit_softcapping}: grpo_kernels' LM head has no soft-capping"
-        )
-    if not (math.isfinite(logit_scale) and logit_scale > 0):
-        raise ValueError(f"logit_scale must be finite and > 0 for grpo_kernels, got {logit_scale}")
-    return float(temperature) / float(logit_scale)  # x * s / T = x / (T / s)
-
-
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype TRL's kernel runs the projection in: autocast's when it is on, else the hidden's.
     grpo_kernels accumulates in fp32 either way."""
@@ -364,14 +351,42 @@ def _connected_empty(hidden, weight, bias) -> torch.Tensor:
     return hidden.new_zeros(0, dtype=torch.float32) + zero.float()
 
 
-def _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, backend) -> gk.LogProbsOutput:
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the adapter calls grpo_kernels: the backend, and the batch-invariant mode (each token's log-prob
+    bitwise independent of the micro-batch it is scored in: the old-policy and training passes then
+    give ratio exactly 1 on-policy, whatever their batch sizes)."""
+
+    backend: str = "auto"
+    batch_invariant: bool = False
+    softcap: float | None = None  # TRL's final_logit_softcapping of the call (Gemma 2 / 3)
+    logit_scale: float = 1.0  # TRL's logit_scale of the call (Granite: 1 / logits_scaling)
+
+    def kwargs(self) -> dict:
+        return {"backend": self.backend, "batch_invariant": self.batch_invariant, "softcap": self.softcap,
+                "logit_scale": self.logit_scale}  # fmt: skip
+
+    def with_transform(self, final_logit_softcapping, logit_scale) -> "KernelOptions":
+        """The options of one kernel call: TRL's logit transform z = c tanh(s x / c) / T, as grpo_kernels'
+        softcap / logit_scale (the temperature stays T)."""
+        if not (math.isfinite(logit_scale) and logit_scale > 0):
+            raise ValueError(f"logit_scale must be finite and > 0 for grpo_kernels, got {logit_scale}")
+        cap = None if final_logit_softcapping is None else float(final_logit_softcapping)
+        return dataclasses.replace(self, softcap=cap, logit_scale=float(logit_scale))
+
+
+def _options(options) -> KernelOptions:
+    return options if isinstance(options, KernelOptions) else KernelOptions(backend=options)
+
+
+def _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, options) -> gk.LogProbsOutput:
     """fused_linear_logprobs in TRL's compute dtype, outside autocast (which would otherwise run
     grpo_kernels' fp32-accumulating tiles in half precision)."""
     dtype = _compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
         return gk.fused_linear_logprobs(
             hidden.to(dtype), weight.to(dtype), targets, _cast(bias, dtype), temperature,
-            compute_entropy=compute_entropy, backend=backend,
+            compute_entropy=compute_entropy, **_options(options).kwargs(),
         )  # fmt: skip
 
 
@@ -382,12 +397,12 @@ class _LogProbsWithGatheredBackward(torch.autograd.Function):
     copy), and the backward differentiates that graph inside the gather."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, backend):
+    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, options):
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
         hidden_leaf = hidden.detach().requires_grad_(hidden.requires_grad)
         with torch.enable_grad():
-            out = _logprobs(hidden_leaf, weight, bias, targets, temperature, compute_entropy, backend)
+            out = _logprobs(hidden_leaf, weight, bias, targets, temperature, compute_entropy, options)
         ctx.graph_outputs = (out.logprobs, out.entropy)
         ctx.hidden_leaf, ctx.weight, ctx.bias = hidden_leaf, weight, bias
         ctx.gather = maybe_gather_lm_head_ctx
@@ -418,8 +433,8 @@ class LogProbsHead:
     """Stands in for trl.kernels.ChunkedLogProbFunction (same `apply` arguments, same 5 outputs:
     log-probs, entropy or None, and None for the statistics GRPO does not request)."""
 
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
+    def __init__(self, options: KernelOptions | str = "auto"):
+        self.options = _options(options)  # a backend name is accepted too
         self.calls = 0
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -429,17 +444,18 @@ class LogProbsHead:
             raise NotImplementedError(
                 f"grpo_kernels' LM head computes log_probs and entropy, not {sorted(unsupported)}"
             )
-        temperature = _effective_temperature(temperature, final_logit_softcapping, logit_scale)
+        options = self.options.with_transform(final_logit_softcapping, logit_scale)
+        temperature = float(temperature)
         self.calls += 1
         compute_entropy = "entropy" in outputs
         if hidden.shape[0] == 0:
             empty = _connected_empty(hidden, weight, bias)
             return empty, (empty.clone() if compute_entropy else None), None, None, None
         if not torch.is_grad_enabled():  # old-policy and reference passes
-            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, self.backend)
+            out = _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, options)
             return out.logprobs, out.entropy, None, None, None
         logprobs, entropy = _LogProbsWithGatheredBackward.apply(
-            hidden, weight, bias, targets, temperature, compute_entropy, self.backend
+            hidden, weight, bias, targets, temperature, compute_entropy, options
         )
         return logprobs, entropy, None, None, None
 
@@ -454,13 +470,13 @@ class FusedLossHead:
     gradient attached to one scored row: the loss then leaves the model's forward through its own
     output (`log_probs`), as TRL's loss does."""
 
-    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, backend):
+    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, options):
         self.label_mask = label_mask  # [B, L - 1] bool: TRL's scored positions (shifted labels != -100)
         self.per_token = per_token  # name -> [B, L - 1] tensor (completion values in the last T columns)
         self.advantages = advantages  # [B] or [B, L - 1]
         self.config = config
         self.normalizers = normalizers
-        self.backend = backend
+        self.options = _options(options)
         self.calls = 0
         self.output = None  # GRPOLossOutput of the micro-batch (None: no scored row)
         self.loss = None
@@ -480,7 +496,8 @@ class FusedLossHead:
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
-        temperature = _effective_temperature(temperature, final_logit_softcapping, logit_scale)
+        self.call_options = self.options.with_transform(final_logit_softcapping, logit_scale)
+        temperature = float(temperature)
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError("grpo_kernels fused loss: the LM head ran twice in one policy forward")
@@ -508,7 +525,7 @@ class FusedLossHead:
                 old_logprobs=take(self.per_token.get("old")), ref_logprobs=take(self.per_token.get("ref")),
                 rollout_logprobs=take(self.per_token.get("rollout")), bias=_cast(bias, dtype),
                 config=self.config.replace(temperature=temperature), cu_seqlens=cu_seqlens,
-                backend=self.backend, **self.normalizers,
+                **self.call_options.kwargs(), **self.normalizers,
             )  # fmt: skip
         self.output, self.loss = out, out.loss
         # The loss leaves through one scored row of the log-probs: value + 0, gradient d loss. Every
@@ -597,19 +614,25 @@ def _build_trainer_class():
           grpo_kernels_mode: "fused" (default; the loss is fused_linear_grpo_loss) or "logprobs"
             (TRL's loss on log-probs and entropies from fused_linear_logprobs).
           grpo_kernels_backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+          grpo_kernels_batch_invariant: each token's log-prob bitwise independent of the micro-batch
+            (the old-policy pass and the training pass then agree exactly on-policy); default False.
         Raises ValueError naming every setting the chosen mode cannot honour."""
 
         def __init__(
-            self, *args, grpo_kernels_mode: str = "fused", grpo_kernels_backend: str = "auto", **kwargs
-        ):
+            self, *args, grpo_kernels_mode: str = "fused", grpo_kernels_backend: str = "auto",
+            grpo_kernels_batch_invariant: bool = False, **kwargs,
+        ):  # fmt: skip
             if grpo_kernels_mode not in MODES:
                 raise ValueError(f"grpo_kernels_mode must be one of {MODES}, got {grpo_kernels_mode!r}")
             if grpo_kernels_backend not in ("auto", "triton", "torch"):
                 raise ValueError(
                     f"grpo_kernels_backend must be 'auto', 'triton' or 'torch', got {grpo_kernels_backend!r}"
                 )
+            if not isinstance(grpo_kernels_batch_invariant, bool):
+                raise ValueError(f"grpo_kernels_batch_invariant must be True or False, got {grpo_kernels_batch_invariant!r}")
             self.grpo_kernels_mode = grpo_kernels_mode
             self.grpo_kernels_backend = grpo_kernels_backend
+            self.grpo_kernels_options = KernelOptions(grpo_kernels_backend, grpo_kernels_batch_invariant)
             self._grpo_kernels_head = None
             super().__init__(*args, **kwargs)
             problems = unsupported_settings(self, grpo_kernels_mode)
@@ -625,7 +648,7 @@ def _build_trainer_class():
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             check_fsdp2_head(args[0] if args else kwargs.get("model"))
-            head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_backend)
+            head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_options)
             with _lm_head_kernel(head):
                 result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
             if head.calls == 0:
@@ -677,7 +700,7 @@ def _build_trainer_class():
                 advantages = positions(advantages)
             head = FusedLossHead(
                 label_mask=label_mask, per_token=per_token, advantages=advantages,
-                config=policy_loss_config(self), backend=self.grpo_kernels_backend,
+                config=policy_loss_config(self), options=self.grpo_kernels_options,
                 normalizers=loss_normalizers(self, completion_ids.size(0), inputs["num_items_in_batch"]),
             )  # fmt: skip
             self._grpo_kernels_head = head

@@ -169,21 +169,23 @@ def registered_losses() -> list[str]:
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduction: str = "none",
-                         dist_process_group=None):  # fmt: skip
+                         dist_process_group=None, *, softcap: float | None = None):  # fmt: skip
     """verl's signature: hidden [..., H], weight [V, H], labels [...]; returns flat fp32 (log-probs,
     entropy) for reduction "none", or (sum / mean of the log-probs, per-token entropy).
 
     dist_process_group: verl's Megatron path passes the tensor-parallel group (also at TP = 1): then
     `weight` is this rank's block of the vocabulary (Megatron's ColumnParallelLinear output layer,
     rank r holding the rows after ranks 0..r-1), `labels` are global ids, and the results are those of
-    the whole head on every rank (grpo_kernels' vocabulary-parallel LM head, `tp_group`)."""
+    the whole head on every rank (grpo_kernels' vocabulary-parallel LM head, `tp_group`).
+    softcap: the model's final_logit_softcapping (Gemma 2 / 3), z = softcap tanh(x / softcap) / T. verl's
+    own call never passes it (its fused path has no soft-capping); a caller that knows its model does."""
     if not isinstance(temperature, float):
         raise TypeError(f"temperature must be a float (verl's contract), got {type(temperature).__name__}")
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     out = gk.fused_linear_logprobs(flat_hidden, weight, labels.reshape(-1), temperature=temperature,
-                                   tp_group=dist_process_group)  # fmt: skip
+                                   tp_group=dist_process_group, softcap=softcap)  # fmt: skip
     logprobs = out.logprobs
     if reduction == "sum":
         logprobs = logprobs.sum()

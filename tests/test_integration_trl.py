@@ -106,7 +106,7 @@ def make_model(kind: str):
         config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                             router_aux_loss_coef=0.05)  # fmt: skip
         return transformers.MixtralForCausalLM(config)
-    if kind == "gemma2":  # final_logit_softcapping = 30: refused
+    if kind == "gemma2":  # final_logit_softcapping = 30
         return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8))
     raise ValueError(kind)
 
@@ -312,6 +312,8 @@ SPECIAL = {  # name -> (model kind, train() keywords, config)
     ),
     "granite-logit-scale-temperature": ("granite", {}, dict(loss_type="dapo", temperature=0.8)),
     "mixtral-moe-aux-loss": ("mixtral", {}, dict(loss_type="grpo")),
+    # Gemma 2: final_logit_softcapping = 30 (TRL's transform, grpo_kernels' softcap in the kernels)
+    "gemma2-softcap-temperature": ("gemma2", {}, dict(loss_type="dapo", temperature=0.8)),
 }
 # fmt: on
 ALL_CASES = {name: ("qwen2", {}, config) for name, config in CASES.items()} | SPECIAL
@@ -391,12 +393,6 @@ def build(model_dir, tmp_path, **kwargs):
         model=model_dir, reward_funcs=reward_letters, args=grpo_config(str(tmp_path), **config),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), **kwargs,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize("mode", gk_trl.MODES)
-def test_softcapping_is_refused(mode, model_dirs, tmp_path):
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
-        build(model_dirs["gemma2"], tmp_path, grpo_kernels_mode=mode, beta=0.0)
 
 
 @pytest.mark.parametrize(
@@ -590,3 +586,14 @@ def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
     for a, b in zip(ours["losses"], report["trl_losses"]):
         assert abs(a - b) <= 1e-6 * (1 + abs(b)), (a, b)
     assert ours["param_diff"] <= 16 * 2**-23 * ours["param_scale"], ours
+
+
+@pytest.mark.parametrize("mode", gk_trl.MODES)
+def test_batch_invariant_switch_trains_like_trl(mode, model_dirs, tmp_path):
+    """grpo_kernels_batch_invariant=True changes reduction orders, not formulas: training equals TRL's."""
+    name = "dapo"
+    kind, keywords, config = ALL_CASES[name]
+    theirs = trl_run(name, model_dirs, tmp_path)
+    ours = train(gk_trl.GRPOKernelsTrainer, model_dirs[kind], tmp_path / mode, config, grpo_kernels_mode=mode,
+                 grpo_kernels_batch_invariant=True, **keywords)  # fmt: skip
+    compare(f"[{name}, {mode}, batch-invariant]", theirs, ours)

@@ -123,3 +123,16 @@ def test_install_linear_cross_entropy_patches_verl():
         assert lce.linear_cross_entropy is gk_verl.linear_cross_entropy
     finally:
         lce.linear_cross_entropy = original
+
+
+def test_linear_cross_entropy_soft_capping():
+    """The drop-in's softcap keyword: Gemma-style z = c tanh(x / c) / T, against torch on the same logits."""
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 16) * 3
+    weight = torch.randn(97, 16)
+    labels = torch.randint(0, 97, (10,))
+    logprobs, entropy = gk_verl.linear_cross_entropy(hidden, weight, labels, 0.7, "none", softcap=5.0)
+    z = 5.0 * torch.tanh((hidden @ weight.T) / 5.0) / 0.7
+    log_p = torch.log_softmax(z, -1)
+    assert_close("logprobs", logprobs, log_p.gather(-1, labels[:, None]).squeeze(-1), atol=1e-5, rtol=1e-5)
+    assert_close("entropy", entropy, -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=1e-5)

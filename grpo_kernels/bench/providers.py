@@ -117,12 +117,13 @@ def _resolved_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton_available()[0] else "torch"
 
 
-def _ours(backend: str, schedule: str = "auto") -> dict:
+def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False) -> dict:
     import grpo_kernels as gk
 
     def logprobs(inp, s):
         def fn():
-            out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend=backend)
+            out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend=backend,
+                                           batch_invariant=batch_invariant)  # fmt: skip
             return out.logprobs, out.entropy
 
         return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}")
@@ -135,7 +136,7 @@ def _ours(backend: str, schedule: str = "auto") -> dict:
             targets = inp.targets.view(b, t)
             return gk.fused_linear_grpo_loss(
                 hidden, inp.weight, targets, inp.advantages, inp.mask, inp.old_logprobs, inp.ref_logprobs,
-                config=inp.config, backend=backend, schedule=schedule,
+                config=inp.config, backend=backend, schedule=schedule, batch_invariant=batch_invariant,
             ).loss  # fmt: skip
 
         return Forward(fn, f"backend={backend} -> {_resolved_backend(backend, inp.device)}, schedule={schedule}")
@@ -586,6 +587,13 @@ REGISTRY.add(
         "grpo_kernels-tp",
         "grpo_kernels vocabulary-parallel (tp_group): each rank 1/K of the head; TP = 1 on one process",
         _ours_tp(),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-batch-invariant",
+        "grpo_kernels with batch_invariant=True (fixed reduction orders: each token's log-prob independent of the batch)",
+        {op: f for op, f in _ours("auto", batch_invariant=True).items() if op != "loss_head"},
     )
 )
 REGISTRY.add(

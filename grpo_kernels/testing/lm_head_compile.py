@@ -41,7 +41,7 @@ def _picked(arch: int, config_arch: str) -> bool:
 
 
 def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="both", needs="hwb", h=None,
-          stored=False):  # fmt: skip
+          stored=False, softcap=False):  # fmt: skip
     operand = "fp32" if dtype == "float32" else "16bit"
     default_h = UNALIGNED_H if config_arch == "unaligned" else SHAPE["H"]
     return dict(
@@ -56,6 +56,7 @@ def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="bot
         H=h or default_h,
         picked=_picked(arch, config_arch),
         stored=stored,
+        softcap=softcap,
     )
 
 
@@ -95,6 +96,10 @@ def cases() -> list[dict]:
             for bias in (False, True):
                 add("fwd", "bfloat16", None, bias=bias, stored=True)
                 add("bwd", "bfloat16", None, bias=bias, stored=True)
+            # logit soft-capping (Gemma 2 / 3): tanh in the forward epilogue, its derivative in dz
+            for stored in (False, True):
+                add("fwd", "bfloat16", None, bias=True, stored=stored, softcap=True)
+                add("bwd", "bfloat16", None, bias=True, stored=stored, softcap=True)
             for dtype, precision in (("float16", None), ("float32", "tf32")):
                 add("fwd", dtype, precision)
                 add("bwd", dtype, precision)
@@ -115,6 +120,8 @@ def case_id(c: dict) -> str:
             parts.append(f"needs-{c['needs']}")
     if c.get("stored"):
         parts.append("stored-logits")
+    if c.get("softcap"):
+        parts.append("softcap")
     return "/".join(parts)
 
 
@@ -132,7 +139,7 @@ def _allow_tf32(value: bool):
 
 def record_lm_head_launches(
     n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
-    stored=False,
+    stored=False, softcap=False,
 ):  # fmt: skip
     """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
     import torch
@@ -149,8 +156,10 @@ def record_lm_head_launches(
     logits = meta(n, v, dtype=torch.float32) if stored else None
     if stored:
         extra["stored_logits"] = logits
+    cap = (1.0 / 30.0, 30.0 / 0.7) if softcap else None  # Gemma 2's cap, temperature 0.7
+    extra["softcap"] = cap
     with _allow_tf32(precision == "tf32"), record_launches(tri) as launches:
-        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits)
+        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits, softcap=cap)
         tri.lm_head_backward(
             x,
             w,
@@ -190,6 +199,7 @@ def compile_case(c: dict) -> dict:
             needs=c["needs"],
             precision=c["precision"],
             stored=c.get("stored", False),
+            softcap=c.get("softcap", False),
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
         result = compile_launch(launch, c["arch"])
@@ -249,6 +259,10 @@ def write_report(
             flags.append(f"grads={r['grads']}")
             if r["needs"] != "hwb":
                 flags.append(f"needs={r['needs']}")
+        if r.get("stored"):
+            flags.append("stored logits")
+        if r.get("softcap"):
+            flags.append("softcap")
         if "error" in r:
             lines.append(
                 f"| sm_{r['arch']} | {r['config']} | {KERNEL_NAMES[r['kernel']]} | {r['dtype']} | "

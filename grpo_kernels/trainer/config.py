@@ -68,6 +68,7 @@ class TrainConfig:
     seed: int = 0  # model initialisation (embedded default), prompts, sampling
     cpu_threads: int | None = 1  # torch threads on CPU (a tiny model runs fastest on 1); None: torch's
     fsdp: bool = False  # under torchrun: shard the policy with FSDP2 (per decoder layer) instead of DDP
+    batch_invariant: bool = False  # each token's log-prob bitwise independent of its micro-batch
     # --- output ---------------------------------------------------------------------------------------
     run_dir: str | None = None  # None: runs/<timestamp>
     save_every: int = 50  # checkpoint (and plot) every N steps; the last step is always saved

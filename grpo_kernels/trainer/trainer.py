@@ -419,6 +419,7 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
         out = fused_linear_logprobs(
             hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
             mask=batch.completion_mask[rows], compute_entropy=need_entropy, backend=config.backend,
+            batch_invariant=config.batch_invariant,
         )  # fmt: skip
         logprobs[rows] = out.logprobs
         if need_entropy:
@@ -442,7 +443,7 @@ def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normali
         hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows],
         batch.completion_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
         ref_logprobs=rows_of(batch.ref_logprobs), rollout_logprobs=rows_of(rollout_logprobs), bias=bias,
-        config=loss_config, backend=config.backend, **normalizers,
+        config=loss_config, backend=config.backend, batch_invariant=config.batch_invariant, **normalizers,
     )  # fmt: skip
     return out.loss, out.metrics
 

@@ -36,12 +36,16 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _logits_tile(hidden_rows, weight_cols, bias_cols, inv_temperature):
-    # [n, H] @ [H, v] -> [n, v] fp32, then + bias and / T in fp32
+def _logits_tile(hidden_rows, weight_cols, bias_cols, inv_temperature, softcap=None):
+    # [n, H] @ [H, v] -> [n, v] fp32, then + bias, then / T (or, soft-capped, cap_out tanh(cap_in x)) in fp32
     tile = matmul_fp32(hidden_rows, weight_cols.T)
     if bias_cols is not None:
         tile += bias_cols.float()
-    tile *= inv_temperature
+    if softcap is None:
+        tile *= inv_temperature
+    else:
+        cap_in, cap_out = softcap
+        tile = torch.tanh(tile * cap_in) * cap_out
     # a -inf bias forbids its token: NEG_BIG instead keeps p = exp(z - lse) = 0 exactly while p * z and
     # p * (E_p[z] - z) stay 0 (with -inf they would be 0 * inf = NaN)
     return tile.clamp_(min=NEG_BIG)
@@ -56,6 +60,7 @@ def lm_head_forward(
     temperature: float,
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+    softcap: tuple[float, float] | None = None,
 ) -> LMHeadStats:
     """Per-token logprob, entropy, lse and E_p[z] of z = (hidden @ weight.T + bias) / temperature.
 
@@ -82,7 +87,7 @@ def lm_head_forward(
         z_target = torch.zeros_like(s)
         for c0 in range(0, vocab, vocab_chunk):
             c1 = min(c0 + vocab_chunk, vocab)
-            z = _logits_tile(h, weight[c0:c1], None if bias is None else bias[c0:c1], inv_t)
+            z = _logits_tile(h, weight[c0:c1], None if bias is None else bias[c0:c1], inv_t, softcap)
             m_new = torch.maximum(m, z.max(dim=-1).values)
             alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
             # rescale (s, u) from max m to m_new: (z - m_new) = (z - m) + (m - m_new)
@@ -123,6 +128,7 @@ def lm_head_backward(
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     grad_hidden_acc: torch.Tensor | None = None,  # [N, H] fp32, accumulated into when given
+    softcap: tuple[float, float] | None = None,  # (cap_in, cap_out): z = cap_out tanh(cap_in x)
 ):
     """Recompute each logits tile and stream dL/dz through it:
 
@@ -162,7 +168,7 @@ def lm_head_backward(
         for c0 in range(0, vocab, vocab_chunk):
             c1 = min(c0 + vocab_chunk, vocab)
             w = weight[c0:c1]
-            z = _logits_tile(h, w, None if bias is None else bias[c0:c1], inv_t)
+            z = _logits_tile(h, w, None if bias is None else bias[c0:c1], inv_t, softcap)
             p = torch.exp(z - row_lse)
             dz = torch.zeros_like(z)
             if g_h is not None:
@@ -172,7 +178,11 @@ def lm_head_backward(
                 in_tile = (y >= c0) & (y < c1)
                 idx = in_tile.nonzero().squeeze(-1)
                 dz[idx, y[idx] - c0] += g_lp[idx, 0]
-            dz *= inv_t  # dL/dlogit
+            if softcap is None:
+                dz *= inv_t  # dL/dlogit
+            else:  # dz/dx = cap_in cap_out (1 - tanh^2), tanh = z / cap_out (clamped: NEG_BIG columns have p = 0)
+                cap_in, cap_out = softcap
+                dz *= cap_in * cap_out * (1.0 - (z / cap_out).clamp(-1.0, 1.0) ** 2)
             if gh_acc is not None:
                 gh_acc += dz @ w.float()
             if need_grad_weight:

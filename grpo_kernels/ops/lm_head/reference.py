@@ -27,10 +27,15 @@ def lm_head_stats_reference(
     targets: torch.Tensor,  # [N] int, in [0, V)
     bias: torch.Tensor | None = None,  # [V]
     temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
 ) -> LMHeadStats:
     logits = hidden.float() @ weight.float().T  # [N, V]
     if bias is not None:
         logits = logits + bias.float()
+    logits = logits * logit_scale
+    if softcap is not None:  # Gemma 2 / 3: the model's logits capped before the sampling temperature
+        logits = softcap * torch.tanh(logits / softcap)
     z = logits / temperature
     lse = torch.logsumexp(z, dim=-1)
     log_p = z - lse[:, None]

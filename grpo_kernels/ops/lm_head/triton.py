@@ -329,6 +329,26 @@ def _logits_tile_acc(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 of -2|x| (no overflow for large |x|); absolute error ~2 ulp(1)."""
+    e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr):  # fmt: skip
+    """z from the fp32 GEMM tile acc = hidden @ W^T: (acc + b) / T, or soft-capped cap_out tanh(cap_in (acc + b))
+    (cap_in = scale / cap, cap_out = cap / T); NEG_BIG outside the vocabulary."""
+    if HAS_SOFTCAP:
+        x = acc + _column_term(bias_ptr, cols, vocab, 1.0, HAS_BIAS)[None, :]
+        return tl.where((cols < vocab)[None, :], cap_out * _tanh(x * cap_in), -1.0e30)
+    else:
+        return acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+
+
+@triton.jit
 def _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS: tl.constexpr):
     # [BN] additive term of z: bias / T inside the vocabulary, NEG_BIG outside it.
     col_ok = cols < vocab
@@ -361,7 +381,10 @@ def lm_head_fwd_kernel_partial(
     tiles_per_split,
     num_splits,
     inv_temperature,
+    cap_in,
+    cap_out,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
@@ -408,8 +431,8 @@ def lm_head_fwd_kernel_partial(
             UPCAST_OPERANDS,
             DOT_PRECISION,
         )
-        # z = acc / T + bias / T, one FMA; NEG_BIG outside the vocabulary
-        z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        # z = acc / T + bias / T, one FMA (or soft-capped); NEG_BIG outside the vocabulary
+        z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
         if STORE_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
             z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
             tl.store(z_out, z, mask=row_ok[:, None] & (cols < vocab)[None, :])
@@ -496,7 +519,10 @@ def lm_head_bwd_kernel_dlogits(
     stride_dlogits,
     stride_stored,
     inv_temperature,
+    cap_in,
+    cap_out,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     FROM_STORED: tl.constexpr,
     HAS_GRAD_LOGPROBS: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
@@ -557,7 +583,7 @@ def lm_head_bwd_kernel_dlogits(
             UPCAST_OPERANDS,
             DOT_PRECISION,
         )
-        z = acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
     p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
     if HAS_GRAD_ENTROPY:
         if HAS_GRAD_LOGPROBS:
@@ -568,6 +594,9 @@ def lm_head_bwd_kernel_dlogits(
         dz = p * (-c_lp[:, None])
     if HAS_GRAD_LOGPROBS:
         dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
+    if HAS_SOFTCAP:  # dz/dx = cap_in cap_out (1 - tanh^2), tanh = z / cap_out (the host passes inv_temperature 1)
+        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)
+        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
 
     if STORE_DLOGITS:
         out = dlogits_ptr + offs_m.to(tl.int64)[:, None] * stride_dlogits + cols[None, :]
@@ -690,13 +719,15 @@ def lm_head_forward(
     config: LMHeadTritonConfig | None = None,
     num_sms: int | None = None,
     logits_out: torch.Tensor | None = None,
+    tiles_per_split: int | None = None,
+    softcap: tuple[float, float] | None = None,
 ) -> LMHeadStats:
     """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
 
     Statistics come from the fp32 GEMM accumulators; no [N, V] tensor exists. Extra memory: the fp32
     split partials, 4 * N * (3 * num_splits + 1) bytes (plan_forward; < 1 MiB at N = 16384 on an H100).
     A target outside [0, V) gives a NaN logprob. `config` overrides the dispatcher, `num_sms` the SM count
-    used to size the vocabulary splits. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
+    used to size the vocabulary splits, `tiles_per_split` fixes the split instead. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
     logits z are also written there, for a backward that reads them instead of recomputing them (the
     fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace).
     """
@@ -720,7 +751,12 @@ def lm_head_forward(
             if device.type == "cuda"
             else DEFAULT_NUM_SMS
         )
-    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    if tiles_per_split is None:
+        plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    else:  # a fixed split of the vocabulary, whatever N and the SM count (the batch-invariant mode)
+        vocab_tiles = triton.cdiv(vocab, tile.block_n)
+        tps = max(1, min(int(tiles_per_split), vocab_tiles))
+        plan = ForwardPlan(triton.cdiv(n_tokens, tile.block_m), vocab_tiles, tps, triton.cdiv(vocab_tiles, tps))
     if logits_out is not None:
         _check(
             logits_out.dtype == torch.float32 and logits_out.dim() == 2 and logits_out.shape[0] == n_tokens
@@ -755,7 +791,10 @@ def lm_head_forward(
                 tiles_per_split=plan.tiles_per_split,
                 num_splits=plan.num_splits,
                 inv_temperature=inv_t,
+                cap_in=1.0 if softcap is None else float(softcap[0]),
+                cap_out=1.0 if softcap is None else float(softcap[1]),
                 HAS_BIAS=bias is not None,
+                HAS_SOFTCAP=softcap is not None,
                 STORE_LOGITS=logits_out is not None,
                 **_kernel_flags(hidden, tile),
             ),
@@ -878,6 +917,7 @@ def lm_head_backward(
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     stored_logits: torch.Tensor | None = None,
     grad_hidden_acc: torch.Tensor | None = None,
+    softcap: tuple[float, float] | None = None,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -1007,8 +1047,11 @@ def lm_head_backward(
                     stride_weight=weight.stride(0),
                     stride_dlogits=plan.workspace_row_stride if store_dlogits else 0,
                     stride_stored=stored_logits.stride(0) if stored_logits is not None else 0,
-                    inv_temperature=inv_t,
+                    inv_temperature=inv_t if softcap is None else 1.0,  # soft-capped: the factor is per element
+                    cap_in=1.0 if softcap is None else float(softcap[0]),
+                    cap_out=1.0 if softcap is None else float(softcap[1]),
                     HAS_BIAS=bias is not None,
+                    HAS_SOFTCAP=softcap is not None,
                     FROM_STORED=stored_logits is not None,
                     HAS_GRAD_LOGPROBS=grad_logprobs is not None,
                     HAS_GRAD_ENTROPY=grad_entropy is not None,
