@@ -1,4 +1,4 @@
-"""PolicyLossConfig: every scalar knob of the loss side (DESIGN.md §2-§3), validated once, frozen.
+"""PolicyLossConfig: every scalar knob of the loss side (docs/design.md §2-§3), validated once, frozen.
 
 All fields are runtime values for the kernels (changing one never recompiles). Per-batch data (the
 global token / sequence counts used as normalizers, per-token weights) are arguments of the loss

@@ -1,4 +1,4 @@
-"""Public functions: validation, layout handling and backend choice (DESIGN.md §2).
+"""Public functions: validation, layout handling and backend choice (docs/design.md §2).
 
 The only layer that validates. Below it (autograd Functions, kernels, references) inputs are trusted.
 

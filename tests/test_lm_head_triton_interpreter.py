@@ -4,7 +4,7 @@ The interpreter must be switched on before triton is first imported, and this py
 imported triton already (other tiers), so the cases run in one subprocess
 (tests/_lm_head_interpreter_cases.py, ~30 s on 2 cores) and each test here asserts on its JSON report.
 
-Ground truth: float64 autograd on the same inputs. Tolerance (DESIGN.md §4, style-anchors §9.4): the
+Ground truth: float64 autograd on the same inputs. Tolerance (docs/design.md §4): the
 kernel's max error may be at most SLACK x the error of plain PyTorch on the same inputs, plus
 FLOOR x max|truth|.
 * Forward statistics: the kernel takes them from fp32 accumulators of exact products whatever the input

@@ -452,3 +452,54 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
     returns(["--run-dir", str(run_dir)], 2, "exists and is not empty")  # never overwrites a run
     returns(["--resume", str(run_dir), "--lr", "0.1"], 2, "only --steps may be given")
     returns(["--resume", str(run_dir)], 2, "has no checkpoint")
+
+
+@pytest.mark.parametrize("num_prompts,per_step,rounds", [(40, 32, 2), (40, 32, 4), (20, 8, 3), (9, 8, 4)])
+def test_dynamic_sampling_refill_keeps_one_prompt_per_group(tmp_path, num_prompts, per_step, rounds):
+    """Dynamic sampling refills a step from later rounds that draw fewer prompts than the first: every
+    group of the batch must hold exactly one prompt and group_size completions (labels of a later round
+    once collided with kept groups, merging two prompts into one group)."""
+    import json
+
+    import torch
+
+    from grpo_kernels.trainer import trainer as tr
+    from grpo_kernels.trainer.config import TrainConfig
+    from grpo_kernels.trainer.hooks import HookContext, make_hook
+    from grpo_kernels.trainer.rollout import Rollouts
+    from grpo_kernels.trainer.task import resolve_task
+
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i} =", "answer": str(i)}) + "\n" for i in range(num_prompts)))
+    task = resolve_task(str(path))
+    group_size = 4
+    config = TrainConfig(dynamic_sampling=True, prompts_per_step=per_step, group_size=group_size,
+                         max_sampling_rounds=rounds, task=str(path))  # fmt: skip
+
+    class Tokenizer:
+        def __call__(self, text, **kwargs):
+            return {"input_ids": [len(text)]}
+
+    class Sampler:  # completion i of a prompt: [i]; a prompt with an even number is uninformative
+        def generate(self, prompt_tokens, max_new_tokens):
+            return [[i % group_size] for i in range(len(prompt_tokens))], [False] * len(prompt_tokens), None
+
+    def score(rollouts: Rollouts) -> Rollouts:
+        rewards = [0.0 if int(p[1:-2]) % 2 == 0 else float(c[0]) for p, c in zip(rollouts.prompts,
+                                                                                     rollouts.completion_tokens)]  # fmt: skip
+        return rollouts.__class__(**{**rollouts.__dict__, "rewards": torch.tensor(rewards)})
+
+    context = HookContext(generate=Sampler().generate, score=score, encode=lambda t: [1], decode=lambda t: "x",
+                          eos_id=0, max_new_tokens=2, group_size=group_size, correct_reward=1.0,
+                          generator=torch.Generator())  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # several steps: the prompt generator moves on
+        rollouts, _, stats = tr._collect_rollouts(config, task, Tokenizer(), Sampler(), make_hook(None, {}), context,
+                                                 generator)  # fmt: skip
+        assert rollouts is not None
+        index = rollouts.group_index.tolist()
+        for g in set(index):
+            rows = [i for i, x in enumerate(index) if x == g]
+            assert len(rows) == group_size, (g, len(rows))
+            assert len({rollouts.prompts[i] for i in rows}) == 1, (g, {rollouts.prompts[i] for i in rows})
+        assert len(set(index)) <= per_step

@@ -19,7 +19,7 @@ from .providers import PINS, RunSettings
 SCHEMA = "grpo_kernels.bench/1"
 CPU_NOTE = (
     "CPU run: these timings show that the suite works end to end; they are NOT grpo_kernels' performance "
-    "numbers, which are measured on H100 / H200 GPUs (DESIGN.md section 7)."
+    "numbers, which are measured on H100 / H200 GPUs (docs/design.md §7)."
 )
 VERSIONED = ("torch", "triton", "numpy", "transformers", *PINS)
 

@@ -11,7 +11,7 @@ from .runner import FLOOR, OURS
 
 README_START = "<!-- bench-table:start -->"
 README_END = "<!-- bench-table:end -->"
-HEADLINE = ("Qwen3-8B", 16384)  # DESIGN.md section 7: N=16384, H=4096, V=151936
+HEADLINE = ("Qwen3-8B", 16384)  # docs/design.md §7: N=16384, H=4096, V=151936
 
 
 def _mib(nbytes) -> str:
@@ -166,7 +166,7 @@ def merge_reports(reports: list[dict]) -> dict:
 # README headline table
 # ------------------------------------------------------------------------------------------------
 def headline_shape(report: dict, op: str) -> str | None:
-    """The DESIGN.md section 7 shape when the run has it, else the largest N of the first model."""
+    """The docs/design.md §7 shape when the run has it, else the largest N of the first model."""
     rows = [r for r in report["results"] if r["op"] == op]
     if not rows:
         return None

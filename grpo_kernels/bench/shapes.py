@@ -44,7 +44,7 @@ class BenchShape:
 # (model name, H, V) from the models' config.json (hidden_size, vocab_size)
 QWEN25_7B = ("Qwen2.5-7B", 3584, 152064)
 LLAMA3_8B = ("Llama-3-8B", 4096, 128256)
-QWEN3_8B = ("Qwen3-8B", 4096, 151936)  # the DESIGN.md section 7 target shape at N = 16384
+QWEN3_8B = ("Qwen3-8B", 4096, 151936)  # the docs/design.md §7 target shape at N = 16384
 SEQ_LEN = 1024  # completion length of the real-model presets: B = N / 1024 sequences
 
 # tiny: CPU smoke shapes. V = 1000 is not a multiple of any tile size (exercises the masked edges);
@@ -79,7 +79,7 @@ PRESET_HELP = {
     "tiny": f"H={TINY[1]} V={TINY[2]}, N in {TINY_TOKENS} (CPU smoke test; seconds)",
     "qwen2.5-7b": "Qwen2.5-7B head, H=3584 V=152064, N=16384",
     "llama3-8b": "Llama-3-8B head, H=4096 V=128256, N=16384",
-    "qwen3-8b": "Qwen3-8B head, H=4096 V=151936, N=16384 (DESIGN.md section 7 target)",
+    "qwen3-8b": "Qwen3-8B head, H=4096 V=151936, N=16384 (docs/design.md §7 target)",
     "sweep": f"Qwen3-8B head, N in {SWEEP_TOKENS}: how time and memory grow with tokens",
     "session-sweep": f"Qwen3-8B head, N in {SESSION_SWEEP_TOKENS} (the GPU session's sweep)",
     "loss-sweep": f"N in {LOSS_SWEEP_TOKENS}, for loss_head only (the LM-head ops stop at 65536 tokens)",

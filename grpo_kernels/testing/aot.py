@@ -1,11 +1,12 @@
 """Ahead-of-time compilation of Triton launches for a CUDA target on a machine without a GPU.
 
-Tier 3 of DESIGN.md §6. A host launcher runs on `meta` tensors (no memory, any size) while its launches are
+Tier 3 of docs/design.md §6. A host launcher runs on `meta` tensors (no memory, any size) while its launches are
 recorded instead of executed; each recorded launch is then specialised exactly as Triton's JIT would do
 for real tensors (same binder: dtypes, 16-byte alignment, divisibility-by-16 of integer arguments,
 `do_not_specialize`) and compiled for sm_90 / sm_80 with the whole toolchain (TTIR -> TTGIR -> LLVM ->
 PTX -> cubin). The cuobjdump bundled with the Triton wheel then reports registers, stack and local
-memory (spills) per kernel. See /work/shared/TRITON_ON_CPU.md for what was checked.
+memory (spills) per kernel, and the PTX is searched for the instructions a kernel must hold (MMAs,
+global stores: a kernel can compile to an empty body).
 
 Usage:
     # module: has a `_launch(kernel, grid, args, num_warps, num_stages)` that every launch goes through

@@ -340,6 +340,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
     per_prompt = config.group_size * hook.sample_multiplier
     rounds = (config.max_sampling_rounds or 4) if config.dynamic_sampling else 1
     parts, sampled, stats, seen = [], [], {}, set()
+    next_label = 0  # group labels run on across rounds: a later round's groups never share a label
     for round_index in range(rounds):
         prompts, answers = task.sample(prompt_generator, config.prompts_per_step, exclude=seen)
         if not prompts:
@@ -354,7 +355,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
             Rollouts(
                 prompts=[prompts[g] for g in rows],
                 answers=[answers[g] for g in rows],
-                groups=[round_index * len(prompts) + g for g in rows],
+                groups=[next_label + g for g in rows],
                 prompt_tokens=[prompt_tokens[g] for g in rows],
                 completion_tokens=completions,
                 completions=[hook_context.decode(c) for c in completions],
@@ -362,6 +363,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
                 rollout_logprobs=logprobs,
             )
         )
+        next_label += len(prompts)
         sampled.append(rollouts.rewards)
         rollouts, hook_stats = hook.after_scoring(rollouts, hook_context)
         for key, value in hook_stats.items():

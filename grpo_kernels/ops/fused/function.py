@@ -1,6 +1,6 @@
 """fused_linear_grpo_loss: gradients computed inside the forward, backward only scales them.
 
-Three stages (DESIGN.md §1) on the valid rows (masked tokens are never multiplied):
+Three stages (docs/design.md §1) on the valid rows (masked tokens are never multiplied):
   A  LM-head statistics (log-prob, entropy, lse, E_p[z]; no logits kept)
   B  the loss head -> loss, metrics, g_lp = dL/dlogp, g_H = dL/dH per token
   C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32, cast once

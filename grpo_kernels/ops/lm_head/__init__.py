@@ -1,4 +1,4 @@
-"""LM-head statistics from hidden states: kernels A (forward) and C (backward) of DESIGN.md §1."""
+"""LM-head statistics from hidden states: kernels A (forward) and C (backward) of docs/design.md §1."""
 
 from .reference import LMHeadStats, lm_head_stats_reference
 

@@ -1,4 +1,4 @@
-"""Plain fp32 PyTorch oracle for the LM-head statistics (kernel A of DESIGN.md §1).
+"""Plain fp32 PyTorch oracle for the LM-head statistics (kernel A of docs/design.md §1).
 
 It materialises the full [N, V] logits, so it is for small shapes only: tests compare every other
 implementation (the chunked PyTorch backend, the Triton kernels) against it, and its gradients come

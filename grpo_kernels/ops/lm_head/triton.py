@@ -1,4 +1,4 @@
-"""Triton kernels for the LM-head statistics (kernel A of DESIGN.md §1) and their backward (kernel C).
+"""Triton kernels for the LM-head statistics (kernel A of docs/design.md §1) and their backward (kernel C).
 
 Forward, two launches:
   lm_head_fwd_kernel_partial  tiled GEMM z = (hidden @ weight.T + bias) / T into fp32 accumulators; each

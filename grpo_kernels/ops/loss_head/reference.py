@@ -1,4 +1,4 @@
-"""The loss head (B of DESIGN.md §1) in plain fp32 PyTorch: which formula runs, readable top to bottom.
+"""The loss head (B of docs/design.md §1) in plain fp32 PyTorch: which formula runs, readable top to bottom.
 
 Every other implementation (the Triton loss-head kernel, the fused one-pass path, the TRL and verl
 adapters) is tested against `policy_loss_reference`. Gradients w.r.t. logprobs and entropy come from

@@ -1,4 +1,4 @@
-"""The loss head (B of DESIGN.md §1) as one Triton kernel: per-token loss terms, aggregation weights,
+"""The loss head (B of docs/design.md §1) as one Triton kernel: per-token loss terms, aggregation weights,
 metric partial sums and the per-token gradients dL/dlogp, dL/dentropy, for every variant of
 reference.py (the oracle it is tested against, formula by formula).
 
