@@ -1,7 +1,8 @@
 """Vocabulary-parallel LM head (tp_group) on spawned gloo process groups against one process on the
 whole head: log-probs, entropy, fused losses (GRPO + KL, with an entropy bonus, DAPO, GSPO, CISPO),
 padded and packed, every schedule, the PyTorch backend and the Triton kernels under the interpreter.
-Two ranks (equal blocks) and three (uneven blocks: 50, 90, 63 rows of V = 203).
+Two ranks (equal blocks) and three (uneven blocks: 50, 90, 63 rows of V = 203); the padded layout with
+the first schedule, the packed one with the last (one-pass and two-pass on the Triton backend).
 
 Tolerance: fp32 inputs; the ranks' statistics are combined in another order than one process sums
 them (a log-sum-exp of per-block log-sum-exps, a sum of per-block dz W products): a few ulp of each
