@@ -116,6 +116,10 @@ def test_tiny_cli_run_json(tiny_run):
     assert "needs a CUDA device" in skipped[("verl", "fused_grpo")]
     assert ("verl", "loss_head") not in skipped  # verl's loss code itself runs on CPU
     assert "torch.compile on CPU" in skipped[("torch-compile", "fused_grpo")]
+    # the vocabulary-parallel provider ran (parity-checked above) on a 1-rank group, and says so
+    tp_rows = [r for r in report["results"] if r["provider"] == "grpo_kernels-tp"]
+    assert {r["op"] for r in tp_rows} == {"logprobs", "logprobs_grad", "fused_grpo"}
+    assert all("TP = 1" in r["impl"] for r in tp_rows), [r["impl"] for r in tp_rows]
 
 
 @pytest.mark.slow
