@@ -104,6 +104,8 @@ def fused_linear_logprobs(
     softcap, logit_scale: the model's logit transform before the temperature, z = softcap *
     tanh(logit_scale * x / softcap) / temperature (Gemma 2 / 3 final_logit_softcapping; without a cap
     z = logit_scale * x / temperature, Granite's 1 / logits_scaling), x = hidden @ weight.T + bias.
+    With a softcap a -inf bias no longer forbids a token: tanh(-inf) = -1 gives it the finite logit
+    -softcap / temperature, as in transformers' Gemma forward.
     """
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
