@@ -35,6 +35,20 @@ def close(got, expected, scale=None):
     return interpreter_runner.close(got, expected, TOL, scale)
 
 
+def assert_matches_torch(r: dict, logprobs: bool = True) -> None:
+    """A report entry of the Triton run equals the PyTorch backend: loss, gradients, log-probs, metrics."""
+    assert "error" not in r and "refused" not in r, r
+    got, expected = r["loss"]
+    assert close(got, expected), f"loss: triton {got!r}, torch {expected!r}"
+    for label, (got, expected, index, scale) in r["grads"].items():
+        assert close(got, expected, scale), f"grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
+    if logprobs:
+        got, expected, index, scale = r["logprobs"]
+        assert close(got, expected), f"logprobs at {index}: triton {got}, torch {expected}"
+    for key, (got, expected) in r["metrics"].items():
+        assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
+
+
 @pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -43,15 +57,7 @@ def test_fused_triton_matches_torch(name, layout, schedule, report):
     if schedule == "one_pass" and CONFIGS[name].needs_global_statistics:
         assert "needs statistics of the whole batch" in r.get("refused", ""), r
         return
-    assert "error" not in r and "refused" not in r, r
-    got, expected = r["loss"]
-    assert close(got, expected), f"loss: triton {got!r}, torch {expected!r}"
-    for label, (got, expected, index, scale) in r["grads"].items():
-        assert close(got, expected, scale), f"grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
-    got, expected, index, scale = r["logprobs"]
-    assert close(got, expected), f"logprobs at {index}: triton {got}, torch {expected}"
-    for key, (got, expected) in r["metrics"].items():
-        assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
+    assert_matches_torch(r)
     calls = r["backward_calls"]
     if schedule == "one_pass":  # C reads the logits A kept: 3 GEMM units, no recomputation
         assert calls["stored"] >= 2 and calls["recomputed"] == 0, calls
@@ -72,13 +78,7 @@ def test_one_pass_cuts_long_completions_of_token_local_objectives(name, report):
     if not cfg.token_local:
         assert "is not token-local" in r.get("refused", ""), r
         return
-    assert "error" not in r and "refused" not in r, r
-    got, expected = r["loss"]
-    assert close(got, expected), f"loss: triton {got!r}, torch {expected!r}"
-    for label, (got, expected, index, scale) in r["grads"].items():
-        assert close(got, expected, scale), f"grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
-    for key, (got, expected) in r["metrics"].items():
-        assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
+    assert_matches_torch(r, logprobs=False)
     assert r["backward_calls"] == {"stored": 8, "recomputed": 0}, r["backward_calls"]
 
 
