@@ -420,8 +420,9 @@ def edge_grpo(
             included; here padding is always excluded).
         epsilon: 1e-4, the authors' TRL-based code.
 
-    Paper: EDGE-GRPO (arXiv:2507.21848), Entropy-Driven Advantage. Guided Error Correction changes sampling,
-        not the advantage, and is not implemented.
+    Paper: EDGE-GRPO (arXiv:2507.21848), Entropy-Driven Advantage. Guided Error Correction changes the
+        samples, not the advantage: it is the trainer's ``edge_gec`` rollout hook
+        (``grpo_kernels.trainer.EdgeGuidedErrorCorrection``, the paper's 50/25/25 split).
     Peer: — (not in TRL or verl).
     """
     check_choice("entropy_normalizer", entropy_normalizer, ENTROPY_NORMALIZERS)

@@ -12,7 +12,7 @@ from .config import PRESETS, TrainConfig
 from .hooks import EdgeGuidedErrorCorrection, GFPOFilter, HookContext, LoptiStages, RolloutHook
 from .rollout import Rollouts
 from .task import REWARDS, TASKS, Task
-from .trainer import TrainingError, TrainResult, train
+from .trainer import TrainingError, TrainingInterrupted, TrainResult, train
 
 __all__ = [
     "PRESETS",
@@ -28,5 +28,6 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainingError",
+    "TrainingInterrupted",
     "train",
 ]

@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)  # unknown options and bad values: usage + exit 2
     try:
         config, resume = config_from_args(args)
-        from .trainer import TrainingError, train
+        from .trainer import TrainingError, TrainingInterrupted, train
     except (ValueError, FileNotFoundError) as exc:
         print(f"grpo-kernels train: error: {exc}", file=sys.stderr)
         return 2
@@ -157,10 +157,14 @@ def main(argv: list[str]) -> int:
     except TrainingError as exc:
         print(f"grpo-kernels train: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            "\ninterrupted; continue from the last checkpoint with: grpo-kernels train --resume RUN_DIR",
-            file=sys.stderr,
-        )
+    except TrainingInterrupted as stop:
+        if stop.step > 0:
+            where = f"checkpoint at step {stop.step}; continue with: grpo-kernels train --resume {stop.run_dir}"
+        else:
+            where = f"no step completed, nothing to resume ({stop.run_dir} holds no checkpoint)"
+        print(f"\ninterrupted; {where}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the run folder existed (model loading)
+        print("\ninterrupted before the first step", file=sys.stderr)
         return 130
     return 0

@@ -3,9 +3,10 @@
 A hook may rewrite or drop rows after scoring (`after_scoring`), ask for more samples per prompt
 (`sample_multiplier`), or split the update into stages with different loss settings (`update_stages`).
 
-    edge_gec  EDGE-GRPO guided error correction: wrong completions are corrected (re-prompted or rewritten)
+    edge_gec  EDGE-GRPO guided error correction: wrong completions are corrected (reflection, hint, replace)
     gfpo      GFPO: sample `oversample` x group_size completions, keep the group_size best by a metric
     lopti     Lopti: one update on low-probability tokens, then one on the others
+    two_rollouts  2-GRPO: groups of two, pairs with equal rewards dropped before the update
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import gfpo_filter
+from ..advantages import gfpo_filter, two_rollout_contrastive
 from ..config import PolicyLossConfig
 from .rollout import Rollouts
 
@@ -53,44 +54,77 @@ class RolloutHook:
 
 
 class EdgeGuidedErrorCorrection(RolloutHook):
-    """EDGE-GRPO guided error correction (arXiv:2507.21848; authors' code ZhangXJ199/EDGE-GRPO).
+    """EDGE-GRPO guided error correction (arXiv:2507.21848 §3.3; authors' code ZhangXJ199/EDGE-GRPO).
 
-    Each wrong completion (reward < correct_reward) is corrected with probability `p_correct`:
-      * guidance (always available): the completion is rewritten to
-        `guidance.format(answer=..., completion=...)` + EOS. "{answer}" is the authors' reference-solution
-        branch; their hint branch is "{completion}\\nWait! Something is wrong here. After verification, the
-        correct answer is \\\\boxed{{{answer}}}."
-      * reflection (when `reflection` is set, half of the corrections, as in the authors' code): the
-        completion without its EOS, then `reflection` (e.g. " Wait! Something is wrong here."), then the
-        policy continues sampling.
-    The corrected rows are scored again. They were not sampled from the policy as a whole, which is the
-    method's point (advantage diversity in all-wrong groups); the loss treats them as on-policy samples.
+    Each wrong completion (reward < correct_reward) is corrected with probability `p_correct`, by one of
+    three branches drawn with the weights `split` (the paper: 50% / 25% / 25%):
+      * reflect: the completion without its EOS, then `reflection` (the paper: " Wait! Something is wrong
+        here."), then the policy continues sampling;
+      * hint: rewritten to `hint.format(completion=..., answer=...)` + EOS, the reflection followed by the
+        correct answer (the paper: "{completion} Wait! Something is wrong here. After verification, the
+        correct answer is \\boxed{{{answer}}}.");
+      * replace: rewritten to `guidance.format(answer=..., completion=...)` + EOS, the reference solution.
+    A branch whose text is None is not drawn; the others share its weight in proportion. With the defaults
+    (no reflection, no hint) every correction replaces. The corrected rows are scored again. They were not
+    sampled from the policy as a whole, which is the method's point (advantage diversity in all-wrong
+    groups); the loss treats them as on-policy samples.
     """
 
-    def __init__(self, p_correct: float = 0.5, guidance: str = "{answer}", reflection: str | None = None):
+    BRANCHES = ("reflect", "hint", "replace")
+
+    def __init__(
+        self,
+        p_correct: float = 0.5,
+        guidance: str = "{answer}",
+        reflection: str | None = None,
+        hint: str | None = None,
+        split: list | tuple = (0.5, 0.25, 0.25),
+    ):
         if not 0 < p_correct <= 1:
             raise ValueError(f"edge_gec: p_correct must be in (0, 1], got {p_correct!r}")
-        try:
-            guidance.format(answer="", completion="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"edge_gec: guidance may use only {{answer}} and {{completion}} ({exc!r})"
-            ) from None
-        self.p_correct, self.guidance, self.reflection = p_correct, guidance, reflection
+        for name, template in (("guidance", guidance), ("hint", hint)):
+            try:
+                None if template is None else template.format(answer="", completion="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"edge_gec: {name} may use only {{answer}} and {{completion}} ({exc!r})"
+                ) from None
+        if (
+            not isinstance(split, (list, tuple))
+            or len(split) != 3
+            or not all(isinstance(w, (int, float)) and w >= 0 for w in split)
+        ):
+            raise ValueError(f"edge_gec: split must be 3 weights >= 0 (reflect, hint, replace), got {split!r}")
+        available = (reflection is not None, hint is not None, True)
+        weights = [float(w) if ok else 0.0 for w, ok in zip(split, available)]
+        if sum(weights) == 0:
+            raise ValueError(f"edge_gec: split {split} gives no weight to an available branch")
+        self.p_correct, self.guidance, self.reflection, self.hint = p_correct, guidance, reflection, hint
+        self.weights = [w / sum(weights) for w in weights]  # normalised over the available branches
+
+    def choose_branches(self, count: int, generator: torch.Generator) -> list[str]:
+        """One branch per corrected row, drawn with self.weights."""
+        if count == 0:
+            return []
+        draws = torch.multinomial(torch.tensor(self.weights), count, replacement=True, generator=generator)
+        return [self.BRANCHES[i] for i in draws.tolist()]
 
     def after_scoring(self, rollouts, ctx):
         wrong = [i for i, r in enumerate(rollouts.rewards.tolist()) if r < ctx.correct_reward]
         draws = torch.rand(len(wrong), generator=ctx.generator).tolist()
         corrected = [i for i, u in zip(wrong, draws) if u < self.p_correct]
+        stats = {f"edge_gec/{b}_fraction": 0.0 for b in self.BRANCHES}
         if not corrected:
-            return rollouts, {"edge_gec/corrected_fraction": 0.0}
-        branch = torch.rand(len(corrected), generator=ctx.generator).tolist()
-        reflect = [i for i, u in zip(corrected, branch) if self.reflection is not None and u < 0.5]
-        guide = [i for i in corrected if i not in set(reflect)]
+            return rollouts, {"edge_gec/corrected_fraction": 0.0, **stats}
+        branch = dict(zip(corrected, self.choose_branches(len(corrected), ctx.generator)))
+        reflect = [i for i in corrected if branch[i] == "reflect"]
 
         new_tokens, truncated = {}, {}
-        for i in guide:
-            text = self.guidance.format(answer=rollouts.answers[i], completion=rollouts.completions[i])
+        for i in corrected:
+            if branch[i] == "reflect":
+                continue
+            template = self.hint if branch[i] == "hint" else self.guidance
+            text = template.format(answer=rollouts.answers[i], completion=rollouts.completions[i])
             new_tokens[i], truncated[i] = ctx.encode(text) + [ctx.eos_id], False
         if reflect:
             heads = [
@@ -110,7 +144,9 @@ class EdgeGuidedErrorCorrection(RolloutHook):
             [ctx.decode(new_tokens[i]) for i in rows],
             [truncated[i] for i in rows],
         )
-        return ctx.score(rollouts), {"edge_gec/corrected_fraction": len(rows) / len(rollouts)}
+        for b in self.BRANCHES:
+            stats[f"edge_gec/{b}_fraction"] = sum(branch[i] == b for i in rows) / len(rollouts)
+        return ctx.score(rollouts), {"edge_gec/corrected_fraction": len(rows) / len(rollouts), **stats}
 
 
 def _without_eos(tokens: list[int], truncated: bool) -> list[int]:
@@ -156,10 +192,20 @@ class LoptiStages(RolloutHook):
         ]
 
 
+class TwoRolloutPairs(RolloutHook):
+    """2-GRPO (arXiv:2510.00977): groups of two rollouts; a pair with equal rewards carries no signal (its
+    advantages are 0) and is dropped before the update, which saves its forward and backward."""
+
+    def after_scoring(self, rollouts, ctx):
+        kept = two_rollout_contrastive(rollouts.rewards, rollouts.group_index).kept
+        return rollouts.select(kept.tolist()), {"two_rollouts/kept_fraction": len(kept) / len(rollouts)}
+
+
 HOOKS: dict[str, type[RolloutHook]] = {
     "edge_gec": EdgeGuidedErrorCorrection,
     "gfpo": GFPOFilter,
     "lopti": LoptiStages,
+    "two_rollouts": TwoRolloutPairs,
 }
 
 

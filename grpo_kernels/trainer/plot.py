@@ -1,19 +1,47 @@
-"""The run's learning curves, one PNG: reward, completion length, entropy, KL, clip fraction, grad norm."""
+"""The run's learning curves, one PNG: reward (with a random-policy baseline), completion length,
+entropy, KL (named by its estimator) or what replaces it, clip fraction, grad norm.
+
+Each curve is drawn raw (faint) and smoothed (a trailing mean over `smooth` steps), so a trend reads at a
+glance on a noisy small-batch run.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import dataclass
 
-PANELS = (  # (title, [(metric, label)], y-axis note)
-    ("reward", [("reward", "mean reward"), ("solved", "solved fraction")]),
-    ("completion length (tokens, EOS included)", [("completion_length", "mean")]),
-    ("entropy (nats / token)", [("entropy", "policy entropy")]),
-    ("KL to the reference", [("kl", "kl")]),
-    ("clip fraction", [("clip_ratio/region_mean", "clipped tokens")]),
-    ("grad norm (before clipping)", [("grad_norm", "global norm")]),
-)
+
+@dataclass(frozen=True)
+class PlotInfo:
+    """What the plot says about the run besides its metrics."""
+
+    title: str
+    kl_estimator: str | None = None  # None: no KL term in this run (no KL panel)
+    dynamic_sampling: bool = False  # a panel of the sampling rounds each step took
+    random_reward: float | None = None  # the task reward of uniformly random completions (a dashed line)
+    smooth: int = 10  # trailing-mean window, in steps
+
+
+def panels(info: PlotInfo) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(title, [(metric, label)]) of the panels of this run: six, or seven with dynamic sampling and KL."""
+    chosen = [
+        ("reward", [("reward", "mean reward"), ("solved", "solved fraction")]),
+        ("completion length (tokens, EOS included)", [("completion_length", "mean")]),
+        ("entropy (nats / token)", [("entropy", "policy entropy")]),
+    ]
+    if info.kl_estimator is not None:
+        chosen.append((f"KL to the reference ({info.kl_estimator} estimator)", [("kl", "kl")]))
+    if info.dynamic_sampling:
+        chosen.append(("dynamic sampling: rounds per step", [("sampling_rounds", "rounds")]))
+    if len(chosen) == 3:  # neither: the tokens each step trained on
+        chosen.append(("tokens trained per step", [("tokens", "tokens")]))
+    chosen += [
+        ("clip fraction", [("clip_ratio/region_mean", "clipped tokens")]),
+        ("grad norm (before clipping)", [("grad_norm", "global norm")]),
+    ]
+    return chosen
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -23,15 +51,32 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(metrics_path: str, png_path: str, title: str) -> None:
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """out[i] = mean(values[max(0, i - window + 1) .. i])."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_metrics(metrics_path: str, png_path: str, info: PlotInfo | str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    if isinstance(info, str):
+        info = PlotInfo(title=info)
     rows = read_metrics(metrics_path)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
-    for ax, (panel_title, series) in zip(axes.flat, PANELS):
+    chosen = panels(info)
+    columns = math.ceil(len(chosen) / 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7.5), constrained_layout=True)
+    for ax in axes.flat[len(chosen):]:
+        ax.set_visible(False)
+    for ax, (panel_title, series) in zip(axes.flat, chosen):
         ax.set_title(panel_title, fontsize=11)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -44,8 +89,14 @@ def plot_metrics(metrics_path: str, png_path: str, title: str) -> None:
             ]
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, label=label, linewidth=1.4)
+                (line,) = ax.plot(steps, values, linewidth=0.8, alpha=0.35)
+                smooth = trailing_mean(list(values), info.smooth) if len(values) > info.smooth else values
+                suffix = f" ({info.smooth}-step mean)" if len(values) > info.smooth else ""
+                ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6, label=label + suffix)
                 drawn = True
+        if panel_title == "reward" and info.random_reward is not None:
+            ax.axhline(info.random_reward, color="gray", linestyle="--", linewidth=1.0,
+                       label=f"random policy ({info.random_reward:.3f})")  # fmt: skip
         if not drawn:
             ax.text(
                 0.5,
@@ -56,9 +107,9 @@ def plot_metrics(metrics_path: str, png_path: str, title: str) -> None:
                 transform=ax.transAxes,
                 color="gray",
             )
-        elif len(series) > 1:
-            ax.legend(fontsize=9)
-    fig.suptitle(title, fontsize=12)
+        if drawn:
+            ax.legend(fontsize=8)
+    fig.suptitle(info.title, fontsize=12)
     partial = png_path + ".partial.png"
     fig.savefig(partial, dpi=110)
     plt.close(fig)

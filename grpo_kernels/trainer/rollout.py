@@ -25,7 +25,13 @@ class Rollouts:
     completions: list[str]  # [B] completion text before the first EOS (what the reward sees)
     truncated: list[bool]  # [B] no EOS within the generation budget
     rollout_logprobs: list[list[float]] | None = None  # [B] the sampler's log-prob of each completion token
-    rewards: torch.Tensor | None = None  # [B] fp32, set by scoring
+    rewards: torch.Tensor | None = None  # [B] fp32 training reward (after shaping), set by scoring
+    task_rewards: torch.Tensor | None = None  # [B] fp32 the first reward function's value (solved, logs)
+    reward_components: torch.Tensor | None = None  # [B, K] fp32 each reward function (multi-reward methods)
+    # multi-turn episodes (None for one-turn tasks): the completion interleaves policy turns and tool output
+    turn_ids: list[list[int]] | None = None  # [B] per completion token: its turn 0..K-1, -1 for tool output
+    turn_rewards: torch.Tensor | None = None  # [B, K] fp32 reward of each policy turn
+    state_keys: list[list[str]] | None = None  # [B] per turn: the environment state the turn started from
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -73,6 +79,8 @@ class Rollouts:
             truncated=flags,
             rollout_logprobs=None,
             rewards=None,
+            task_rewards=None,
+            reward_components=None,
         )
 
     @property
@@ -105,8 +113,10 @@ class PaddedBatch:
     prompt_ids: torch.Tensor  # [B, P] int64
     prompt_mask: torch.Tensor  # [B, P] bool
     completion_ids: torch.Tensor  # [B, C] int64
-    completion_mask: torch.Tensor  # [B, C] bool: the completion's tokens, its EOS included
+    completion_mask: torch.Tensor  # [B, C] bool: the completion's tokens, its EOS included (attention)
     rollout_logprobs: torch.Tensor | None  # [B, C] fp32 (0 on padding) or None
+    loss_mask: torch.Tensor | None = None  # [B, C] bool: the tokens the policy is trained on (see build)
+    turn_ids: torch.Tensor | None = None  # [B, C] int64 turn of each token, -1 for tool output / padding
     advantages: torch.Tensor | None = None  # [B] or [B, C]
     old_logprobs: torch.Tensor | None = None  # [B, C]; None: on-policy (one update per batch)
     ref_logprobs: torch.Tensor | None = None  # [B, C]; None: no KL term
@@ -118,16 +128,29 @@ class PaddedBatch:
         logprobs = None
         if rollouts.rollout_logprobs is not None:
             logprobs = _pad(rollouts.rollout_logprobs, 0.0, left=False, dtype=torch.float32)[0].to(device)
+        turn_ids, loss_mask = None, completion_mask  # one turn: every completion token is the policy's
+        if rollouts.turn_ids is not None:  # tool output is attended to, but is not the policy's to learn
+            turn_ids = _pad(rollouts.turn_ids, -1, left=False)[0]
+            loss_mask = completion_mask & (turn_ids >= 0)
+            turn_ids = turn_ids.to(device)
         return PaddedBatch(
             prompt_ids.to(device),
             prompt_mask.to(device),
             completion_ids.to(device),
             completion_mask.to(device),
             logprobs,
+            loss_mask.to(device),
+            turn_ids,
         )
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> PaddedBatch:
+        """The rows `rows` (int64 [b], ascending) of every per-row tensor (CPPO pruning)."""
+        return PaddedBatch(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)}
+        )
 
 
 def _pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:

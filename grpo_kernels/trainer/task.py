@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .multiturn import LOOKUP_ENVIRONMENT, Environment, make_lookup
+
 
 def token_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """Position-wise share of correct whitespace-separated tokens, over the longer of answer and completion:
@@ -35,7 +37,17 @@ def exact_match(prompts: list[str], completions: list[str], answers: list[str]) 
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
 
 
-REWARDS: dict[str, Callable] = {"token_match": token_match, "exact_match": exact_match}
+def length_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """1 if the completion has as many words as the answer, else 0: a format reward (a second objective for
+    the multi-reward methods)."""
+    return [float(len(c.split()) == len(a.split())) for c, a in zip(completions, answers)]
+
+
+REWARDS: dict[str, Callable] = {
+    "token_match": token_match,
+    "exact_match": exact_match,
+    "length_match": length_match,
+}
 
 
 def resolve_reward(spec: str) -> Callable:
@@ -67,6 +79,12 @@ class Task:
     max_new_tokens: int  # default generation budget (answer + EOS, with no slack)
     num_prompts: int  # distinct prompts the task can draw
     description: str
+    environment: Environment | None = None  # multi-turn tasks: the replies and turn rewards (multiturn.py)
+    words: frozenset[str] | None = None  # every word of its prompts and answers, when known in advance
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.environment is not None
 
     def sample(self, generator: torch.Generator, n: int, exclude: set[str]) -> tuple[list[str], list[str]]:
         """Up to n prompts, distinct and not in `exclude` (a prompt is one group per step: DCPO's running
@@ -108,6 +126,15 @@ TASKS: dict[str, Task] = {
     "max": Task(
         "max", _max, "token_match", 2, 10_000, "the largest of four digits: '3 1 4 1 =' -> '4' <eos>"
     ),
+    "lookup": Task(
+        "lookup",
+        make_lookup,
+        "exact_match",
+        3,
+        100,
+        "two turns with a tool: '3 1 =' -> call '3 1' <eos>, the tool replies '+ 7 =', answer '7' <eos>",
+        environment=LOOKUP_ENVIRONMENT,
+    ),
 }
 
 
@@ -135,16 +162,30 @@ def jsonl_task(path: str) -> Task:
 
     num_prompts = len({prompt for prompt, _ in examples})
     description = f"{len(examples)} examples ({num_prompts} distinct prompts) from {path}"
-    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description)
+    words = frozenset(w for pair in examples for text in pair for w in text.split())
+    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description, words=words)
 
 
 def resolve_task(spec: str) -> Task:
+    """A built-in task, a .jsonl file, or "package.module:name" (a Task, or a function returning one:
+    how your own environment plugs in, see multiturn.py)."""
     if spec in TASKS:
         return TASKS[spec]
     if spec.endswith(".jsonl"):
         return jsonl_task(spec)
+    if ":" in spec:
+        module_name, _, attribute = spec.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"task {spec!r}: cannot load {attribute!r} from {module_name!r} ({exc})") from None
+        task = found() if callable(found) and not isinstance(found, Task) else found
+        if not isinstance(task, Task):
+            raise ValueError(f"task {spec!r} is a {type(task).__name__}, not a grpo_kernels Task")
+        return task
     raise ValueError(
-        f"unknown task {spec!r}; use one of {sorted(TASKS)} or a .jsonl file of prompt/answer lines"
+        f"unknown task {spec!r}; use one of {sorted(TASKS)}, a .jsonl file of prompt/answer lines, "
+        "or package.module:make_task"
     )
 
 

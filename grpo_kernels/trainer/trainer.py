@@ -29,20 +29,30 @@ import torch
 
 from .. import advantages as gk_advantages
 from .._backend import resolve_backend
+from ..advantages import registry as advantage_registry
 from ..advantages.stateful import SmoothAdvantageStandardizer
 from ..functional import fused_linear_grpo_loss, fused_linear_logprobs
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .config import EPISODE_OPTIONS, TrainConfig
 from .distributed import DistContext, FSDPState, LossModule, ShardedSampler, init_from_env, launched_by_torchrun
 from .hooks import HookContext, make_hook
-from .model import eos_token_ids, lm_head_params, load_policy
-from .plot import plot_metrics, read_metrics
+from .model import EMBEDDED_VOCAB, eos_token_ids, lm_head_params, load_policy
+from .multiturn import generate_episodes
+from .plot import PlotInfo, plot_metrics, read_metrics
 from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler
-from .task import check_rewards, resolve_reward, resolve_task
+from .task import REWARDS, check_rewards, resolve_reward, resolve_task
 
 
 class TrainingError(RuntimeError):
     """A failure during the run caused by user code or data (a reward function that raises or returns NaN)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: the steps completed so far are checkpointed and plotted; `run_dir` resumes."""
+
+    def __init__(self, run_dir: str, step: int):
+        super().__init__(f"interrupted after step {step}")
+        self.run_dir, self.step = run_dir, step
 
 
 @dataclass
@@ -100,12 +110,17 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             f"task {task.name!r} has {task.num_prompts} distinct prompts, fewer than "
             f"prompts_per_step={config.prompts_per_step}"
         )
-    reward_name = config.reward or task.reward
-    reward_fn = resolve_reward(reward_name)
-    max_new_tokens = config.max_new_tokens or task.max_new_tokens
-    loss_config = config.loss_config(max_new_tokens)
+    reward_names = config.reward_names or [task.reward]
+    reward_fns = [resolve_reward(name) for name in reward_names]
+    reward_name = ",".join(reward_names)
+    max_new_tokens = config.max_new_tokens or task.max_new_tokens  # DAPO's expected length with a cache
+    budget = max_new_tokens + (config.overlong_cache or 0)  # tokens generated at most (per turn)
+    loss_config = config.loss_config(budget)
     hook = make_hook(config.hook, config.hook_options)
     updates = hook.update_stages(loss_config) * config.num_iterations  # one optimizer step each
+    _check_task(config, task)
+    _check_advantage_options(config, task)
+    backend_description = _describe_backend(config.backend, device)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     policy, tokenizer, model_description = load_policy(config.model, config.seed)
@@ -121,7 +136,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
     # ---- the training state: policy, reference, optimizer, estimator state, random generators --------
     reference = None
-    if loss_config.needs_reference:  # KL to a frozen copy of the initial policy (log-probs only, no grad)
+    if loss_config.needs_reference or config.kl_in_reward:  # a frozen copy of the initial policy (no grad)
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     betas = (config.adam_beta1, config.adam_beta2)
 
@@ -166,25 +181,32 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     def decode(tokens: list[int]) -> str:  # the text the reward sees: the completion before its EOS
         return tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=False)
 
-    def score(rollouts: Rollouts) -> Rollouts:
+    def score_one(name, fn, rollouts: Rollouts) -> torch.Tensor:
         kept_note = f"the run folder {run_dir} keeps the steps completed before the failure"
         try:
-            values = reward_fn(
-                prompts=rollouts.prompts, completions=rollouts.completions, answers=rollouts.answers
-            )
-            rewards = check_rewards(values, len(rollouts), reward_name)
+            values = fn(prompts=rollouts.prompts, completions=rollouts.completions, answers=rollouts.answers)
+            rewards = check_rewards(values, len(rollouts), name)
         except Exception as exc:
-            message = f"reward function {reward_name!r} failed: {type(exc).__name__}: {exc}\n{kept_note}"
+            message = f"reward function {name!r} failed: {type(exc).__name__}: {exc}\n{kept_note}"
             raise TrainingError(message) from exc
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
             raise TrainingError(
-                f"reward function {reward_name!r} returned {rewards[i].item()} for {len(bad)} "
+                f"reward function {name!r} returned {rewards[i].item()} for {len(bad)} "
                 f"completion(s), e.g. prompt {rollouts.prompts[i]!r}, completion "
                 f"{rollouts.completions[i]!r}; rewards must be finite\n{kept_note}"
             )
-        return dataclasses.replace(rollouts, rewards=rewards)
+        return rewards
+
+    def score(rollouts: Rollouts) -> Rollouts:
+        """Every reward function on the rows, then the shaping of the config (the training reward)."""
+        components = torch.stack([score_one(n, fn, rollouts) for n, fn in zip(reward_names, reward_fns)], 1)
+        task_rewards = components[:, 0]
+        rewards = _shape_rewards(config, rollouts, components, budget, max_new_tokens)
+        return dataclasses.replace(
+            rollouts, rewards=rewards, task_rewards=task_rewards, reward_components=components
+        )
 
     hook_context = HookContext(
         generate=sampler.generate,
@@ -192,109 +214,37 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
         decode=decode,
         eos_id=eos_ids[0],
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=budget,
         group_size=config.group_size,
         correct_reward=config.correct_reward,
         generator=hook_generator,
     )
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     plot_path = os.path.join(run_dir, "metrics.png")
-    plot_title = f"{model_description} | task {task.name} | preset {config.preset}"
+    plot_info = PlotInfo(
+        title=f"{model_description} | task {task.name} | preset {config.preset}",
+        kl_estimator=loss_config.kl_estimator if loss_config.kl_coef > 0 else None,
+        dynamic_sampling=config.dynamic_sampling,
+        random_reward=(  # built-in rewards only: a user's reward function may cost (a judge model, an API)
+            _random_policy_reward(task, reward_fns[0], tokenizer, eos_ids, budget, config.seed)
+            if reward_names[0] in REWARDS else None
+        ),
+    )
     num_parameters = sum(p.numel() for p in policy.parameters())
     log(f"model: {model_description}, {num_parameters:,} parameters, on {device}")
     log(f"task: {task.name} ({task.description}); reward: {reward_name}; preset: {config.preset}")
     dtype_name = str(compute.dtype).removeprefix("torch.")
-    log(f"loss: {_describe_backend(config.backend, device)}; compute dtype {dtype_name}")
+    log(f"loss: {backend_description}; compute dtype {dtype_name}")
     log(f"run folder: {run_dir}")
     started = time.time()
     bar = _progress_bar(start_step, config.steps, progress)
 
-    for step in range(start_step + 1, config.steps + 1):
-        step_started = time.time()
-        warmup = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
-        for group in optimizer.param_groups:  # linear warmup, then constant
-            group["lr"] = config.lr * warmup
+    last_saved = start_step
 
-        # 1-2. rollouts and rewards (the hook and dynamic sampling act here)
-        if ctx is not None:
-            sampler.begin_step(step)
-        sampler.sync_weights(policy)
-        rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
-            config, task, tokenizer, sampler, hook, hook_context, prompt_generator
-        )
-        record = {
-            "step": step,
-            "reward": sampled_rewards.mean().item(),  # the policy's own samples, before hook and filters
-            "reward_std": sampled_rewards.std().item(),
-            "solved": (sampled_rewards >= config.correct_reward).float().mean().item(),
-            **rollout_stats,
-        }
-        if rollouts is None:
-            record["skipped"] = 1  # dynamic sampling found no informative group within max_sampling_rounds
-        else:
-            batch = rollouts.tensors(tokenizer.pad_token_id, device)
-            rewards = rollouts.rewards.to(device)  # [B]
-            lengths = batch.completion_mask.sum(1)  # [B] completion tokens, EOS included
-            record.update(
-                reward_trained=rewards.mean().item(),
-                sequences=len(rollouts),
-                tokens=int(lengths.sum()),
-                completion_length=lengths.float().mean().item(),
-                truncated=sum(rollouts.truncated) / len(rollouts),
-            )
-
-            # 3. per-token log-probs [B, C] without grad: old policy, reference, entropy for the estimator
-            spec = gk_advantages.get(config.advantage)
-            need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
-            entropy = None
-            if need_old or need_entropy:
-                logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx)
-                batch.old_logprobs = logprobs if need_old else None
-            if reference is not None:
-                batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx)
-
-            # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
-            from_batch = {
-                "entropy": entropy,
-                "mask": batch.completion_mask,
-                "lengths": lengths.float(),
-                "correct": rewards >= config.correct_reward,
-                "prompt_keys": rollouts.prompt_keys,
-                "state": estimator_state,
-            }
-            options = {k: v for k, v in from_batch.items() if k in spec.options} | config.advantage_options
-            group_index = rollouts.group_index.to(device)
-            batch.advantages = gk_advantages.estimate(config.advantage, rewards, group_index, **options)
-
-            # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
-            update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module)
-                              for stage in updates]  # fmt: skip
-            for key in update_metrics[0]:
-                record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
-
-        if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
-            if fsdp is not None:
-                fsdp.pull()
-            # ProRL: the reference becomes the current policy,
-            reference.load_state_dict((fsdp.mirror if fsdp is not None else policy).state_dict())
-            optimizer.state.clear()  # and the optimizer starts afresh
-            record["ref_reset"] = 1
-        record["lr"] = optimizer.param_groups[0]["lr"]
-        record["step_time_s"] = time.time() - step_started
-        record["elapsed_s"] = time.time() - started
-        if ctx is not None:
-            record["processes"] = ctx.world
-        if main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip"}
-        bar.set_postfix({name: f"{record[k]:.3f}" for k, name in shown.items() if k in record}, refresh=False)
-        bar.update(1)
-
-        saving = step % config.save_every == 0 or step == config.steps
-        if saving and fsdp is not None:
+    def save(step: int) -> None:  # every rank calls it (FSDP gathers); rank 0 writes
+        if fsdp is not None:
             fsdp.pull()  # every rank: the full model and optimizer state into the mirror
-        if saving and main:
+        if main:
             rng_tensors, python_rng = ckpt.capture_rng(prompt_generator, hook_generator)
             state = {
                 "step": step,
@@ -311,9 +261,47 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                 state=state,
             )
             ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
-            plot_metrics(metrics_path, plot_path, plot_title)
-        if ctx is not None and saving:
+            plot_metrics(metrics_path, plot_path, plot_info)
+        if ctx is not None:
             ctx.barrier()  # the checkpoint is on disk before any rank goes on (or resumes from it)
+
+    with _StopAfterStep(enabled=ctx is None, log=log) as stop:
+        for step in range(start_step + 1, config.steps + 1):
+            try:
+                record = _train_step(
+                    step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy,
+                    reference, optimizer, updates, compute, ctx, loss_module, estimator_state, budget,
+                )  # fmt: skip
+            except KeyboardInterrupt:  # the second Ctrl-C: stop now, mid-step (nothing of it is kept)
+                bar.close()
+                if os.path.isfile(metrics_path) and main:
+                    plot_metrics(metrics_path, plot_path, plot_info)
+                raise TrainingInterrupted(run_dir, last_saved) from None
+            if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
+                if fsdp is not None:
+                    fsdp.pull()
+                # ProRL: the reference becomes the current policy,
+                reference.load_state_dict((fsdp.mirror if fsdp is not None else policy).state_dict())
+                optimizer.state.clear()  # and the optimizer starts afresh
+                record["ref_reset"] = 1
+            record["lr"] = optimizer.param_groups[0]["lr"]
+            record["elapsed_s"] = time.time() - started
+            if ctx is not None:
+                record["processes"] = ctx.world
+            if main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip"}
+            bar.set_postfix({n: f"{record[k]:.3f}" for k, n in shown.items() if k in record}, refresh=False)
+            bar.update(1)
+            if step % config.save_every == 0 or step == config.steps or stop.requested:
+                with stop.deferred():  # a checkpoint is written whole
+                    save(step)
+                last_saved = step
+            if stop.requested and step < config.steps:
+                bar.close()
+                log(f"stopped after step {step} (Ctrl-C); checkpoint and plot written")
+                raise TrainingInterrupted(run_dir, step)
     bar.close()
 
     final_dir = os.path.join(run_dir, "final_model")
@@ -325,13 +313,287 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     if metrics:
         first, last, window = metrics[0], metrics[-1], metrics[-10:]
         window_mean = sum(m["reward"] for m in window) / len(window)
+        solved_mean = sum(m["solved"] for m in window) / len(window)
         log(
             f"reward {first['reward']:.3f} at step {first['step']} -> {last['reward']:.3f} at step "
-            f"{last['step']} (mean of the last {len(window)} steps {window_mean:.3f}); "
+            f"{last['step']} (mean of the last {len(window)} steps {window_mean:.3f}); solved "
+            f"{first['solved']:.2f} -> {last['solved']:.2f} (last {len(window)}: {solved_mean:.2f}); "
             f"{time.time() - started:.0f} s"
         )
         log(f"plot: {plot_path}\nmetrics: {metrics_path}\nmodel: {final_dir}")
     return TrainResult(run_dir, metrics, policy, tokenizer)
+
+
+def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy, reference,
+                optimizer, updates, compute, ctx, loss_module, estimator_state, budget) -> dict:  # fmt: skip
+    """One step: rollouts, rewards, log-probs, advantages, the updates. Returns the step's metrics."""
+    device = compute.device
+    step_started = time.time()
+    warmup = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+    for group in optimizer.param_groups:  # linear warmup, then constant
+        group["lr"] = config.lr * warmup
+
+    # 1-2. rollouts and rewards (the hook and dynamic sampling act here)
+    if ctx is not None:
+        sampler.begin_step(step)
+    sampler.sync_weights(policy)
+    rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
+        config, task, tokenizer, sampler, hook, hook_context, prompt_generator
+    )
+    record = {
+        "step": step,
+        "reward": sampled_rewards.mean().item(),  # the task reward of the policy's own samples
+        "reward_std": sampled_rewards.std().item(),
+        "solved": (sampled_rewards >= config.correct_reward).float().mean().item(),
+        **rollout_stats,
+    }
+    if rollouts is None:
+        record["skipped"] = 1  # dynamic sampling found no informative group within max_sampling_rounds
+        record["step_time_s"] = time.time() - step_started
+        return record
+    batch = rollouts.tensors(tokenizer.pad_token_id, device)
+    rewards = rollouts.rewards.to(device)  # [B] training reward (shaped)
+    lengths = batch.loss_mask.sum(1)  # [B] the policy's completion tokens, EOS included
+    record.update(
+        reward_trained=rewards.mean().item(),
+        sequences=len(rollouts),
+        tokens=int(lengths.sum()),
+        completion_length=lengths.float().mean().item(),
+        truncated=sum(rollouts.truncated) / len(rollouts),
+    )
+    if rollouts.reward_components.shape[1] > 1:
+        for k, name in enumerate(config.reward_names):
+            record[f"reward/{name}"] = rollouts.reward_components[:, k].mean().item()
+    if rollouts.turn_rewards is not None:
+        for k in range(rollouts.turn_rewards.shape[1]):
+            record[f"turn_reward/{k}"] = rollouts.turn_rewards[:, k].mean().item()
+
+    # 3. per-token log-probs [B, C] without grad: old policy, reference, entropy for the estimator
+    spec = gk_advantages.get(config.advantage)
+    need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
+    entropy = sampling_logprobs = None
+    if need_old or need_entropy or config.kl_in_reward:
+        sampling_logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx)
+        batch.old_logprobs = sampling_logprobs if need_old else None
+    if reference is not None:
+        batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx)
+
+    # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
+    group_index = rollouts.group_index.to(device)
+    from_batch = {
+        "entropy": entropy,
+        "mask": batch.loss_mask,
+        "lengths": lengths.float(),
+        "correct": rollouts.task_rewards.to(device) >= config.correct_reward,
+        "prompt_keys": rollouts.prompt_keys,
+        "state": estimator_state,
+        "completion_ids": batch.completion_ids,
+        "logprobs": sampling_logprobs,
+        "ref_logprobs": batch.ref_logprobs,
+        **_episode_options(rollouts, batch, config.advantage),
+    }
+    options = {k: v for k, v in from_batch.items() if k in spec.options} | config.advantage_options
+    estimator_rewards = rollouts.reward_components.to(device) if spec.rewards_shape == "[B, K]" else rewards
+    batch.advantages = gk_advantages.estimate(config.advantage, estimator_rewards, group_index, **options)
+
+    # CPPO: only the completions of each group with the largest |advantage| reach the loss
+    if config.prune_fraction is not None:
+        kept = gk_advantages.cppo(batch.advantages, group_index, prune_fraction=config.prune_fraction).kept
+        record["cppo/kept_fraction"] = len(kept) / len(batch)
+        record["cppo/tokens_saved_fraction"] = 1 - float(lengths[kept].sum()) / max(float(lengths.sum()), 1)
+        batch = batch.select(kept)
+    # DAPO overlong filtering: truncated completions stay in the batch (their group's advantages used
+    # them) but have no loss, and do not count in the token normalizers
+    if config.overlong_filter:
+        truncated = torch.tensor(rollouts.truncated, device=device)
+        if config.prune_fraction is not None:
+            truncated = truncated[kept]
+        batch.loss_mask = batch.loss_mask & ~truncated[:, None]
+        record["overlong/filtered_fraction"] = truncated.float().mean().item()
+
+    # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
+    if int(batch.loss_mask.sum()) == 0:
+        record["skipped"] = 1  # e.g. every completion truncated under overlong filtering
+    else:
+        update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module)
+                          for stage in updates]  # fmt: skip
+        for key in update_metrics[0]:
+            record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
+    record["step_time_s"] = time.time() - step_started
+    return record
+
+
+def _episode_options(rollouts: Rollouts, batch: PaddedBatch, advantage: str) -> dict:
+    """The multi-turn estimators' options from the episodes (empty for one-turn rollouts).
+
+    MT-GRPO: turn k's tokens get A_outcome + turn_coef * A_turn(k); the last turn's reward is the outcome
+    itself, so its turn column is 0 (the paper's two-turn case: turn 1 A^T + A^O, final turn A^O).
+    GiGPO: turns are steps; the step rewards are the turn rewards; the context a turn started from is its
+    anchor state (equal contexts within a group share a step baseline)."""
+    if rollouts.turn_ids is None:
+        return {}
+    turn_rewards = rollouts.turn_rewards.to(batch.completion_ids.device)
+    outcome_zeroed = turn_rewards.clone()
+    outcome_zeroed[:, -1] = 0
+    states: dict[str, int] = {}
+    state_ids = torch.tensor(
+        [[states.setdefault(key, len(states)) for key in row] for row in rollouts.state_keys],
+        device=turn_rewards.device,
+    )
+    return {
+        "turn_rewards": outcome_zeroed,
+        "turn_ids": batch.turn_ids,
+        "step_rewards": turn_rewards,
+        "state_ids": state_ids,
+        "step_ids": batch.turn_ids,
+    }
+
+
+def _shape_rewards(config, rollouts: Rollouts, components: torch.Tensor, budget: int, expected: int):
+    """The training reward [B] from the reward functions' values [B, K]: their sum, then the shaping the
+    config asks for (DAPO soft overlong punishment, GRPO-LEAD length reward, DIVER diversity bonus)."""
+    task_rewards = components[:, 0]
+    rewards = components.sum(1)
+    correct = task_rewards >= config.correct_reward
+    lengths = torch.tensor([len(t) for t in rollouts.completion_tokens], dtype=torch.float32)
+    if config.lead_length_alpha is not None:  # replaces the task reward: exp(-alpha z) correct, -1 wrong
+        lead = gk_advantages.lead_length_reward(
+            correct, lengths, rollouts.group_index, alpha=config.lead_length_alpha
+        )
+        rewards = rewards - task_rewards + lead
+    if config.diversity_coef is not None:
+        rewards = gk_advantages.diver_rewards(
+            rewards, rollouts.group_index, rollouts.completions, coef=config.diversity_coef, correct=correct
+        )
+    if config.overlong_cache is not None:  # L_max = the budget, expected length L_max - L_cache
+        rewards = rewards + gk_advantages.dapo_overlong_penalty(
+            lengths, max_length=budget, cache_length=config.overlong_cache
+        )
+    return rewards.float()
+
+
+def _random_policy_reward(task, reward_fn, tokenizer, eos_ids, budget: int, seed: int, n: int = 256):
+    """The mean task reward of n completions drawn uniformly from the vocabulary, token by token until an
+    EOS or the budget (the chance level a learning curve starts from; one-turn tasks only: None else)."""
+    if task.multi_turn:
+        return None
+    generator = torch.Generator().manual_seed(seed + 2)
+    prompts, answers = task.sample(generator, n, exclude=set())
+    vocab = len(tokenizer)
+    texts = []
+    for _ in prompts:
+        tokens = torch.randint(vocab, (budget,), generator=generator).tolist()
+        cut = next((i for i, t in enumerate(tokens) if t in eos_ids), budget)
+        texts.append(tokenizer.decode(tokens[:cut], skip_special_tokens=False))
+    try:
+        values = reward_fn(prompts=prompts, completions=texts, answers=answers)
+        return float(check_rewards(values, len(prompts), "random baseline").mean())
+    except Exception:  # the baseline is a plot decoration: a reward function that fails here fails at step 1
+        return None
+
+
+def _check_task(config: TrainConfig, task) -> None:
+    """Refuse a task the run cannot train on, before anything is built."""
+    if config.model is None and task.words is not None:
+        unknown = sorted(task.words - set(EMBEDDED_VOCAB))
+        if unknown:
+            shown = ", ".join(repr(w) for w in unknown[:12]) + (" ..." if len(unknown) > 12 else "")
+            raise ValueError(
+                f"task {task.name!r} uses {len(unknown)} word(s) outside the embedded model's vocabulary "
+                f"({' '.join(EMBEDDED_VOCAB[4:])}): {shown}; they would all read as <unk> (reward 0 for "
+                "ever). Use words of that vocabulary, separated by spaces, or --model a folder whose "
+                "tokenizer knows them"
+            )
+    spec = gk_advantages.get(config.advantage)
+    episode = sorted(set(spec.options) & set(EPISODE_OPTIONS))
+    if episode and not task.multi_turn:
+        raise ValueError(
+            f"advantage {config.advantage!r} needs turn-structured episodes ({', '.join(episode)}): use a "
+            "multi-turn task (--task lookup, or your own Task with an environment)"
+        )
+    if task.multi_turn:
+        for name, reason in (
+            ("edge_gec", "rewrites whole completions"),
+            ("gfpo", "ranks whole completions by length"),
+        ):
+            if config.hook == name:
+                raise ValueError(f"hook {name!r} {reason}; it is not defined for multi-turn episodes")
+        if config.rollout_engine == "vllm":
+            raise ValueError("multi-turn tasks sample with the transformers engine (--rollout-engine hf)")
+        if config.diversity_coef is not None or config.lead_length_alpha is not None:
+            raise ValueError("diversity_coef / lead_length_alpha shape one-turn completions, not episodes")
+
+
+def _check_advantage_options(config: TrainConfig, task) -> None:
+    """Run the estimator once on a tiny synthetic batch with the run's options, so a bad option value
+    (--advantage-option scale=bogus) fails before the run folder exists, not at step 1."""
+    spec = gk_advantages.get(config.advantage)
+    rows, tokens, turns = 4, 3, 2
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    group_index = torch.tensor([0, 0, 1, 1])
+    turn_ids = torch.tensor([[0, -1, 1]] * rows)
+    synthetic = {
+        "entropy": torch.full((rows, tokens), 0.5),
+        "mask": torch.ones(rows, tokens, dtype=torch.bool),
+        "lengths": torch.full((rows,), float(tokens)),
+        "correct": rewards >= 1.0,
+        "prompt_keys": ["a", "b"],
+        "state": SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None,
+        "completion_ids": torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 8, 9]]),
+        "logprobs": torch.full((rows, tokens), -1.0),
+        "ref_logprobs": torch.full((rows, tokens), -1.1),
+        "turn_rewards": torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]),
+        "turn_ids": turn_ids,
+        "step_rewards": torch.ones(rows, turns),
+        "state_ids": torch.tensor([[0, 1], [0, 2], [3, 4], [3, 4]]),
+        "step_ids": turn_ids,
+    }
+    options = {k: v for k, v in synthetic.items() if k in spec.options} | config.advantage_options
+    values = torch.stack([rewards] * max(len(config.reward_names), 1), 1)
+    estimator_rewards = values if spec.rewards_shape == "[B, K]" else rewards
+    try:
+        advantage_registry.estimate(config.advantage, estimator_rewards, group_index, **options)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"advantage {config.advantage!r} with {config.advantage_options}: {exc}") from None
+
+
+class _StopAfterStep:
+    """Ctrl-C finishes the current step, then the loop checkpoints and stops (a second Ctrl-C stops at
+    once). Only in one process, on the main thread (signal handlers live there)."""
+
+    def __init__(self, enabled: bool, log):
+        import threading
+
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested, self.log, self._defer = False, log, False
+
+    def __enter__(self):
+        import signal
+
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.requested and not self._defer:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log("\nCtrl-C: finishing this step, then a checkpoint (Ctrl-C again to stop at once)")
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
 
 
 def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prompt_generator):
@@ -348,23 +610,41 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
         seen.update(prompts)
         prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
         rows = [g for g in range(len(prompts)) for _ in range(per_prompt)]  # a group's rows are consecutive
-        completions, truncated, logprobs = sampler.generate(
-            [prompt_tokens[g] for g in rows], hook_context.max_new_tokens
-        )
+        row_prompts, row_answers = [prompts[g] for g in rows], [answers[g] for g in rows]
+        row_prompt_tokens = [prompt_tokens[g] for g in rows]
+        episode = {}
+        if task.multi_turn:  # policy turns and environment replies (trainer/multiturn.py)
+            episodes = generate_episodes(
+                sampler.generate, task.environment, row_prompts, row_prompt_tokens, hook_context.encode,
+                hook_context.decode, hook_context.max_new_tokens,
+            )  # fmt: skip
+            completions, truncated, logprobs = episodes.completion_tokens, episodes.truncated, None
+            texts = episodes.final_texts
+            turn_rewards = [task.environment.turn_rewards(p, a, t)
+                            for p, a, t in zip(row_prompts, row_answers, episodes.turn_texts)]  # fmt: skip
+            episode = dict(
+                turn_ids=episodes.turn_ids,
+                turn_rewards=_check_turn_rewards(turn_rewards, task.environment.turns),
+                state_keys=episodes.state_keys,
+            )
+        else:
+            completions, truncated, logprobs = sampler.generate(row_prompt_tokens, hook_context.max_new_tokens)
+            texts = [hook_context.decode(c) for c in completions]
         rollouts = hook_context.score(
             Rollouts(
-                prompts=[prompts[g] for g in rows],
-                answers=[answers[g] for g in rows],
+                prompts=row_prompts,
+                answers=row_answers,
                 groups=[next_label + g for g in rows],
-                prompt_tokens=[prompt_tokens[g] for g in rows],
+                prompt_tokens=row_prompt_tokens,
                 completion_tokens=completions,
-                completions=[hook_context.decode(c) for c in completions],
+                completions=texts,
                 truncated=truncated,
                 rollout_logprobs=logprobs,
+                **episode,
             )
         )
         next_label += len(prompts)
-        sampled.append(rollouts.rewards)
+        sampled.append(rollouts.rewards if rollouts.task_rewards is None else rollouts.task_rewards)
         rollouts, hook_stats = hook.after_scoring(rollouts, hook_context)
         for key, value in hook_stats.items():
             stats[key] = stats.get(key, 0.0) + value / rounds
@@ -383,6 +663,13 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
         first_groups = (rollouts.group_index < config.prompts_per_step).nonzero().flatten()
         rollouts = rollouts.select(first_groups.tolist())
     return rollouts, torch.cat(sampled), stats
+
+
+def _check_turn_rewards(values: list, turns: int) -> torch.Tensor:
+    rewards = torch.tensor(values, dtype=torch.float32)
+    if rewards.shape != (len(values), turns) or not bool(torch.isfinite(rewards).all()):
+        raise TrainingError(f"the environment's turn_rewards must give {turns} finite floats per episode")
+    return rewards
 
 
 def _completion_hidden(model, batch: PaddedBatch, rows: slice) -> torch.Tensor:
@@ -420,7 +707,7 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
         weight, bias = _lm_head(model, compute.dtype)
         out = fused_linear_logprobs(
             hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
-            mask=batch.completion_mask[rows], compute_entropy=need_entropy, backend=config.backend,
+            mask=batch.loss_mask[rows], compute_entropy=need_entropy, backend=config.backend,
             batch_invariant=config.batch_invariant,
         )  # fmt: skip
         logprobs[rows] = out.logprobs
@@ -443,7 +730,7 @@ def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normali
     weight, bias = _lm_head(policy, compute.dtype)
     out = fused_linear_grpo_loss(
         hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows],
-        batch.completion_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
+        batch.loss_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
         ref_logprobs=rows_of(batch.ref_logprobs), rollout_logprobs=rows_of(rollout_logprobs), bias=bias,
         config=loss_config, backend=config.backend, batch_invariant=config.batch_invariant, **normalizers,
     )  # fmt: skip
@@ -457,14 +744,16 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
     Variants that select tokens by batch statistics (top-entropy quantile, Clip-Cov, KL-Cov) select within
     each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide."""
     policy.train()
-    mask = batch.completion_mask
+    mask = batch.loss_mask
     # several processes: this rank's block of rows; the normalizers stay those of the whole batch, with
     # dp_size = K so that DDP's average of the ranks' gradients is the gradient of the batch's loss
     block = ctx.block(len(batch)) if ctx is not None else slice(0, len(batch))
     world = ctx.world if ctx is not None else 1
     slices = [slice(block.start + s.start, block.start + s.stop)
               for s in _micro_batches(block.stop - block.start, config.micro_batch_size)]  # fmt: skip
-    if "length-pow" in (loss_config.loss_agg_mode, loss_config.entropy_agg_mode):  # local counts only
+    local_only = loss_config.loss_type == "group_dpo" or "length-pow" in (
+        loss_config.loss_agg_mode, loss_config.entropy_agg_mode)  # fmt: skip
+    if local_only:  # these normalise by the micro-batch's own counts (group_dpo: its pairs)
         normalizers = {"grad_accum_steps": len(slices), "dp_size": world}
     else:
         normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch)), "dp_size": world}
