@@ -1010,3 +1010,45 @@ def test_output_shapes_follow_the_registry():
             f"{name}: shape {tuple(out.shape)}, registry says {spec.output}"
         )
         assert bool(torch.isfinite(out).all()), f"{name}: non-finite output"
+
+
+# ---- the other reading of a method, as an option (hand-computed) -----------------------------------------
+
+
+def test_mt_grpo_coef_on_outcome_is_the_papers_formula():
+    # one group (1, 0): A^O = +-0.5 / (sqrt(0.5) + 1e-4) = +-a; turn-0 rewards (1, 0) give the same +-a
+    # paper: turn 0 -> A^T + lambda A^O, last turn -> A^O; lambda 0.5
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    turn_rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    turn_ids = torch.tensor([[0, -1, 1], [0, -1, 1]])
+    out = gk.advantages.estimate("mt_grpo", rewards, groups, turn_rewards=turn_rewards, turn_ids=turn_ids,
+                                 turn_coef=0.5, coef_on="outcome")  # fmt: skip
+    torch.testing.assert_close(out, torch.tensor([[1.5 * a, 0.0, a], [-1.5 * a, 0.0, -a]]))
+    code = gk.advantages.estimate("mt_grpo", rewards, groups, turn_rewards=turn_rewards, turn_ids=turn_ids,
+                                  turn_coef=0.5)  # fmt: skip
+    torch.testing.assert_close(code, torch.tensor([[1.5 * a, 0.0, a], [-1.5 * a, 0.0, -a]]))  # A^T = A^O here
+    turn_rewards = torch.tensor([[0.0, 0.0], [1.0, 0.0]])  # turn 0 now disagrees with the outcome
+    out = gk.advantages.estimate("mt_grpo", rewards, groups, turn_rewards=turn_rewards, turn_ids=turn_ids,
+                                 turn_coef=0.5, coef_on="outcome")  # fmt: skip
+    code = gk.advantages.estimate("mt_grpo", rewards, groups, turn_rewards=turn_rewards, turn_ids=turn_ids,
+                                  turn_coef=0.5)  # fmt: skip
+    torch.testing.assert_close(out[:, 0], torch.tensor([-a + 0.5 * a, a - 0.5 * a]))
+    torch.testing.assert_close(code[:, 0], torch.tensor([a - 0.5 * a, -a + 0.5 * a]))
+
+
+def test_diver_one_way_bleu_and_bonus_clip_hand_computed():
+    # unigram BLEU: "1 2" against "1 2 3 4": precision 1, brevity exp(1 - 4/2); the other way 2/4, brevity 1
+    texts, groups = ["1 2", "1 2 3 4"], torch.tensor([0, 0])
+    short_given_long, long_given_short = math.exp(-1.0), 0.5
+    one_way = gk.advantages.textual_diversity(texts, groups, weights=(1.0,), direction="one_way")
+    torch.testing.assert_close(one_way, torch.tensor([1 - short_given_long, 1 - long_given_short]))
+    both = gk.advantages.textual_diversity(texts, groups, weights=(1.0,))
+    torch.testing.assert_close(both, torch.full((2,), 1 - (short_given_long + long_given_short) / 2))
+    # the bonus coef * D clipped to [0, max_bonus], correct completions only
+    texts = ["1 2 3 4 5", "6 7 8 9 0", "1 2 3 4 5"]
+    shaped = gk.advantages.diver_rewards(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 0, 0]), texts,
+                                         coef=2.0, max_bonus=0.3)  # fmt: skip
+    assert shaped.tolist() == pytest.approx([1.3, 1.3, 0.0])
+    with pytest.raises(ValueError, match="direction"):
+        gk.advantages.textual_diversity(texts, torch.tensor([0, 0, 0]), direction="sideways")

@@ -75,20 +75,41 @@ def capture_estimates(monkeypatch):
     return calls
 
 
-# ---- every preset: `grpo-kernels train --preset P --steps 3` exits 0 ------------------------------------
+# ---- every method row and every preset: `grpo-kernels train ... --steps 3` exits 0 ------------------------
+
+from grpo_kernels.trainer.methods import METHODS, methods_table_markdown  # noqa: E402
+
+RUNS = [m.args for m in METHODS] + [("--preset", p) for p in sorted(PRESETS)
+                                    if not any(m.args[:2] == ("--preset", p) for m in METHODS)]  # fmt: skip
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_trains_three_steps_from_the_cli(tmp_path, preset, capsys):
+@pytest.mark.parametrize("args", RUNS, ids=[" ".join(a) for a in RUNS])
+def test_every_method_trains_three_steps_from_the_cli(tmp_path, args, capsys):
     from grpo_kernels.cli import main
 
-    run_dir = tmp_path / preset
-    assert main(["train", "--preset", preset, "--steps", "3", "--run-dir", str(run_dir), "--no-progress"]) == 0
+    if "vllm" in args:
+        pytest.skip("the vLLM engine needs CUDA and the vllm extra")
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "--steps", "3", "--run-dir", str(run_dir), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert any("loss" in r for r in rows), "no step trained"
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert "solved" in capsys.readouterr().out  # the summary line quotes the solved fraction
+
+
+def test_every_preset_is_in_the_method_table_and_the_readme_table_is_current():
+    from grpo_kernels.trainer.cli import build_parser, config_from_args
+
+    in_table = {m.args[1] for m in METHODS if m.args[0] == "--preset"}
+    assert in_table == set(PRESETS), set(PRESETS) ^ in_table
+    for m in METHODS:  # every row's arguments build a valid config
+        config_from_args(build_parser().parse_args(list(m.args)))
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- methods-table:start -->\n", "<!-- methods-table:end -->"
+    assert readme[readme.index(start) + len(start) : readme.index(end)] == methods_table_markdown(), (
+        "README method table is stale: python -m grpo_kernels.trainer.methods"
+    )
 
 
 # ---- reward shaping, hand-computed -----------------------------------------------------------------------
@@ -136,7 +157,7 @@ def test_diver_bonus_only_for_correct_and_diverse_completions():
     rollouts = rollouts_of([5, 5, 5, 5], [0, 0, 1, 1], completions=texts)
     components = torch.tensor([[1.0], [1.0], [1.0], [0.0]])
     shaped = trainer_module._shape_rewards(config, rollouts, components, budget=8, expected=8)
-    diversity = gk.advantages.textual_diversity(texts, rollouts.group_index)
+    diversity = gk.advantages.textual_diversity(texts, rollouts.group_index, direction="one_way")
     assert diversity[0] == diversity[1] == 0 and diversity[2] > 0.9
     assert shaped.tolist() == pytest.approx([1.0, 1.0, 1.0 + 0.5 * float(diversity[2]), 0.0], abs=1e-7)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._groups import (
+    check_choice,
     check_float,
     check_index,
     check_mask,
@@ -134,6 +135,7 @@ def mt_grpo(
     turn_rewards: torch.Tensor,
     turn_ids: torch.Tensor,
     turn_coef: float = 1.0,
+    coef_on: str = "turn",
     epsilon: float = 1e-4,
 ):
     """MT-GRPO turn-level advantage: outcome advantage plus the group-normalized reward of the token's turn.
@@ -141,7 +143,10 @@ def mt_grpo(
     Formula:
         A^O_i     = (r_i - mu_g) / (sigma_g + epsilon)                    (outcome reward, ``rewards``)
         A^T_{i,k} = (R_{i,k} - mu_{g,k}) / (sigma_{g,k} + epsilon)        (reward of turn k, ``turn_rewards``)
-        A_{i,t}   = A^O_i + turn_coef * A^T_{i,k(t)}  for a token of turn k(t) = turn_ids[i, t] >= 0
+        coef_on="turn" (default, the authors' code):
+            A_{i,t} = A^O_i + turn_coef * A^T_{i,k(t)}  for a token of turn k(t) = turn_ids[i, t] >= 0
+        coef_on="outcome" (the paper's formula, lambda on the outcome term of the earlier turns):
+            A_{i,t} = A^T_{i,k(t)} + turn_coef * A^O_i  for k(t) < K - 1;   A_{i,t} = A^O_i on the last turn
         A_{i,t}   = 0 where turn_ids[i, t] = -1 (prompt, tool output, padding)
     The paper's two-turn case (turn 1: A^T + A^O, final turn: A^O) is turn_rewards[:, final] = 0 (a constant
     column normalizes to 0).
@@ -150,7 +155,10 @@ def mt_grpo(
         turn_rewards: float [B, K] reward of each turn (finite; give a turn a row did not reach the value
             your reward design assigns, e.g. 0).
         turn_ids: int64 [B, T] turn index of each token in 0..K-1, -1 for tokens outside the policy's turns.
-        turn_coef: the weight lambda on the turn advantage (1.0 as the authors' code ``turn_advantage_coef``).
+        turn_coef: the weight lambda (1.0 as the authors' code ``turn_advantage_coef``).
+        coef_on: which term lambda weighs, "turn" or "outcome" (see the formula). The default follows the
+            released code, which produced the paper's results; with turn_coef = 1 the two agree except on
+            the last turn when its turn reward varies.
         epsilon: 1e-4, the authors' TRL-based code.
 
     Paper: Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment
@@ -173,11 +181,17 @@ def mt_grpo(
         r_turn - group_mean(r_turn, group_index, num_groups)[group_index],
         group_std(r_turn, group_index, num_groups)[group_index] + epsilon,
     )  # [B, K]
+    check_choice("coef_on", coef_on, ("turn", "outcome"))
     in_turn = turn_ids >= 0
     token_turn_adv = turn_adv.gather(1, turn_ids.clamp(min=0))  # [B, T]
-    return torch.where(
-        in_turn, outcome[:, None] + turn_coef * token_turn_adv, torch.zeros_like(token_turn_adv)
-    )
+    if coef_on == "turn":
+        combined = outcome[:, None] + turn_coef * token_turn_adv
+    else:
+        last_turn = turn_ids == num_turns - 1
+        combined = torch.where(
+            last_turn, outcome[:, None].expand_as(token_turn_adv), token_turn_adv + turn_coef * outcome[:, None]
+        )
+    return torch.where(in_turn, combined, torch.zeros_like(token_turn_adv))
 
 
 @register(
@@ -219,6 +233,10 @@ def gigpo(
         step_weight: omega, 1.0.
         normalize_by_std: F = std + epsilon (True) or 1 (False, verl-agent's default ``mean_norm``).
         epsilon: 1e-6 as verl-agent.
+    The paper writes both levels standardised (F = std); its released code (verl-agent) defaults to
+    mean-only normalisation (``mean_norm``). The default here is the code's (normalize_by_std=False), as for
+    the other methods whose released code produced the reported results; normalize_by_std=True is the
+    paper's equations.
 
     Paper: Group-in-Group Policy Optimization for LLM Agent Training (arXiv:2505.10978), Eqs. 3-8.
         verl-agent computes the episode mean over all step rows of an episode; here each episode counts once
@@ -405,6 +423,11 @@ def lambda_grpo(
         completion_ids: int64 [B, T] left-aligned completion token ids.
         mask: bool/0-1 [B, T] valid tokens.
         scale, epsilon: as ``grpo``.
+
+    The paper divides each token's whole loss term by |lambda|; dividing the advantage is the same for the
+    policy term, but a KL-to-reference term is not divided: with kl_coef > 0 the objective differs from the
+    paper's by (1 - 1/|lambda|) beta KL per shared-prefix token. The trainer's ``lambda_grpo`` preset
+    therefore uses no KL term (kl_coef = 0), where the two agree exactly.
 
     Paper: GRPO is Secretly a Process Reward Model (arXiv:2509.21154), λ-GRPO (the process-set weights).
         Not to be confused with "λ-GRPO: Unifying the GRPO Frameworks with Learnable Token Preferences"

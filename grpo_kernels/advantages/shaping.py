@@ -168,18 +168,24 @@ def textual_diversity(
     *,
     weights: Sequence[float] = DIVER_BLEU_WEIGHTS,
     max_chars: int | None = None,
+    direction: str = "both",
 ) -> torch.Tensor:
     """DIVER textual diversity of each completion against the other completions of its group.
 
     Formula:
-        sim(i, j) = (BLEU(o_j | ref o_i) + BLEU(o_i | ref o_j)) / 2
+        direction="both":    sim(i, j) = (BLEU(o_j | ref o_i) + BLEU(o_i | ref o_j)) / 2
+        direction="one_way": sim(i, j) = BLEU(o_i | ref o_j)   (o_i scored against each other completion)
         D_i = 1 - (1 / (n_g - 1)) * sum_{j in g, j != i} sim(i, j)        (D_i = 0 for a group of one)
+    BLEU is not symmetric (brevity penalty, clipped counts); the paper defines the diversity of o_i by
+    how o_i scores against the others ("one_way"); "both" (the default, kept for compatibility) averages
+    the two directions so that sim is symmetric.
 
     Args:
         completions: B strings (split on whitespace) or B token-id sequences.
         group_index: int64 [B], groups 0..G-1.
         weights: BLEU n-gram weights; default (0.02, 0.1, 0.15, 0.25, 0.38) as the authors' code.
         max_chars: optional truncation of string completions before tokenizing (the authors' code uses 1000).
+        direction: "both" or "one_way", see the formula.
 
     Returns:
         float32 [B] in [0, 1] (on ``group_index``'s device).
@@ -190,6 +196,7 @@ def textual_diversity(
     """
     batch = len(completions)
     group_index, _ = check_group_index(group_index, batch)
+    check_choice("direction", direction, ("both", "one_way"))
     tokens = [_tokens(c, max_chars) for c in completions]
     diversity = [0.0] * batch
     members: dict[int, list[int]] = {}
@@ -201,12 +208,14 @@ def textual_diversity(
         similarity = {row: 0.0 for row in rows}
         for a_pos, a in enumerate(rows):
             for b in rows[a_pos + 1 :]:
-                sim = 0.5 * (
-                    sentence_bleu(tokens[a], tokens[b], weights)
-                    + sentence_bleu(tokens[b], tokens[a], weights)
-                )
-                similarity[a] += sim
-                similarity[b] += sim
+                b_given_a = sentence_bleu(tokens[a], tokens[b], weights)  # hypothesis o_b, reference o_a
+                a_given_b = sentence_bleu(tokens[b], tokens[a], weights)
+                if direction == "both":
+                    similarity[a] += 0.5 * (a_given_b + b_given_a)
+                    similarity[b] += 0.5 * (a_given_b + b_given_a)
+                else:
+                    similarity[a] += a_given_b
+                    similarity[b] += b_given_a
         for row in rows:
             diversity[row] = 1.0 - similarity[row] / (len(rows) - 1)
     return torch.tensor(diversity, dtype=torch.float32, device=group_index.device)
@@ -220,11 +229,14 @@ def diver_rewards(
     coef: float,
     correct: torch.Tensor | None = None,
     max_chars: int | None = None,
+    max_bonus: float | None = None,
+    direction: str = "both",
 ) -> torch.Tensor:
     """DIVER: add the textual-diversity bonus to the rewards of correct completions.
 
     Formula:
-        r'_i = r_i + coef * D_i * 1[o_i correct]         (D_i = ``textual_diversity``)
+        b_i  = coef * D_i, clipped to [0, max_bonus] when max_bonus is given   (D_i = ``textual_diversity``)
+        r'_i = r_i + b_i * 1[o_i correct]
     The bonus is potential-based shaping at the terminal state (Phi = D, Phi(start) = 0) and is conditioned on
     correctness to avoid reward hacking (a wrong but diverse answer gets nothing), as in the paper.
 
@@ -234,13 +246,17 @@ def diver_rewards(
         completions: B strings or token-id sequences.
         coef: bonus scale (the authors' ``rs_scale``), >= 0.
         correct: bool [B], default ``rewards > 0``.
-        max_chars: see ``textual_diversity``.
+        max_chars, direction: see ``textual_diversity`` (the paper's reading is direction="one_way").
+        max_bonus: sigma, the upper clip of the intrinsic reward (the paper clips it to [0, sigma] so that
+            it never outweighs the correctness reward); None: no clip (D is in [0, 1] already).
 
     Returns:
         float [B].
 
-    Paper: Diversity-Incentivized Exploration for Versatile Reasoning (arXiv:2509.26209). The authors' code
-        additionally switches the bonus off after step 100 and clips it; schedule it in your trainer.
+    Paper: Diversity-Incentivized Exploration for Versatile Reasoning (arXiv:2509.26209), textual
+        diversity. The authors' code additionally switches the bonus off after step 100; schedule coef in
+        your trainer. The paper's equational diversity (of the math expressions of an answer) needs a
+        parser of the task's formulas and is not provided.
     Peer: — (not in TRL or verl).
     """
     rewards = check_rewards(rewards)
@@ -248,9 +264,12 @@ def diver_rewards(
         raise ValueError(f"completions has {len(completions)} items but rewards has {rewards.shape[0]} rows")
     coef = check_positive("coef", coef, allow_zero=True)
     correct = rewards > 0 if correct is None else check_mask("correct", correct, (rewards.shape[0],))
-    diversity = textual_diversity(completions, group_index, max_chars=max_chars).to(rewards.device)
+    diversity = textual_diversity(completions, group_index, max_chars=max_chars, direction=direction)
     r = rewards.to(working_dtype(rewards.dtype))
-    return r + coef * diversity.to(r.dtype) * correct.to(r.dtype)
+    bonus = coef * diversity.to(device=r.device, dtype=r.dtype)
+    if max_bonus is not None:
+        bonus = bonus.clamp(0.0, check_positive("max_bonus", max_bonus, allow_zero=True))
+    return r + bonus * correct.to(r.dtype)
 
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")

@@ -374,7 +374,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gtpo": dict(loss="grpo", advantage="gtpo"),
     "grpo_s": dict(loss="grpo", advantage="grpo_s"),
     # lambda-GRPO (GRPO as a process reward model): each token's advantage over its shared-prefix set.
-    "lambda_grpo": dict(loss="grpo", advantage="lambda_grpo"),
+    # (no KL term: the paper divides the whole token term by |lambda|, which dividing A equals only without KL)
+    "lambda_grpo": dict(loss="grpo", loss_options={"kl_coef": 0.0}, advantage="lambda_grpo"),
     # Group DPO: DPO between the best and the worst completion of each group, against the reference.
     "group_dpo": dict(loss="grpo", loss_options={"loss_type": "group_dpo", "kl_coef": 0.0}, advantage="grpo"),
     "pspo": dict(loss="pspo", advantage="grpo"),

@@ -392,7 +392,7 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         "ref_logprobs": batch.ref_logprobs,
         **_episode_options(rollouts, batch, config.advantage),
     }
-    options = {k: v for k, v in from_batch.items() if k in spec.options} | config.advantage_options
+    options = _estimator_options(spec, config, from_batch)
     estimator_rewards = rollouts.reward_components.to(device) if spec.rewards_shape == "[B, K]" else rewards
     batch.advantages = gk_advantages.estimate(config.advantage, estimator_rewards, group_index, **options)
 
@@ -421,6 +421,14 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
             record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
     record["step_time_s"] = time.time() - step_started
     return record
+
+
+def _estimator_options(spec, config: TrainConfig, available: dict) -> dict:
+    """The options the estimator takes, from the batch, then the user's --advantage-option values."""
+    options = {k: v for k, v in available.items() if k in spec.options}
+    if spec.name == "gdpo" and config.advantage_options.get("batch_normalization", "sequence") != "token":
+        options.pop("mask")  # gdpo reads the token mask only for token-level batch statistics
+    return options | config.advantage_options
 
 
 def _episode_options(rollouts: Rollouts, batch: PaddedBatch, advantage: str) -> dict:
@@ -463,7 +471,8 @@ def _shape_rewards(config, rollouts: Rollouts, components: torch.Tensor, budget:
         rewards = rewards - task_rewards + lead
     if config.diversity_coef is not None:
         rewards = gk_advantages.diver_rewards(
-            rewards, rollouts.group_index, rollouts.completions, coef=config.diversity_coef, correct=correct
+            rewards, rollouts.group_index, rollouts.completions, coef=config.diversity_coef, correct=correct,
+            direction="one_way",  # the paper: o_i scored against the other completions of its group
         )
     if config.overlong_cache is not None:  # L_max = the budget, expected length L_max - L_cache
         rewards = rewards + gk_advantages.dapo_overlong_penalty(
@@ -548,7 +557,7 @@ def _check_advantage_options(config: TrainConfig, task) -> None:
         "state_ids": torch.tensor([[0, 1], [0, 2], [3, 4], [3, 4]]),
         "step_ids": turn_ids,
     }
-    options = {k: v for k, v in synthetic.items() if k in spec.options} | config.advantage_options
+    options = _estimator_options(spec, config, synthetic)
     values = torch.stack([rewards] * max(len(config.reward_names), 1), 1)
     estimator_rewards = values if spec.rewards_shape == "[B, K]" else rewards
     try:
