@@ -34,7 +34,13 @@ RATIO_LEVELS = (
     "sequence_token",  # r_it = exp(sg[mean_t lr] + logp_t - sg[logp_t]) (GSPO-token, verl "gspo")
     "sequence_sum",  # r_i = exp(sum_t lr_t), the trajectory ratio (TIC-GRPO)
     "prefix",  # r_t = exp(sum_{k<=t} decay^(t-k) lr_k), discounted prefix accumulation (GRPO-lambda trace)
+    # r_t = exp(sum_{k<=t} max(decay^k, decay^(t-k)) lr_k): GRPO-lambda's long-sequence weighting, where the
+    # first tokens of a long completion keep their weight in every later trace (k counted from the start)
+    "prefix_symmetric",
 )
+# Ratio levels the PyTorch loss head computes and the Triton kernel does not (not a streaming scan: each
+# trace reads the scan at half its position); backend="auto" runs their loss head in PyTorch, saying so.
+TORCH_ONLY_RATIO_LEVELS = ("prefix_symmetric",)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = (
     "token-mean",
@@ -84,7 +90,7 @@ class PolicyLossConfig:
     sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
     pspo_alpha: float = 0.1  # PSPO smoothing weight toward the old policy
     dcpo_max_ratio: float = 10.0  # DCPO: cap of the probability-dependent upper bound
-    prefix_decay: float = 0.9  # ratio_level="prefix": decay of the discounted prefix sum of log-ratios
+    prefix_decay: float = 0.9  # ratio_level="prefix" / "prefix_symmetric": decay (gamma lambda) of the trace
     dpo_beta: float = 0.1  # group_dpo: DPO inverse temperature
     group_size: int | None = None  # group_dpo: completions per prompt, laid out consecutively
     vespo_k_pos: float = 2.0

@@ -19,7 +19,7 @@ import torch
 from . import _checks as chk
 from ._backend import resolve_backend
 from ._params import gather_lm_head_param
-from .config import PolicyLossConfig
+from .config import TORCH_ONLY_RATIO_LEVELS, PolicyLossConfig
 from .ops import lm_head as lm_head_ops
 from .ops.lm_head.function import LMHeadFunction
 from .ops.loss_head.reference import policy_loss_reference
@@ -464,7 +464,7 @@ def grpo_loss(
     if check_finite:
         chk.check_finite("logprobs", flat_lp, batch.valid)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
-    resolved = resolve_backend(backend, device, "grpo_loss")
+    resolved = _loss_head_backend(cfg, backend, device, resolve_backend(backend, device, "grpo_loss"))
     out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved)
     return GRPOLossOutput(
         loss=out.loss,
@@ -472,6 +472,15 @@ def grpo_loss(
         logprobs=logprobs.detach(),
         entropy=None if entropy is None else entropy.detach(),
     )
+
+
+def _loss_head_backend(cfg: PolicyLossConfig, backend: str, device, resolved: str) -> str:
+    """The loss head's backend: the resolved one, but PyTorch for the ratio levels the Triton kernel
+    lacks (config.TORCH_ONLY_RATIO_LEVELS): said once under "auto", an error under "triton"."""
+    if resolved == "triton" and cfg.ratio_level in TORCH_ONLY_RATIO_LEVELS:
+        return resolve_backend(backend, device, f"the loss head with ratio_level={cfg.ratio_level!r}",
+                               triton_implemented=False)  # fmt: skip
+    return resolved
 
 
 def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig, backend: str):
@@ -590,10 +599,11 @@ def fused_linear_grpo_loss(
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     _check_flag("batch_invariant", batch_invariant)
     _check_transform(softcap, logit_scale)
+    head_backend = _loss_head_backend(cfg, backend, device, resolved)
     loss, metrics, logprobs, entropy = run_fused(
         flat_hidden, weight, bias, flat_targets, batch, cfg,
         _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg, resolved), resolved, schedule,
+        lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

@@ -457,7 +457,8 @@ def test_kernel_covers_every_config_value():
     from grpo_kernels.ops.loss_head import triton as kernel
 
     assert set(kernel.LOSS_IDS) == set(config.LOSS_TYPES)
-    assert set(kernel.LEVEL_IDS) == set(config.RATIO_LEVELS)
+    assert set(kernel.LEVEL_IDS) | set(config.TORCH_ONLY_RATIO_LEVELS) == set(config.RATIO_LEVELS)
+    assert not set(kernel.LEVEL_IDS) & set(config.TORCH_ONLY_RATIO_LEVELS)
     assert set(kernel.KL_IDS) == set(config.KL_ESTIMATORS)
     assert set(kernel.AGG_IDS) == set(config.LOSS_AGG_MODES) | {"token-mean-local"}
     assert set(config.ENTROPY_AGG_MODES) - {None} <= set(kernel.AGG_IDS)

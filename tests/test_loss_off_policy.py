@@ -72,3 +72,47 @@ def test_lopti_stages_off_policy():
         expected[kept] = r[kept] / 2
         torch.testing.assert_close(grad, torch.tensor([expected], dtype=torch.float64), **TOL)
         assert metrics["selection/old_prob_kept_frac"].item() == 0.5
+
+
+def test_grpo_lambda_long_sequence_weighting_off_policy():
+    # ratio_level="prefix_symmetric": log w_t = sum_{k<=t} max(d^k, d^(t-k)) lr_k, d = 0.5, 4 tokens,
+    # log-ratios (0.1, 0.2, -0.4, 0.3); the weights max(d^k, d^(t-k)) by hand:
+    #   t=0: (1)                 t=1: (1, 1)
+    #   t=2: (1, 0.5, 1)         t=3: (1, 0.5, 0.5, 1)
+    lr = (0.1, 0.2, -0.4, 0.3)
+    weights = ((1,), (1, 1), (1, 0.5, 1), (1, 0.5, 0.5, 1))
+    log_w = [sum(c * x for c, x in zip(row, lr)) for row in weights]  # 0.1, 0.3, -0.2, 0.2
+    old = [-1.0 - x for x in lr]
+    # a clip range [0.1, 10] that never binds here: each token's objective is -w_t
+    config = C(ratio_level="prefix_symmetric", prefix_decay=0.5, kl_coef=0.0, clip_low=0.9, clip_high=9.0)
+    loss, grad, _ = loss_and_grad(config, [[-1.0] * 4], [old], [1.0])
+    w = [math.exp(v) for v in log_w]
+    assert abs(loss.item() - (-sum(w) / 4)) < EPS
+    # d loss / d lp_k = -(1/4) sum_{t>=k} w_t * weight_{t,k}
+    expected = [-sum(w[t] * weights[t][k] for t in range(k, 4)) / 4 for k in range(4)]
+    torch.testing.assert_close(grad, torch.tensor([expected], dtype=torch.float64), **TOL)
+    # decay 1: every weight is 1, the trajectory-sum ratio of each prefix
+    config = config.replace(prefix_decay=1.0)
+    loss, _, _ = loss_and_grad(config, [[-1.0] * 4], [old], [1.0])
+    prefix = [sum(lr[: t + 1]) for t in range(4)]
+    assert abs(loss.item() - (-sum(math.exp(v) for v in prefix) / 4)) < EPS
+
+
+def test_prefix_symmetric_has_no_triton_kernel_and_says_so():
+    import warnings
+
+    import pytest
+
+    from grpo_kernels import _backend
+    from grpo_kernels.functional import _loss_head_backend
+
+    config = C(ratio_level="prefix_symmetric", kl_coef=0.0)
+    cpu = torch.device("cpu")
+    with pytest.raises(NotImplementedError, match="prefix_symmetric"):
+        _loss_head_backend(config, "triton", cpu, "triton")  # as resolved for CUDA tensors
+    _backend._notified.clear()  # the notice is once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _loss_head_backend(config, "auto", cpu, "triton") == "torch"
+    assert any("prefix_symmetric" in str(w.message) for w in caught)
+    assert _loss_head_backend(C(ratio_level="prefix"), "auto", cpu, "triton") == "triton"

@@ -236,7 +236,9 @@ def test_lookup_environment():
     assert lookup_respond("3 1 =", ["3 1"]) == "+ 7 ="
     assert lookup_respond("3 1 =", ["3"]) == "+ ="  # a malformed call: a failed lookup
     assert lookup_turn_rewards("3 1 =", "7", ["3 1", "7"]) == [1.0, 1.0]
-    assert lookup_turn_rewards("3 1 =", "7", ["3 2", "9"]) == [0.0, 0.0]
+    assert lookup_turn_rewards("3 1 =", "7", ["3 2", "9"]) == [0.5, 0.0]  # one digit of two in place
+    assert lookup_turn_rewards("3 1 =", "7", ["3 1 4", "7"]) == [2 / 3, 1.0]  # an extra word costs
+    assert lookup_turn_rewards("3 1 =", "7", ["1 3", "7"]) == [0.0, 1.0]
 
 
 def test_episodes_interleave_turns_and_replies():

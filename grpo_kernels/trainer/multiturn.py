@@ -106,8 +106,12 @@ def lookup_respond(prompt: str, turns: list[str]) -> str:
 
 
 def lookup_turn_rewards(prompt: str, answer: str, turns: list[str]) -> list[float]:
-    """Turn 0: 1 when it called the prompt's own key; turn 1: 1 when it answered the right value."""
-    return [float(turns[0].split() == _key(prompt)), float(turns[1].strip() == answer.strip())]
+    """Turn 0: the share of the call's words right in place (1 only for exactly the prompt's key, partial
+    credit per right digit, extra words cost: a dense signal, as the copy task's); turn 1: 1 when it
+    answered the right value."""
+    call, key = turns[0].split(), _key(prompt)
+    call_share = sum(c == k for c, k in zip(call, key)) / max(len(call), len(key))
+    return [call_share, float(turns[1].strip() == answer.strip())]
 
 
 def make_lookup(generator) -> tuple[str, str]:

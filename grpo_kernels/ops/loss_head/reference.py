@@ -85,6 +85,8 @@ def policy_loss_reference(
         log_w = seq_sum(log_ratio)[seq_index]
     elif cfg.ratio_level == "prefix":  # GRPO-lambda trace: sum_{k<=t} decay^(t-k) lr_k within the sequence
         log_w = _discounted_prefix_sum(log_ratio, seq_index, cfg.prefix_decay)
+    elif cfg.ratio_level == "prefix_symmetric":  # sum_{k<=t} max(decay^k, decay^(t-k)) lr_k
+        log_w = _symmetric_prefix_sum(log_ratio, seq_index, cfg.prefix_decay)
     else:  # pragma: no cover - config validation rejects it
         raise AssertionError(cfg.ratio_level)
     ratio = torch.exp(clamp_log(log_w)) * m
@@ -323,6 +325,35 @@ def _discounted_prefix_sum(x, seq_index, decay):
         value = x[at] if p == 0 else x[at] + decay * out[at - 1]
         out = out.index_put((at,), value)
     return out
+
+
+def _positions(seq_index):
+    """Position of each token within its sequence (0 at the sequence's first token), int64 [N]."""
+    n = seq_index.shape[0]
+    idx = torch.arange(n, device=seq_index.device)
+    starts = torch.ones(n, dtype=torch.bool, device=seq_index.device)
+    starts[1:] = seq_index[1:] != seq_index[:-1]
+    return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 0).values
+
+
+def _symmetric_prefix_sum(x, seq_index, decay):
+    """s_t = sum_{k<=t} max(decay^k, decay^(t-k)) x_k within each sequence (positions k, t from its start).
+
+    For decay < 1 the larger weight is decay^k when k <= h = floor(t/2), else decay^(t-k), so
+        s_t = sum_{k<=h} decay^k x_k  +  (S_t - decay^(t-h) S_h),   S = the discounted prefix sum
+    (S_t - decay^(t-h) S_h = sum_{h<k<=t} decay^(t-k) x_k). Both terms are scans read at t and at h:
+    O(N) work, differentiable by autograd. decay = 1 gives the plain prefix sum."""
+    n = x.shape[0]
+    if n == 0:
+        return x
+    position = _positions(seq_index)
+    half = position // 2
+    at_half = torch.arange(n, device=x.device) - (position - half)  # the token at position h, same sequence
+    powers = torch.pow(torch.full_like(x, float(decay)), position.to(x.dtype))
+    head = _discounted_prefix_sum(powers * x, seq_index, 1.0)  # sum_{k<=t} decay^k x_k
+    scan = _discounted_prefix_sum(x, seq_index, decay)
+    tail_scale = torch.pow(torch.full_like(x, float(decay)), (position - half).to(x.dtype))
+    return head[at_half] + scan - tail_scale * scan[at_half]
 
 
 def _masked_min(x, valid, empty: float):
