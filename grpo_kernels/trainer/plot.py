@@ -27,7 +27,8 @@ class PlotInfo:
 def panels(info: PlotInfo) -> list[tuple[str, list[tuple[str, str]]]]:
     """(title, [(metric, label)]) of the panels of this run: six, or seven with dynamic sampling and KL."""
     chosen = [
-        ("reward", [("reward", "mean reward"), ("solved", "solved fraction")]),
+        ("reward", [("reward", "mean reward"), ("solved", "solved fraction"),
+                    ("turn_reward/0", "first-turn reward")]),  # fmt: skip
         ("completion length (tokens, EOS included)", [("completion_length", "mean")]),
         ("entropy (nats / token)", [("entropy", "policy entropy")]),
     ]
