@@ -437,3 +437,12 @@ def test_cli_ctrl_c_prints_the_real_resume_command(tmp_path):
     assert done.returncode == 130, done.stderr
     assert "checkpoint at step 2; continue with: grpo-kernels train --resume run" in done.stderr
     assert "RUN_DIR" not in done.stderr
+
+
+def test_readme_lookup_figures_come_from_the_record():
+    record = json.loads((ROOT / "docs" / "records" / "lookup_turn_credit.json").read_text())["runs"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for name, label in (("grpo", "is"), ("mt_grpo", "MT-GRPO reaches"), ("gigpo", "GiGPO")):
+        run = record[name]
+        solved, call = f"{run['solved_last10']:.3f}", f"{run['call_turn_reward_last10']:.3f}"
+        assert f"{label} {solved} (first" in readme and f"{call})" in readme, (name, solved, call)
