@@ -15,7 +15,12 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 class BackendFallbackWarning(UserWarning):
-    """backend="auto" chose the PyTorch implementation; the message says why."""
+    """backend="auto" chose the PyTorch implementation; the message says why (once per reason).
+
+    Raised as a warning, never an error: on CPU tensors or without a usable Triton the PyTorch
+    implementation is exact, only slower. Silence it with
+    ``warnings.filterwarnings("ignore", category=gk.BackendFallbackWarning)``; pass ``backend="torch"``
+    to choose the PyTorch implementation explicitly (no notice)."""
 
 
 class SlowPathWarning(RuntimeWarning):

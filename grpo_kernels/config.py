@@ -73,8 +73,17 @@ def _finite(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Every scalar knob of the GRPO-family loss head. Construct directly or from a preset
-    (`PolicyLossConfig.dapo()`, `PolicyLossConfig.grpo(kl_coef=0.0)`, ...)."""
+    """Every scalar knob of the GRPO-family loss head, frozen and validated on construction.
+
+    Construct directly (``PolicyLossConfig(loss_type="cispo")``), from a preset with overrides
+    (``PolicyLossConfig.dapo()``, ``PolicyLossConfig.grpo(kl_coef=0.0)``, ``from_preset("gspo")``), or
+    change one (``cfg.replace(clip_high=0.28)``). Each preset's docstring cites its source. The fields
+    (each commented where it is declared): the per-token objective (``loss_type``, ``ratio_level``,
+    clip bounds and each objective's parameters), the KL term (``kl_coef``, ``kl_estimator``), the
+    entropy term, sampler-mismatch corrections (``is_level``, ``off_policy_mask_threshold``), token
+    selection, the aggregation modes, and ``temperature``. The formulas and gradients:
+    grpo_kernels/ops/loss_head/README.md. An invalid value or combination raises ``ValueError`` naming it.
+    """
 
     # --- per-token objective --------------------------------------------------------------------
     loss_type: str = "ppo_clip"
@@ -93,12 +102,12 @@ class PolicyLossConfig:
     prefix_decay: float = 0.9  # ratio_level="prefix" / "prefix_symmetric": decay (gamma lambda) of the trace
     dpo_beta: float = 0.1  # group_dpo: DPO inverse temperature
     group_size: int | None = None  # group_dpo: completions per prompt, laid out consecutively
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    vespo_k_pos: float = 2.0  # VESPO Gamma weight phi(W): shape k for A >= 0
+    vespo_lambda_pos: float = 3.0  # VESPO: rate lambda for A >= 0
+    vespo_k_neg: float = 3.0  # VESPO: shape k for A < 0
+    vespo_lambda_neg: float = 2.0  # VESPO: rate lambda for A < 0
     # --- KL to the reference policy -------------------------------------------------------------
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # beta, the weight of the KL term (0: no KL term, no reference needed)
     kl_estimator: str = "k3"  # k1, k2, k3 (unclamped, TRL), low_var_kl (k3 clamped, verl), abs
     kl_ratio_correction: bool = False  # TRL use_bias_correction_kl: KL times the (differentiable) ratio
     kl_straight_through: bool = False  # verl "<name>+": the estimator's value with k2's gradient
@@ -111,18 +120,18 @@ class PolicyLossConfig:
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 sequence mask: drop A<0 seqs with KL > delta
     # --- token selection --------------------------------------------------------------------------
     top_entropy_quantile: float = 1.0  # rho: keep tokens with entropy >= the (1 - rho) quantile
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: fraction of tokens detached (verl clip_cov_ratio)
+    clip_cov_lb: float = 1.0  # Clip-Cov: lower covariance bound of the candidates (verl)
+    clip_cov_ub: float = 5.0  # Clip-Cov: upper covariance bound of the candidates (verl)
+    kl_cov_ratio: float = 2e-4  # KL-Cov: fraction of top-covariance tokens penalised (verl)
     kl_cov_coef: float = 1.0  # verl ppo_kl_coef
     old_prob_threshold: float | None = None  # Lopti: split tokens by old-policy probability
     old_prob_side: str = "low"  # which side of the split this update trains on
     # --- entropy bonus ----------------------------------------------------------------------------
-    entropy_coef: float = 0.0
-    entropy_agg_mode: str | None = None
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    entropy_agg_mode: str | None = None  # aggregation of the entropy term; None: loss_agg_mode
     # --- aggregation ------------------------------------------------------------------------------
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # token-mean, seq-mean-token-mean, seq-mean-token-sum(-norm), ...
     max_completion_length: int | None = None  # the Dr. GRPO constant of seq-mean-token-sum-norm
     length_power: float = 1.0  # the exponent p of "length-pow"
     # --- LM head ----------------------------------------------------------------------------------

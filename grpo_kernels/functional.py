@@ -29,12 +29,60 @@ logger = logging.getLogger("grpo_kernels")
 
 @dataclass
 class LogProbsOutput:
+    """What ``fused_linear_logprobs`` returns.
+
+    Attributes:
+        logprobs: fp32, the shape of ``targets``: log softmax(z)[target] per token (differentiable);
+            exactly 0 where not computed (mask 0 or target == ignore_index).
+        entropy: fp32, the shape of ``targets``: -sum_v p_v log p_v of softmax(z) per token
+            (differentiable), 0 where not computed; None when ``compute_entropy=False``.
+    """
+
     logprobs: torch.Tensor  # fp32, shape of targets; 0 where not computed (mask 0 / ignore_index)
     entropy: torch.Tensor | None  # fp32, shape of targets; None when compute_entropy=False
 
 
 @dataclass
 class GRPOLossOutput:
+    """What ``grpo_loss`` and ``fused_linear_grpo_loss`` return.
+
+    Attributes:
+        loss: 0-d fp32, differentiable: the aggregated policy loss, plus kl_coef x the KL term, minus
+            entropy_coef x the entropy term (each aggregated with its own mode), scaled by the normalizers
+            (see ``num_tokens`` etc.). Call ``.backward()`` on it (or on a sum of micro-batch losses).
+        metrics: detached 0-d fp32 tensors, means over valid tokens (or over sequences for the sequence
+            ratio levels, as TRL), each present only when the config computes it:
+
+            ============================= ====================================================================
+            name (TRL's where it has one) definition
+            ============================= ====================================================================
+            policy_loss                   the aggregated policy term (verl ``actor/pg_loss``)
+            kl                            mean KL to the reference (estimator ``kl_estimator``); with ref
+            kl_loss                       the aggregated KL term that enters the loss (kl_coef > 0)
+            entropy                       mean token entropy, when entropy is given or computed
+            entropy_loss                  the aggregated entropy term (entropy_coef > 0)
+            ppo_kl                        mean of -log r (old minus new log-prob: verl ``actor/ppo_kl``)
+            ratio/mean, ratio/min, /max   the importance ratio r (1, 1, 1 for an all-masked batch)
+            clip_ratio/low_mean           tokens with r < 1 - clip_low and A < 0 (TRL ``clip_ratio/low_mean``)
+            clip_ratio/high_mean          tokens with r > 1 + clip_high and A > 0 (TRL ``clip_ratio/high_mean``)
+            clip_ratio/region_mean        either of the two (TRL ``clip_ratio/region_mean``)
+            clip_ratio/low_min, high_max  per-sequence extremes of the two (TRL's names)
+            clip_ratio/dual_mean          tokens where verl's dual clip binds (dual_clip set)
+            clip_ratio/any_mean           CISPO: tokens whose weight is capped
+            is_weight/mean, min, max      sampler importance weights (is_level set or is_weights given)
+            is_weight/masked_frac         tokens masked by is_mode="mask"
+            selection/...                 fractions kept or dropped by token selection (top entropy, Lopti,
+                                          off-policy masking, Clip-Cov / KL-Cov)
+            ppo_kl_abs                    KL-Cov: mean |log r|
+            vespo/phi_seq_mean            VESPO: mean sequence weight phi
+            dpo/pairs, reward_margin,     group DPO: preference pairs, mean beta x margin, share of pairs
+            dpo/accuracy                  ranked right
+            ============================= ====================================================================
+
+        logprobs: detached fp32 per-token log-probs, in the layout of the inputs (what the loss used).
+        entropy: detached fp32 per-token entropy, or None when neither given nor computed.
+    """
+
     loss: torch.Tensor  # 0-d, differentiable
     metrics: dict[str, torch.Tensor]  # detached 0-d fp32 tensors (TRL's names where TRL has one)
     logprobs: torch.Tensor  # detached per-token log-probs, layout of the inputs
@@ -87,25 +135,50 @@ def fused_linear_logprobs(
     logit_scale: float = 1.0,
     backend: str = "auto",
 ) -> LogProbsOutput:
-    """Per-token log p(target) and entropy of softmax((hidden @ weight.T + bias) / temperature),
-    never materialising the [tokens, V] logits. Differentiable w.r.t. hidden, weight and bias.
+    """Per-token log p(target) and entropy of the LM head's softmax, without the [tokens, V] logits.
 
-    hidden [..., H] (bf16 / fp16 / fp32), weight [V, H], targets [...] int ids, bias [V].
-    Tokens with mask 0 or target == ignore_index are skipped (never multiplied) and get 0.
-    tp_group: a torch.distributed process group over which the vocabulary is sharded (Megatron /
-    torchtitan tensor parallelism): `weight` / `bias` are this rank's contiguous block of the full
-    head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), `targets` are global ids and
-    `hidden` / `targets` / `mask` are the same on every rank (the caller's contract). Results are
-    those of the full head, identical on every rank; grad_hidden is the full gradient (all-reduced
-    inside); grad_weight / grad_bias are the local block's. Communication is O(tokens).
-    batch_invariant: each token's log-prob and entropy are bitwise the same whatever else is in the batch
-    (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
-    (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
-    softcap, logit_scale: the model's logit transform before the temperature, z = softcap *
-    tanh(logit_scale * x / softcap) / temperature (Gemma 2 / 3 final_logit_softcapping; without a cap
-    z = logit_scale * x / temperature, Granite's 1 / logits_scaling), x = hidden @ weight.T + bias.
-    With a softcap a -inf bias no longer forbids a token: tanh(-inf) = -1 gives it the finite logit
-    -softcap / temperature, as in transformers' Gemma forward.
+    z = (hidden @ weight.T + bias) / temperature (with the model's logit transform, see ``softcap``);
+    logprobs = log softmax(z)[target], entropy = -sum_v p_v log p_v, both from fp32 statistics kept in
+    the GEMM accumulators. Differentiable w.r.t. hidden, weight and bias (and nothing else).
+
+    Alignment with a causal LM: the hidden state at position t predicts token t + 1, so for completion
+    tokens ``completion_ids[:, j]`` pass the backbone's last hidden states at positions P - 1 + j (P the
+    prompt length), i.e. ``hidden = last_hidden_state[:, P - 1 : -1]`` and ``targets = completion_ids``.
+
+    Args:
+        hidden: [..., H] bf16 / fp16 / fp32, the backbone's last hidden states (after the final norm).
+        weight: [V, H], the LM-head weight (``model.get_output_embeddings().weight``), same dtype as
+            hidden; an FSDP2 DTensor is gathered, a DeepSpeed ZeRO-3 stub is refused (call inside the forward).
+        targets: [...] int64 token ids, the shape of hidden without H.
+        bias: optional [V] LM-head bias; -inf forbids a token.
+        temperature: > 0, the sampling temperature (the sampler's, so that log-probs match it). Default 1.
+        mask: optional bool / 0-1 [...]: tokens with 0 are skipped (never multiplied) and get 0.
+        ignore_index: targets equal to it are skipped like mask 0 (default -100, as TRL / transformers).
+        compute_entropy: compute the entropy too (default True; False saves a little work).
+        check_finite: raise on a NaN / inf in hidden (valid tokens) or weight before any work (one host
+            synchronisation; default True).
+        tp_group: a torch.distributed process group over which the vocabulary is sharded (Megatron /
+            torchtitan tensor parallelism): ``weight`` / ``bias`` are this rank's contiguous block of the
+            full head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), ``targets`` are
+            global ids and hidden / targets / mask are the same on every rank. Results are those of the
+            full head, identical on every rank; grad_hidden is the full gradient (all-reduced inside);
+            grad_weight / grad_bias are the local block's. Communication is O(tokens).
+        batch_invariant: each token's log-prob and entropy bitwise the same whatever else is in the batch
+            (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
+            (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
+        softcap: the model's final logit soft-cap (Gemma 2 / 3 ``final_logit_softcapping``): z = softcap x
+            tanh(logit_scale x x / softcap) / temperature, x = hidden @ weight.T + bias. With a softcap a
+            -inf bias gives the finite logit -softcap / temperature, as transformers' Gemma forward.
+        logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere, said once as a ``BackendFallbackWarning``),
+            "triton" or "torch".
+
+    Returns:
+        LogProbsOutput: ``logprobs`` and ``entropy`` (fp32, the shape of targets, 0 on skipped tokens).
+
+    Raises:
+        ValueError: on a bad shape, dtype, device, temperature, NaN input (with check_finite) or option,
+            before any heavy work, naming the offending argument (and its worst element).
     """
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
@@ -218,7 +291,12 @@ def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool =
 
 
 class DistributedNormalizerWarning(UserWarning):
-    """A loss ran on several data-parallel processes with its local token / sequence counts."""
+    """A loss ran on several data-parallel processes with its local token / sequence counts.
+
+    Each rank then normalises by its own count and the averaged gradient is not the gradient of the
+    global batch's loss (unless every rank has the same count). Pass ``num_tokens=`` /
+    ``num_sequences=`` (the whole optimizer step's counts, all ranks) and ``dp_size=K``. Warned once per
+    process; a valid choice when intended (silence it with ``warnings.filterwarnings``)."""
 
 
 _warned_local_normalizers = False
@@ -433,12 +511,50 @@ def grpo_loss(
     check_finite: bool = True,
     backend: str = "auto",
 ) -> GRPOLossOutput:
-    """The GRPO-family policy loss on per-token log-probs (the loss head, no LM head).
+    """The GRPO-family policy loss on per-token log-probs (the loss head, without the LM head).
 
-    logprobs [B, T] (or [N] with cu_seqlens) is differentiable; so is entropy when the config uses
-    it (entropy bonus). old_logprobs=None means on-policy (ratio 1, gradient still flows).
-    num_tokens / num_sequences: global normalizers of the optimizer step (all micro-batches and
-    ranks); dp_size: ranks whose gradients are averaged. Without them local counts are used.
+    The objective, its aggregation and its KL / entropy terms are set by ``config`` (formulas and
+    gradients: grpo_kernels/ops/loss_head/README.md). Use it when you already have the log-probs;
+    ``fused_linear_grpo_loss`` computes them from the hidden states in the same call.
+
+    Args:
+        logprobs: [B, T] (or [N] with cu_seqlens) fp32 / bf16 per-token log-probs of the current policy,
+            differentiable.
+        advantages: float [B] (one per sequence, broadcast over its tokens) or [B, T] per token
+            (``gk.advantages.estimate``); [S] / [N] with cu_seqlens.
+        mask: bool / 0-1 [B, T]: the completion tokens the loss counts (1) and the padding or
+            tool-output tokens it skips (0). Skipped tokens contribute exactly 0 to loss and gradients.
+        old_logprobs: [B, T] fp32 log-probs of the policy that sampled (or the previous update's), no grad;
+            None means on-policy: ratio 1 in value, the gradient still flows (TRL / verl with one update).
+        ref_logprobs: [B, T] the reference policy's log-probs; needed when ``config.kl_coef > 0`` (the KL
+            term) or for ``loss_type="group_dpo"``; None otherwise.
+        rollout_logprobs: [B, T] the inference engine's log-probs of the sampled tokens (vLLM / SGLang),
+            for the sampler-mismatch corrections ``config.is_level`` / ``off_policy_mask_threshold``;
+            NaN marks a token the engine did not score (no correction for it).
+        config: a ``PolicyLossConfig`` (or a preset: ``PolicyLossConfig.dapo()``); default
+            ``PolicyLossConfig()``: PPO clip 0.2, no KL, token-mean.
+        cu_seqlens: int [S + 1] cumulative sequence lengths for packed inputs ([N] per-token tensors);
+            None for padded [B, T] inputs.
+        is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
+        token_weights: optional [B, T] per-token weights of the policy term (process weights).
+        num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
+            the token-mean aggregations; None: this call's own count.
+        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
+        dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
+            it so that the average is the gradient of the global loss. Default 1.
+        grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
+            are not given (local counts divided by it). Default 1.
+        check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
+        entropy: optional [B, T] per-token entropy; needed (and differentiable) when the config uses it
+            (entropy_coef > 0 or top_entropy_quantile < 1); otherwise only reported as a metric.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns:
+        GRPOLossOutput: ``loss`` (0-d, differentiable), ``metrics`` (see ``GRPOLossOutput``), the detached
+        ``logprobs`` and ``entropy``.
+
+    Raises:
+        ValueError: on a bad shape, dtype, device or config, or a needed input missing, before any work.
     """
     cfg = _check_config(config)
     chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
@@ -541,24 +657,67 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     schedule: str = "auto",
 ) -> GRPOLossOutput:
-    """From the last hidden states to the GRPO-family loss in one call: LM-head statistics (log-probs,
-    entropy from fp32 accumulators), loss head, and the LM-head gradients, without [tokens, V] logits.
+    """From the last hidden states to the GRPO-family loss in one call, without the [tokens, V] logits.
 
-    hidden [B, T, H] (or [N, H] with cu_seqlens), weight [V, H], bias [V], targets [B, T] token ids
-    (only positions with mask 1 are read). Differentiable w.r.t. hidden, weight and bias; the
-    gradients are computed inside the forward and scaled by grad_output in backward.
-    The temperature is config.temperature. schedule: "auto" (one pass over the vocabulary per chunk
-    of sequences when valid, else two passes; the choice is logged at DEBUG), "one_pass", "two_pass",
-    or "low_memory" (two passes with the vocabulary outside in the backward: no fp32 [V, H]
-    accumulator, grad_weight written once per block; opt-in, never chosen by "auto").
-    tp_group: vocabulary-parallel LM head, as in fused_linear_logprobs (weight / bias are this rank's
-    block of rows, targets global ids, every per-token input the same on every rank); loss, metrics,
-    log-probs and entropy are identical on every rank.
-    batch_invariant: as in fused_linear_logprobs: each token's log-prob and entropy (and so its ratio
-    and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
-    aggregated loss depends on the batch by definition.
-    softcap, logit_scale: the model's logit transform, as in fused_linear_logprobs (the temperature is
-    config.temperature).
+    LM-head statistics (log-probs, entropy from fp32 accumulators), the loss head (as ``grpo_loss``), and
+    the LM-head gradients computed inside the forward (``backward`` scales them by grad_output).
+    Differentiable w.r.t. hidden, weight and bias. The temperature is ``config.temperature``.
+
+    Alignment with a causal LM: the hidden state at position t predicts token t + 1: for completion
+    tokens ``completion_ids[:, j]`` pass ``hidden = last_hidden_state[:, P - 1 : -1]`` (P the prompt
+    length) and ``targets = completion_ids`` (what TRL's and verl's log-prob paths compute).
+
+    Args:
+        hidden: [B, T, H] (or [N, H] with cu_seqlens) bf16 / fp16 / fp32 last hidden states (after the
+            final norm), differentiable.
+        weight: [V, H] LM-head weight, same dtype (an FSDP2 DTensor is gathered; a ZeRO-3 stub refused).
+        targets: [B, T] int64 completion token ids (only positions with mask 1 are read).
+        advantages: float [B] (one per sequence, broadcast over its tokens) or [B, T] per token
+            (``gk.advantages.estimate``); [S] / [N] with cu_seqlens.
+        mask: bool / 0-1 [B, T]: the completion tokens the loss counts (1) and the padding or
+            tool-output tokens it skips (0). Skipped tokens contribute exactly 0 to loss and gradients.
+        old_logprobs: [B, T] fp32 log-probs of the policy that sampled (or the previous update's), no grad;
+            None means on-policy: ratio 1 in value, the gradient still flows (TRL / verl with one update).
+        ref_logprobs: [B, T] the reference policy's log-probs; needed when ``config.kl_coef > 0`` (the KL
+            term) or for ``loss_type="group_dpo"``; None otherwise.
+        rollout_logprobs: [B, T] the inference engine's log-probs of the sampled tokens (vLLM / SGLang),
+            for the sampler-mismatch corrections ``config.is_level`` / ``off_policy_mask_threshold``;
+            NaN marks a token the engine did not score (no correction for it).
+        config: a ``PolicyLossConfig`` (or a preset: ``PolicyLossConfig.dapo()``); default
+            ``PolicyLossConfig()``: PPO clip 0.2, no KL, token-mean.
+        cu_seqlens: int [S + 1] cumulative sequence lengths for packed inputs ([N] per-token tensors);
+            None for padded [B, T] inputs.
+        is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
+        token_weights: optional [B, T] per-token weights of the policy term (process weights).
+        num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
+            the token-mean aggregations; None: this call's own count.
+        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
+        dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
+            it so that the average is the gradient of the global loss. Default 1.
+        grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
+            are not given (local counts divided by it). Default 1.
+        check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
+        bias: optional [V] LM-head bias.
+        tp_group: vocabulary-parallel LM head, as in ``fused_linear_logprobs`` (weight / bias are this
+            rank's block of rows, targets global ids, every per-token input the same on every rank); loss,
+            metrics, log-probs and entropy are identical on every rank.
+        batch_invariant: as in ``fused_linear_logprobs``: each token's log-prob and entropy (so its ratio
+            and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
+            aggregated loss depends on the batch by definition.
+        softcap, logit_scale: the model's logit transform, as in ``fused_linear_logprobs``.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        schedule: "auto" (one pass over the vocabulary per chunk of tokens when valid, else two; the
+            choice is logged at DEBUG), "one_pass", "two_pass", or "low_memory" (two passes with the
+            vocabulary outside in the backward: no fp32 [V, H] accumulator, grad_weight written once per
+            block; opt-in, never chosen by "auto").
+
+    Returns:
+        GRPOLossOutput: ``loss`` (0-d, differentiable), ``metrics`` (see ``GRPOLossOutput``), and the
+        detached per-token ``logprobs`` and ``entropy`` the loss used (fp32, the layout of targets).
+
+    Raises:
+        ValueError: on a bad shape, dtype, device, config or option, or a needed input missing, before any
+            heavy work, naming the argument.
     """
     from .ops.fused.function import SCHEDULES, run_fused
 

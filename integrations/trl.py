@@ -100,7 +100,8 @@ def policy_loss_config(trainer, *, temperature: float = 1.0) -> gk.PolicyLossCon
     importance_sampling_level -> ratio_level; no log-ratio clamp (TRL has none); beta -> kl_coef with
     the unclamped k3; use_bias_correction_kl -> kl_ratio_correction; entropy_coef -> a token mean over
     the micro-batch / GA ("token-mean-local"); vllm_importance_sampling_{mode, clip_min, clip_max}
-    -> is_level, is_mode, is_min, is_max (when use_vllm and the correction are on)."""
+    -> is_level, is_mode, is_min, is_max (when use_vllm and the correction are on). `temperature` is the
+    trainer's sampling temperature (the config's, so that log-probs match the sampler)."""
     args = trainer.args
     loss_type = trainer.loss_type
     if loss_type not in LOSS_AGG_MODE:
@@ -152,7 +153,8 @@ def loss_normalizers(trainer, batch_size: int, num_items_in_batch) -> dict:
       bnpo: the local token count, times GA
       dapo, cispo, vespo: num_tokens = max(num_items_in_batch, 1) GA / steps_per_generation (train;
         eval: max(num_items_in_batch, 1)), dp_size = num_processes
-      entropy bonus: grad_accum_steps = GA (a local token mean / GA)."""
+      entropy bonus: grad_accum_steps = GA (a local token mean / GA).
+    `trainer` is the GRPOTrainer, `batch_size` the micro-batch's rows, `num_items_in_batch` TRL's count."""
     training = trainer.model.training
     ga = trainer.current_gradient_accumulation_steps if training else 1
     loss_type = trainer.loss_type
@@ -177,7 +179,8 @@ def log_trl_metrics(
     Where TRL counts differently: at importance_sampling_level="sequence" TRL averages the (B, 1)
     clip indicators over all B rows, all-masked rows included (ratio exp(0) = 1: never clipped), and
     its per-row min takes their 0; ours average over non-empty sequences. vespo/phi_seq_mean likewise
-    counts all-masked rows, whose phi(1) = 1."""
+    counts all-masked rows, whose phi(1) = 1. `mask` is the micro-batch's completion mask (the token
+    weights of the means); `aux_loss` an MoE router loss TRL adds and logs, when the model has one."""
     mode = "train" if trainer.model.training else "eval"
     log = trainer._metrics[mode]
     accelerator = trainer.accelerator
@@ -244,8 +247,11 @@ def _nan_reduce(x: torch.Tensor, pick) -> torch.Tensor:
 
 
 def unsupported_settings(trainer, mode: str) -> list[str]:
-    """What `GRPOKernelsTrainer` in `mode` cannot reproduce for this trainer, one line per field
-    (empty: everything is honoured). Checked when the trainer is built."""
+    """What `GRPOKernelsTrainer` in `mode` cannot reproduce for this trainer, one line per field.
+
+    `trainer` is the GRPOTrainer being built, `mode` "fused" (the whole loss) or "logprobs" (the LM
+    head only). Empty: everything is honoured. Checked when the trainer is built; a non-empty list
+    refuses the configuration with these lines as the message."""
     problems = []
     args = trainer.args
     for role, model in (("model", trainer.model), ("ref_model", getattr(trainer, "ref_model", None))):
@@ -357,8 +363,8 @@ class KernelOptions:
     bitwise independent of the micro-batch it is scored in: the old-policy and training passes then
     give ratio exactly 1 on-policy, whatever their batch sizes)."""
 
-    backend: str = "auto"
-    batch_invariant: bool = False
+    backend: str = "auto"  # grpo_kernels backend: "auto", "triton" or "torch"
+    batch_invariant: bool = False  # see fused_linear_logprobs(batch_invariant=)
     softcap: float | None = None  # TRL's final_logit_softcapping of the call (Gemma 2 / 3)
     logit_scale: float = 1.0  # TRL's logit_scale of the call (Granite: 1 / logits_scaling)
 
@@ -546,7 +552,7 @@ def check_fsdp2_head(model) -> None:
     Replicate: each rank would keep only its own rows of its own gradient (the ranks' gradients are
     never averaged for the head). The head is a DTensor inside the forward only when it is its own
     FSDP2 unit; in the root unit (accelerate's default wrapping) it is unsharded there and exact. Refuse
-    the first case when gradients flow, saying what to do."""
+    the first case when gradients flow, saying what to do. `model` is the (possibly wrapped) policy."""
     if model is None or not torch.is_grad_enabled():
         return
     head = _unwrap(model).get_output_embeddings()

@@ -95,7 +95,12 @@ def _policy_config(mode: str, config, loss_agg_mode: str, horizon: int) -> gk.Po
 
 def policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                 rollout_is_weights=None):  # fmt: skip
-    """verl's PolicyLossFn for `mode`, computed by grpo_kernels. Tensors are [bs, T]."""
+    """verl's PolicyLossFn for `mode` (registered as "gk_<mode>"), computed by grpo_kernels.
+
+    old_log_prob, log_prob, advantages, response_mask: [bs, T] as verl passes them; loss_agg_mode: verl's
+    aggregation; config: verl's actor config (clip ratios, global batch info for the normalizers);
+    rollout_is_weights: verl's rollout importance weights, multiplied into the policy term.
+    Returns (loss, verl's pg metrics as floats)."""
     if config is None:
         raise ValueError(f"gk_{mode}: verl passes the actor config; got config=None")
     cfg = _policy_config(mode, config, loss_agg_mode, horizon=response_mask.shape[-1])
@@ -148,7 +153,11 @@ def _make_loss(mode):
 
 
 def register_policy_losses() -> list[str]:
-    """Register gk_<mode> for every supported mode in verl's policy-loss registry (idempotent)."""
+    """Register gk_<mode> for every supported mode in verl's policy-loss registry (idempotent).
+
+    Select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=gk_vanilla`` (etc.); returns the
+    registered names. Loading this module runs it: verl's plugin discovery (the ``verl.plugins`` entry
+    point) imports it in the driver and every worker."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
     _check_version()
@@ -178,7 +187,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
     rank r holding the rows after ranks 0..r-1), `labels` are global ids, and the results are those of
     the whole head on every rank (grpo_kernels' vocabulary-parallel LM head, `tp_group`).
     softcap: the model's final_logit_softcapping (Gemma 2 / 3), z = softcap tanh(x / softcap) / T. verl's
-    own call never passes it (its fused path has no soft-capping); a caller that knows its model does."""
+    own call never passes it (its fused path has no soft-capping); a caller that knows its model does.
+    temperature: a float (verl's contract), the sampling temperature T; reduction: "none", "sum", "mean"."""
     if not isinstance(temperature, float):
         raise TypeError(f"temperature must be a float (verl's contract), got {type(temperature).__name__}")
     if reduction not in ("none", "sum", "mean"):
@@ -195,7 +205,12 @@ def linear_cross_entropy(hidden, weight, labels, temperature: float = 1.0, reduc
 
 
 def install_linear_cross_entropy() -> None:
-    """Make verl's fused-kernel forward (impl_backend=triton) call grpo_kernels' LM head."""
+    """Make verl's fused-kernel forward (impl_backend=triton) call grpo_kernels' LM head.
+
+    Replaces ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` with this module's
+    ``linear_cross_entropy`` (the same signature), also where Megatron's forward modules already bound
+    it, so verl's ``use_fused_kernels=True`` path runs on grpo_kernels; idempotent. Loading this module
+    runs it when the environment sets ``GRPO_KERNELS_VERL_LINEAR_CE=1``."""
     import verl.utils.kernel.linear_cross_entropy as lce
 
     lce.linear_cross_entropy = linear_cross_entropy

@@ -39,3 +39,44 @@ def pytest_report_header(config):
         else:
             peers.append(f"{dist}=={version}")
     return ["grpo_kernels tests: " + ", ".join(base), "parity peers: " + ", ".join(peers)]
+
+
+# ---- the test-run record the README's count and time come from ---------------------------------------
+# GRPO_KERNELS_TEST_RECORD=path: after the run, write {passed, skipped, xfailed, failed, seconds, ...} there
+# (.ci/run sets it; docs/records/tests.json is such a record, committed, and test_readme_records.py checks
+# the README against it).
+_session_started = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _session_started.append(time.time())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import json
+    import os
+    import platform
+    import subprocess
+    import time
+
+    path = os.environ.get("GRPO_KERNELS_TEST_RECORD")
+    if not path or not _session_started:
+        return
+    counts = {key: len(terminalreporter.stats.get(key, [])) for key in ("passed", "skipped", "xfailed", "failed",
+                                                                       "error")}  # fmt: skip
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(__file__))  # fmt: skip
+    record = {
+        **counts,
+        "tests": sum(counts.values()),
+        "seconds": round(time.time() - _session_started[0]),
+        "command": "python -m pytest -q (the README's test command)",
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_sha": sha.stdout.strip() or None,
+    }
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")

@@ -30,7 +30,7 @@ class EstimatorSpec:
     ``group_index`` covering 0..num_groups-1.
     """
 
-    name: str
+    name: str  # the key of estimate(name, ...)
     fn: Callable[..., torch.Tensor]
     output: str  # "[B]" or "[B, T]"
     rewards_shape: str  # "[B]", "[B, K]" or "[B, S]"
@@ -60,6 +60,14 @@ def register(
     Registering a different function under a name already taken raises ``ValueError`` (registering the
     same function twice is a no-op). Options are the keyword-only parameters of ``fn``; the first line of
     its docstring becomes the table summary.
+
+    Args:
+        name: the registry key (``estimate(name, ...)``).
+        output: "[B]" (one advantage per sequence) or "[B, T]" (per token).
+        rewards_shape: the rewards it takes: "[B]", "[B, K]" (several reward functions) or "[B, S]" (step
+            rewards).
+        paper: "Title (arXiv:XXXX.XXXXX)" for the README table.
+        peer: the TRL / verl function it matches, or "—".
 
     Example::
 
@@ -92,7 +100,10 @@ def register(
 
 
 def get(name: str) -> EstimatorSpec:
-    """The registry entry for ``name``; ``ValueError`` listing the known names if there is none."""
+    """The registry entry for ``name``.
+
+    Returns the ``EstimatorSpec`` (function, output shape, rewards shape, options, paper, peer); raises
+    ``ValueError`` listing the known names if there is none."""
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -100,7 +111,10 @@ def get(name: str) -> EstimatorSpec:
 
 
 def available() -> dict[str, EstimatorSpec]:
-    """All registered estimators, by name (a copy)."""
+    """All registered estimators, by name (a copy).
+
+    ``{name: EstimatorSpec}`` sorted by name; ``spec.options`` lists each estimator's keyword options and
+    ``spec.output`` its return shape."""
     return dict(sorted(_REGISTRY.items()))
 
 
@@ -132,7 +146,10 @@ def estimate(name: str, rewards: torch.Tensor, group_index: torch.Tensor, **opti
 
 
 def registry_table_markdown() -> str:
-    """The README table of every registered estimator (generated; tests check README.md against it)."""
+    """The README table of every registered estimator, as Markdown.
+
+    Generated from the registry (name, output and rewards shapes, summary, paper, peer parity);
+    ``python -m grpo_kernels.advantages --markdown`` prints it and a test checks README.md against it."""
     lines = [
         "| Name | Returns | Rewards | Summary | Paper | Peer parity |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -282,6 +282,14 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str)
     k3 = exp(ref - logp) - (ref - logp) - 1;
     low_var_kl = k3 with ref - logp clamped to [-20, 20] and the result to [-10, 10] (verl's "low_var_kl",
     which verl also uses for "k3"; they agree unless a clamp binds).
+
+    Args:
+        logprobs: float [B, T] log-probs of the sampled tokens under the sampling policy.
+        ref_logprobs: float [B, T] the reference policy's log-probs of the same tokens.
+        estimator: one of ``KL_ESTIMATORS`` ("k1", "abs", "k2", "k3", "low_var_kl").
+
+    Returns:
+        float [B, T] per-token estimates (no masking: multiply by your mask).
     """
     check_choice("kl_estimator", estimator, KL_ESTIMATORS)
     diff = logprobs - ref_logprobs

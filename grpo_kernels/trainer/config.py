@@ -34,6 +34,13 @@ KL_REWARD_OPTIONS = ("logprobs", "ref_logprobs")
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Every setting of a training run, validated on construction (a bad value raises ``ValueError``).
+
+    ``TrainConfig.from_preset("dapo", steps=100)`` starts from a named preset (``PRESETS``); each field's
+    comment below is its help text in ``grpo-kernels train --help``, where every field is an option
+    (``--max-new-tokens``, ``--loss-option KEY=VALUE`` for the dict fields).
+    """
+
     # --- model and task -------------------------------------------------------------------------------
     model: str | None = None  # local Hugging Face causal LM folder; None: the embedded tiny Llama
     task: str = "copy"  # copy, reverse, max, lookup (two turns, a tool), a .jsonl file, or module:make_task

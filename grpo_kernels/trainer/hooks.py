@@ -24,23 +24,27 @@ from .rollout import Rollouts
 
 @dataclass
 class HookContext:
-    """What a hook may use besides the rollouts."""
+    """What a hook may use besides the rollouts: the sampler, the scorer, the tokenizer's encode / decode,
+    the EOS id, the generation budget, the group size, the correctness threshold and the hook's own
+    random generator (saved in checkpoints, so a resumed run draws the same)."""
 
-    generate: (
-        Callable  # (prompt token lists, max_new_tokens) -> (completion token lists, truncated, logprobs)
-    )
+    generate: Callable  # (prompt token lists, max_new_tokens) -> (completion tokens, truncated, logprobs)
     score: Callable[[Rollouts], Rollouts]  # fills .rewards for every row
     encode: Callable[[str], list[int]]  # text -> token ids (no special tokens)
     decode: Callable[[list[int]], str]  # completion tokens -> the text the reward sees (cut at EOS)
-    eos_id: int
-    max_new_tokens: int
-    group_size: int
-    correct_reward: float
+    eos_id: int  # the token that ends a completion
+    max_new_tokens: int  # the generation budget (per turn)
+    group_size: int  # completions per prompt the update expects
+    correct_reward: float  # a completion is correct when its reward >= this
     generator: torch.Generator  # the hook's randomness (saved in checkpoints)
 
 
 class RolloutHook:
-    """The no-op hook; subclass and override what the method needs."""
+    """A rollout hook: the no-op base; subclass and override what the method needs.
+
+    ``sample_multiplier`` asks for more completions per prompt; ``after_scoring`` may drop, add or rewrite
+    scored rows (rescoring rewritten ones with ``ctx.score``); ``update_stages`` splits one batch's update
+    into several with different loss settings. Register a subclass in ``HOOKS`` to name it in the CLI."""
 
     sample_multiplier: int = 1  # completions sampled per prompt = group_size * sample_multiplier
 

@@ -12,7 +12,8 @@ import torch
 
 @dataclass
 class Rollouts:
-    """Completions of one step, G per prompt, each group's rows consecutive.
+    """Completions of one step, G per prompt, each group's rows consecutive, scored by the trainer.
+    Multi-turn episodes add the turn structure (policy turns and environment replies in one completion).
 
     Token lists (not padded tensors) so that hooks can drop, add and rewrite rows; `tensors()` pads them.
     """

@@ -71,14 +71,19 @@ def resolve_reward(spec: str) -> Callable:
 
 @dataclass(frozen=True)
 class Task:
-    """Draws prompts with known answers. `make` maps a torch.Generator to one (prompt, answer) pair."""
+    """A verifiable task: draws prompts with known answers.
 
-    name: str
+    ``make(generator) -> (prompt, answer)`` draws one pair; ``reward`` names the default reward function;
+    ``max_new_tokens`` is the generation budget (per turn for multi-turn tasks); ``num_prompts`` the
+    distinct prompts it can draw; ``environment`` makes it multi-turn (trainer/multiturn.py); ``words``
+    lets the trainer refuse words the embedded model's vocabulary lacks."""
+
+    name: str  # shown in logs and the plot title
     make: Callable[[torch.Generator], tuple[str, str]]
     reward: str  # default reward function name
     max_new_tokens: int  # default generation budget (answer + EOS, with no slack)
     num_prompts: int  # distinct prompts the task can draw
-    description: str
+    description: str  # one line for the run log
     environment: Environment | None = None  # multi-turn tasks: the replies and turn rewards (multiturn.py)
     words: frozenset[str] | None = None  # every word of its prompts and answers, when known in advance
 

@@ -44,11 +44,18 @@ from .task import REWARDS, check_rewards, resolve_reward, resolve_task
 
 
 class TrainingError(RuntimeError):
-    """A failure during the run caused by user code or data (a reward function that raises or returns NaN)."""
+    """A failure during the run caused by user code or data (a reward function that raises or returns NaN).
+
+    The message names the reward function, the offending prompt / completion and the run folder, which
+    keeps every step completed before the failure (the CLI exits with status 1)."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: the steps completed so far are checkpointed and plotted; `run_dir` resumes."""
+    """Ctrl-C during a run (a ``KeyboardInterrupt``).
+
+    After the first Ctrl-C the current step finishes and is checkpointed and plotted: ``step`` is that
+    step and ``train(config, resume=True)`` on ``run_dir`` continues from it. After a second Ctrl-C the run
+    stops at once and ``step`` is the last checkpoint's (0: none was written)."""
 
     def __init__(self, run_dir: str, step: int):
         super().__init__(f"interrupted after step {step}")
@@ -57,6 +64,11 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns.
+
+    ``run_dir`` the run folder, ``metrics`` one dict per step (as in metrics.jsonl), ``model`` the trained
+    policy (fp32) and ``tokenizer`` its tokenizer."""
+
     run_dir: str
     metrics: list[dict]  # one dict per step, as in metrics.jsonl
     model: torch.nn.Module
@@ -77,8 +89,26 @@ class Compute:
 
 
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, log=print) -> TrainResult:
-    """Train from `config`; with resume=True continue config.run_dir from its last checkpoint. Started by
-    torchrun, the ranks share each step's work (trainer/distributed.py)."""
+    """Train a causal LM with a GRPO-family method (``grpo-kernels train`` calls this).
+
+    Everything that can fail on bad input (task, reward functions, options, backend) is checked before
+    the run folder is created. Started by torchrun, the ranks share each step's work
+    (trainer/distributed.py); rank 0 logs and writes.
+
+    Args:
+        config: the run (``TrainConfig.from_preset("dapo", steps=100)``).
+        resume: continue ``config.run_dir`` from its last checkpoint (its config.json must match).
+        progress: show a progress bar with reward, KL, entropy and clip fraction.
+        log: where the run's messages go (default ``print``).
+
+    Returns:
+        TrainResult: the run folder, the per-step metrics (as in metrics.jsonl), the model and tokenizer.
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, before anything is written.
+        TrainingError: a reward function failed during the run.
+        TrainingInterrupted: Ctrl-C (see its docstring).
+    """
     if config.rollout_engine == "vllm" and launched_by_torchrun():
         raise ValueError("--rollout-engine vllm runs on one process; under torchrun use the transformers sampler")
     if config.fsdp and not launched_by_torchrun():
