@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks as chk
+from . import _custom_ops
 from ._backend import resolve_backend
 from ._params import gather_lm_head_param
 from .config import TORCH_ONLY_RATIO_LEVELS, PolicyLossConfig
@@ -180,6 +181,10 @@ def fused_linear_logprobs(
         ValueError: on a bad shape, dtype, device, temperature, NaN input (with check_finite) or option,
             before any heavy work, naming the offending argument (and its worst element).
     """
+    if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
+        return _custom_ops.compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index,
+                                             compute_entropy, check_finite, tp_group, batch_invariant, softcap,
+                                             logit_scale, backend)  # fmt: skip
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
@@ -556,6 +561,11 @@ def grpo_loss(
     Raises:
         ValueError: on a bad shape, dtype, device or config, or a needed input missing, before any work.
     """
+    if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
+        return _custom_ops.compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs,
+                                              rollout_logprobs, entropy, _check_config(config), cu_seqlens,
+                                              is_weights, token_weights, num_tokens, num_sequences, dp_size,
+                                              grad_accum_steps, check_finite, backend)  # fmt: skip
     cfg = _check_config(config)
     chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
     device = chk.check_same_device(
@@ -719,6 +729,12 @@ def fused_linear_grpo_loss(
         ValueError: on a bad shape, dtype, device, config or option, or a needed input missing, before any
             heavy work, naming the argument.
     """
+    if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
+        return _custom_ops.compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs,
+                                               ref_logprobs, rollout_logprobs, bias, _check_config(config),
+                                               cu_seqlens, is_weights, token_weights, num_tokens, num_sequences,
+                                               dp_size, grad_accum_steps, check_finite, tp_group, batch_invariant,
+                                               softcap, logit_scale, backend, schedule)  # fmt: skip
     from .ops.fused.function import SCHEDULES, run_fused
 
     if schedule not in SCHEDULES:

@@ -304,6 +304,52 @@ class _Normalizers:
         raise AssertionError(mode)  # pragma: no cover
 
 
+CLIP_METRIC_LOSSES = ("ppo_clip", "cispo", "clip_cov", "dcpo")
+
+
+def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool) -> tuple[str, ...]:
+    """The metric names the loss head reports for `cfg` and the inputs present, sorted: a function of the
+    config alone, so a compiled graph knows the metrics' layout without running (grpo_kernels/_custom_ops.py;
+    tests check it against every configuration's eager metrics)."""
+    names = {"policy_loss", "ppo_kl", "ratio/mean", "ratio/min", "ratio/max"}
+    if cfg.loss_type in ("ppo_clip", "dcpo") and cfg.dual_clip is not None:
+        names.add("clip_ratio/dual_mean")
+    if cfg.loss_type == "cispo":
+        names.add("clip_ratio/any_mean")
+    if cfg.loss_type == "vespo":
+        names.add("vespo/phi_seq_mean")
+    if cfg.loss_type in ("clip_cov", "kl_cov"):
+        names.add("selection/cov_frac")
+    if cfg.loss_type == "kl_cov":
+        names.add("ppo_kl_abs")
+    if cfg.loss_type in CLIP_METRIC_LOSSES:
+        names |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                  "clip_ratio/high_max"}  # fmt: skip
+    if cfg.loss_type == "gmpo":
+        names |= {"clip_ratio/low_mean", "clip_ratio/high_mean"}
+    if cfg.loss_type == "group_dpo":
+        names |= {"dpo/pairs", "dpo/reward_margin", "dpo/accuracy"}
+    if cfg.off_policy_mask_threshold is not None:
+        names.add("selection/off_policy_dropped_frac")
+    if cfg.top_entropy_quantile < 1.0:
+        names.add("selection/entropy_kept_frac")
+    if cfg.old_prob_threshold is not None:
+        names.add("selection/old_prob_kept_frac")
+    if cfg.is_level is not None or has_is_weights:
+        names |= {"is_weight/mean", "is_weight/min", "is_weight/max"}
+        if cfg.is_mode == "mask" and cfg.is_level is not None:
+            names.add("is_weight/masked_frac")
+    if has_ref:
+        names.add("kl")
+        if cfg.kl_coef > 0:
+            names.add("kl_loss")
+    if has_entropy:
+        names.add("entropy")
+        if cfg.entropy_coef > 0:
+            names.add("entropy_loss")
+    return tuple(sorted(names))
+
+
 def _segment_sum(x, seq_index, num_seqs):
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
 
