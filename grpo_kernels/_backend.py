@@ -33,9 +33,11 @@ _notified: set[str] = set()
 
 
 def notify_once(reason: str) -> None:
+    """One line on stderr (through the warnings machinery, so filters apply), once per reason: warned
+    from a pseudo-location without a source line, so Python prints no second line of code."""
     if reason not in _notified:
         _notified.add(reason)
-        warnings.warn(f"grpo_kernels: {reason}", BackendFallbackWarning, stacklevel=4)  # the user's call
+        warnings.warn_explicit(reason, BackendFallbackWarning, "grpo_kernels", 0, module="grpo_kernels")
 
 
 @functools.lru_cache(maxsize=None)
