@@ -130,7 +130,7 @@ def fused_linear_logprobs(
     ignore_index: int = -100,
     compute_entropy: bool = True,
     check_finite: bool = True,
-    tp_group=None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     batch_invariant: bool = False,
     softcap: float | None = None,
     logit_scale: float = 1.0,
@@ -660,7 +660,7 @@ def fused_linear_grpo_loss(
     dp_size: int = 1,
     grad_accum_steps: int = 1,
     check_finite: bool = True,
-    tp_group=None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     batch_invariant: bool = False,
     softcap: float | None = None,
     logit_scale: float = 1.0,
@@ -714,7 +714,8 @@ def fused_linear_grpo_loss(
         batch_invariant: as in ``fused_linear_logprobs``: each token's log-prob and entropy (so its ratio
             and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
             aggregated loss depends on the batch by definition.
-        softcap, logit_scale: the model's logit transform, as in ``fused_linear_logprobs``.
+        softcap: the model's final logit soft-cap, as in ``fused_linear_logprobs``.
+        logit_scale: the model's logit multiplier, as in ``fused_linear_logprobs``.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
         schedule: "auto" (one pass over the vocabulary per chunk of tokens when valid, else two; the
             choice is logged at DEBUG), "one_pass", "two_pass", or "low_memory" (two passes with the

@@ -246,7 +246,8 @@ def diver_rewards(
         completions: B strings or token-id sequences.
         coef: bonus scale (the authors' ``rs_scale``), >= 0.
         correct: bool [B], default ``rewards > 0``.
-        max_chars, direction: see ``textual_diversity`` (the paper's reading is direction="one_way").
+        max_chars: see ``textual_diversity``.
+        direction: see ``textual_diversity`` (the paper's reading is "one_way"; default "both").
         max_bonus: sigma, the upper clip of the intrinsic reward (the paper clips it to [0, sigma] so that
             it never outweighs the correctness reward); None: no clip (D is in [0, 1] already).
 
@@ -324,8 +325,9 @@ def kl_penalized_token_rewards(
     Args:
         rewards: float [B] sequence rewards (the verifier / reward-model score).
         mask: bool/0-1 [B, T] response mask; every row needs a valid token.
-        logprobs, ref_logprobs: float [B, T] log-probs of the sampled tokens under the sampling policy and the
-            reference (may be None when kl_coef == 0).
+        logprobs: float [B, T] log-probs of the sampled tokens under the sampling policy (may be None when
+            kl_coef == 0).
+        ref_logprobs: float [B, T] the same tokens' log-probs under the reference (None when kl_coef == 0).
         kl_coef: beta >= 0.
         kl_estimator: "k1" (default, verl's "kl"), "abs", "k2", "k3", "low_var_kl".
 

@@ -23,6 +23,7 @@ import os
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,9 @@ class Compute:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def train(config: TrainConfig, *, resume: bool = False, progress: bool = True, log=print) -> TrainResult:
+def train(
+    config: TrainConfig, *, resume: bool = False, progress: bool = True, log: Callable[..., None] = print
+) -> TrainResult:
     """Train a causal LM with a GRPO-family method (``grpo-kernels train`` calls this).
 
     Everything that can fail on bad input (task, reward functions, options, backend) is checked before
