@@ -100,8 +100,10 @@ def policy_loss_config(trainer, *, temperature: float = 1.0) -> gk.PolicyLossCon
     importance_sampling_level -> ratio_level; no log-ratio clamp (TRL has none); beta -> kl_coef with
     the unclamped k3; use_bias_correction_kl -> kl_ratio_correction; entropy_coef -> a token mean over
     the micro-batch / GA ("token-mean-local"); vllm_importance_sampling_{mode, clip_min, clip_max}
-    -> is_level, is_mode, is_min, is_max (when use_vllm and the correction are on). `temperature` is the
-    trainer's sampling temperature (the config's, so that log-probs match the sampler)."""
+    -> is_level, is_mode, is_min, is_max (when use_vllm and the correction are on); use_adaptive_entropy
+    -> this step's coefficient of TRL's controller (its current value, or 0 while the last window's
+    entropy is above entropy_target; the controller itself: update_adaptive_entropy). `temperature` is
+    the trainer's sampling temperature (the config's, so that log-probs match the sampler)."""
     args = trainer.args
     loss_type = trainer.loss_type
     if loss_type not in LOSS_AGG_MODE:
@@ -131,7 +133,10 @@ def policy_loss_config(trainer, *, temperature: float = 1.0) -> gk.PolicyLossCon
     if loss_type == "dr_grpo":
         fields["max_completion_length"] = int(trainer.max_completion_length)
     if trainer._entropy_bonus_enabled:
-        fields.update(entropy_coef=float(trainer.entropy_coef), entropy_agg_mode="token-mean-local")
+        coef = float(trainer.entropy_coef)
+        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+            coef = 0.0  # TRL's gate: the bonus acts while the last window's entropy is at or under the target
+        fields.update(entropy_coef=coef, entropy_agg_mode="token-mean-local")
     if vllm_is_correction_on(trainer):
         level, _, how = trainer.vllm_importance_sampling_mode.partition("_")
         clip_max = trainer.vllm_importance_sampling_clip_max
@@ -267,8 +272,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
     if trainer.loss_type not in LOSS_AGG_MODE:
         problems.append(f"loss_type={trainer.loss_type!r}: the fused loss knows {TRL_LOSS_TYPES}{hint}")
         return problems
-    if trainer.use_adaptive_entropy:
-        problems.append("use_adaptive_entropy=True: the adaptive entropy controller is not fused" + hint)
     if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
         problems.append(
             f"top_entropy_quantile={trainer.top_entropy_quantile} with {trainer.accelerator.num_processes} "
@@ -294,6 +297,33 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
             )
             problems.append(f"{exc} (from GRPOConfig: {settings}){hint}")
     return problems
+
+
+def update_adaptive_entropy(trainer, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+    """TRL 1.16's adaptive entropy controller, one training micro-batch (fused mode).
+
+    `entropies` [B, T] per-token entropy of the completions (0 where not scored), `mask` [B, T] the loss
+    mask. As TRL: the window's entropy sum and token count accumulate over the micro-batches of the
+    optimizer step (over the top-entropy tokens when top_entropy_quantile < 1); at the step boundary they
+    are summed over processes, and the coefficient moves by entropy_coef_delta toward more bonus when the
+    window's mean entropy is at or under entropy_target, toward less otherwise, within
+    [entropy_coef_min, entropy_coef_max]; the next step's loss uses it (policy_loss_config)."""
+    args = trainer.args
+    effective = mask
+    if trainer.top_entropy_quantile < 1.0:
+        effective = mask * trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    stats = torch.stack([(entropies * effective).sum(), effective.sum()]).detach()
+    window = trainer._entropy_window_stats
+    trainer._entropy_window_stats = stats if window is None else window + stats
+    if trainer.accelerator.sync_gradients:
+        totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        if world_entropy <= args.entropy_target:
+            trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        trainer._last_world_entropy = world_entropy
+        trainer._entropy_window_stats = None
 
 
 def trl_logit_scale(text_config) -> float:
@@ -484,6 +514,7 @@ class FusedLossHead:
         self.normalizers = normalizers
         self.options = _options(options)
         self.calls = 0
+        self.scored_rows = None  # flat positions of the rows TRL passed (None: every position)
         self.output = None  # GRPOLossOutput of the micro-batch (None: no scored row)
         self.loss = None
 
@@ -514,6 +545,7 @@ class FusedLossHead:
             self.loss = empty.sum()
             return empty, (empty.clone() if compute_entropy else None), None, None, None
         rows, per_sequence = self._rows(n_rows)
+        self.scored_rows = rows
 
         def take(x):
             if x is None:
@@ -545,6 +577,20 @@ class FusedLossHead:
         logprobs = out.logprobs.detach().clone().index_put(index, attached, accumulate=True)
         entropy = out.entropy.detach() if compute_entropy else None
         return logprobs, entropy, None, None, None
+
+
+    def completion_entropy(self, columns: int) -> torch.Tensor:
+        """The micro-batch's per-token entropy laid out as TRL's [B, T] completion tensors (0 where not
+        scored)."""
+        batch, positions = self.label_mask.shape
+        flat = torch.zeros(batch * positions, device=self.label_mask.device)
+        if self.output is not None:
+            entropy = self.output.entropy.detach().float().reshape(-1)
+            if self.scored_rows is None:
+                flat = entropy
+            else:
+                flat = flat.index_put((self.scored_rows,), entropy)
+        return flat.view(batch, positions)[:, -columns:]
 
 
 def check_fsdp2_head(model) -> None:
@@ -723,6 +769,8 @@ def _build_trainer_class():
             if self.aux_loss_enabled:
                 normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
                 loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            if self.use_adaptive_entropy and mode == "train":  # before the logging, as TRL
+                update_adaptive_entropy(self, head.completion_entropy(logits_to_keep), mask)
             log_trl_metrics(self, None if head.output is None else head.output.metrics, mask,
                             aux_loss if self.aux_loss_enabled else None)  # fmt: skip
             return loss

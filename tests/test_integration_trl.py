@@ -398,7 +398,6 @@ def build(model_dir, tmp_path, **kwargs):
 @pytest.mark.parametrize(
     ("settings", "field"),
     [
-        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
         (
             dict(loss_type="vespo", importance_sampling_level="sequence"),
             "importance_sampling_level='sequence'",
@@ -425,13 +424,16 @@ def test_fused_mode_refuses_vision_language_trainers(model_dirs, tmp_path):
     assert gk_trl.unsupported_settings(trainer, "logprobs") == []
 
 
-def test_adaptive_entropy_in_logprobs_mode_matches_trl(model_dirs, tmp_path):
-    config = dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=5.0)
+@pytest.mark.parametrize("mode", ["logprobs", "fused"])
+@pytest.mark.parametrize("target", [5.0, 0.5])  # entropy under the target (the bonus grows) / above it (gated off)
+def test_adaptive_entropy_matches_trl(mode, target, model_dirs, tmp_path):
+    config = dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=target,
+                  entropy_coef_delta=0.005)  # fmt: skip
     theirs = train(GRPOTrainer, model_dirs["qwen2"], tmp_path / "trl", config)
-    ours = train(
-        GRPOKernelsTrainer, model_dirs["qwen2"], tmp_path / "ours", config, grpo_kernels_mode="logprobs"
-    )
-    compare("[adaptive entropy, logprobs]", theirs, ours)
+    ours = train(GRPOKernelsTrainer, model_dirs["qwen2"], tmp_path / "ours", config, grpo_kernels_mode=mode)
+    compare(f"[adaptive entropy {target}, {mode}]", theirs, ours)
+    coefs = [row["entropy_coef"] for row in ours[0] if "entropy_coef" in row]
+    assert len(set(coefs)) > 1, f"the controller never moved the coefficient: {coefs}"
 
 
 def test_unknown_mode_is_refused(model_dirs, tmp_path):
