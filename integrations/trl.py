@@ -285,8 +285,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
         )
     if getattr(trainer, "_is_vlm", False):
         problems.append("a vision-language processing_class (multimodal inputs are not fused)" + hint)
-    if _is_prompt_learning(trainer.model):
-        problems.append("a prompt-learning PEFT adapter (virtual tokens shift the scored positions)" + hint)
     if not problems:
         try:
             policy_loss_config(trainer)
@@ -506,7 +504,8 @@ class FusedLossHead:
     gradient attached to one scored row: the loss then leaves the model's forward through its own
     output (`log_probs`), as TRL's loss does."""
 
-    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, options):
+    def __init__(self, *, label_mask, per_token, advantages, config, normalizers, options,
+                 virtual_tokens_allowed=False):  # fmt: skip
         self.label_mask = label_mask  # [B, L - 1] bool: TRL's scored positions (shifted labels != -100)
         self.per_token = per_token  # name -> [B, L - 1] tensor (completion values in the last T columns)
         self.advantages = advantages  # [B] or [B, L - 1]
@@ -514,6 +513,7 @@ class FusedLossHead:
         self.normalizers = normalizers
         self.options = _options(options)
         self.calls = 0
+        self.virtual_tokens_allowed = virtual_tokens_allowed  # a prompt-learning adapter is in the model
         self.scored_rows = None  # flat positions of the rows TRL passed (None: every position)
         self.output = None  # GRPOLossOutput of the micro-batch (None: no scored row)
         self.loss = None
@@ -524,12 +524,27 @@ class FusedLossHead:
         scored = self.label_mask.sum()
         if n_rows == int(scored):  # compact (TRL on Triton devices; also "all scored")
             return self.label_mask.reshape(-1).nonzero().squeeze(-1), self.label_mask.sum(-1)
+        if n_rows % batch == 0 and n_rows // batch > positions and self.virtual_tokens_allowed:
+            self._prepend_virtual_positions(n_rows // batch - positions)
+            batch, positions = self.label_mask.shape
         if n_rows == batch * positions:  # every position (TRL elsewhere)
             return None, torch.full((batch,), positions, dtype=torch.long, device=self.label_mask.device)
         raise RuntimeError(
             f"grpo_kernels fused loss: TRL's forward passed {n_rows} rows, expected {int(scored)} scored "
             f"positions or all {batch * positions}; the model's inputs do not match the completion layout"
         )
+
+    def _prepend_virtual_positions(self, count: int) -> None:
+        """Prompt-learning PEFT (prompt tuning, P-tuning) prepends `count` virtual tokens to every row, with
+        labels -100: every per-position input gets `count` unscored columns in front."""
+
+        def pad(x):
+            return None if x is None else torch.nn.functional.pad(x, (count, 0))
+
+        self.label_mask = pad(self.label_mask)
+        self.per_token = {name: pad(x) for name, x in self.per_token.items()}
+        if self.advantages.dim() == 2:
+            self.advantages = pad(self.advantages)
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
@@ -754,6 +769,7 @@ def _build_trainer_class():
                 label_mask=label_mask, per_token=per_token, advantages=advantages,
                 config=policy_loss_config(self), options=self.grpo_kernels_options,
                 normalizers=loss_normalizers(self, completion_ids.size(0), inputs["num_items_in_batch"]),
+                virtual_tokens_allowed=_is_prompt_learning(self.model),
             )  # fmt: skip
             self._grpo_kernels_head = head
             try:

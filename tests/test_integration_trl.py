@@ -198,7 +198,11 @@ def train(trainer_cls, model_dir, tmp_path, config, *, vllm=False, peft=False, e
     if vllm:
         trainer_cls = type(f"VLLM{trainer_cls.__name__}", (EmulatedVLLM, trainer_cls), {})
     extra = {}
-    if peft:
+    if peft == "prompt_tuning":  # a prompt-learning adapter: 3 virtual tokens before every row
+        from peft import PromptTuningConfig
+
+        extra["peft_config"] = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    elif peft:
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(
@@ -307,6 +311,7 @@ SPECIAL = {  # name -> (model kind, train() keywords, config)
         "qwen2", dict(vllm=True), dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask")
     ),
     "peft-lora-ref-by-disabled-adapter": ("qwen2", dict(peft=True), dict(loss_type="dapo")),
+    "peft-prompt-tuning": ("qwen2", dict(peft="prompt_tuning"), dict(loss_type="grpo")),
     "eval-mode": (
         "qwen2", dict(evaluate=True), dict(loss_type="grpo", entropy_coef=0.05, per_device_eval_batch_size=4)
     ),
@@ -354,7 +359,8 @@ def rows_compacted_as_on_gpu():
         trl_utils._use_triton = saved
 
 
-COMPACTED = ("dapo", "gspo-sequence-level", "truncated-completions-masked", "vllm-token-truncate-off-policy")
+COMPACTED = ("dapo", "gspo-sequence-level", "truncated-completions-masked", "vllm-token-truncate-off-policy",
+             "peft-prompt-tuning")
 
 
 @pytest.mark.parametrize("mode", gk_trl.MODES)
