@@ -718,9 +718,10 @@ def fused_linear_grpo_loss(
         logit_scale: the model's logit multiplier, as in ``fused_linear_logprobs``.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
         schedule: "auto" (one pass over the vocabulary per chunk of tokens when valid, else two; the
-            choice is logged at DEBUG), "one_pass", "two_pass", or "low_memory" (two passes with the
+            choice is logged at DEBUG), "one_pass", "two_pass", "low_memory" (two passes with the
             vocabulary outside in the backward: no fp32 [V, H] accumulator, grad_weight written once per
-            block; opt-in, never chosen by "auto").
+            block) or "one_pass_dz" (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab);
+            the last two are opt-in, never chosen by "auto", until a GPU run has compared them.
 
     Returns:
         GRPOLossOutput: ``loss`` (0-d, differentiable), ``metrics`` (see ``GRPOLossOutput``), and the

@@ -75,10 +75,11 @@ def count_stored_backwards():
     import grpo_kernels.ops.lm_head.triton as lm_triton
 
     original = lm_triton.lm_head_backward
-    calls = {"stored": 0, "recomputed": 0}
+    calls = {"stored": 0, "recomputed": 0, "dz_in_gemm": 0}
 
     def wrapped(*args, **kwargs):
         calls["stored" if kwargs.get("stored_logits") is not None else "recomputed"] += 1
+        calls["dz_in_gemm"] += bool(kwargs.get("dz_in_gemm"))
         return original(*args, **kwargs)
 
     lm_triton.lm_head_backward = wrapped
@@ -116,6 +117,9 @@ def main():
         for layout in ("padded", "packed"):
             for schedule in ("one_pass", "two_pass"):
                 compare(f"{name}-{layout}-{schedule}", cfg, layout, schedule)
+    # one pass with dz formed inside the backward GEMMs (opt-in schedule), packed layout, 4 chunks
+    for name, cfg in sorted(CONFIGS.items()):
+        compare(f"{name}-packed-one_pass_dz", cfg, "packed", "one_pass_dz")
     # the low-memory schedule (vocabulary outside in C): 128-column slabs of V = 203, packed layout
     fused.LOW_MEMORY_SLAB_BYTES = 1
     for name, cfg in sorted(CONFIGS.items()):

@@ -60,9 +60,23 @@ def test_fused_triton_matches_torch(name, layout, schedule, report):
     assert_matches_torch(r)
     calls = r["backward_calls"]
     if schedule == "one_pass":  # C reads the logits A kept: 3 GEMM units, no recomputation
-        assert calls["stored"] >= 2 and calls["recomputed"] == 0, calls
+        assert calls["stored"] >= 2 and calls["recomputed"] == 0 and calls["dz_in_gemm"] == 0, calls
     else:
         assert calls["stored"] == 0 and calls["recomputed"] >= 1, calls
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_pass_dz_in_gemm_matches_torch(name, report):
+    """schedule="one_pass_dz": the one-pass schedule whose backward forms dz inside two Triton GEMMs from
+    the stored logits (no dz slab) equals the PyTorch backend wherever one_pass runs, and is refused with
+    one_pass's reason elsewhere."""
+    r = report[f"{name}-packed-one_pass_dz"]
+    if CONFIGS[name].needs_global_statistics:
+        assert "schedule='one_pass_dz' is not valid here" in r.get("refused", ""), r
+        return
+    assert_matches_torch(r)
+    calls = r["backward_calls"]
+    assert calls["stored"] >= 2 and calls["dz_in_gemm"] == calls["stored"] and calls["recomputed"] == 0, calls
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -79,7 +93,7 @@ def test_one_pass_cuts_long_completions_of_token_local_objectives(name, report):
         assert "is not token-local" in r.get("refused", ""), r
         return
     assert_matches_torch(r, logprobs=False)
-    assert r["backward_calls"] == {"stored": 8, "recomputed": 0}, r["backward_calls"]
+    assert r["backward_calls"] == {"stored": 8, "recomputed": 0, "dz_in_gemm": 0}, r["backward_calls"]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -95,4 +109,4 @@ def test_low_memory_schedule_matches_torch(name, report):
         assert close(got, expected, scale), f"grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
     for key, (got, expected) in r["metrics"].items():
         assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
-    assert r["backward_calls"] == {"stored": 0, "recomputed": 2}, r["backward_calls"]  # one call per slab
+    assert r["backward_calls"] == {"stored": 0, "recomputed": 2, "dz_in_gemm": 0}, r["backward_calls"]  # per slab

@@ -148,3 +148,29 @@ def test_stored_logits_offsets_are_int64(kernel):
     widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
     for ptr in STORED_POINTERS[kernel]:
         assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"
+
+
+# dz inside the backward GEMMs (schedule="one_pass_dz"): the stored logits [n, V] and the 2-D operands are
+# addressed in 64 bits too, at the same huge shape
+DZ_WIDE_POINTERS = {
+    "lm_head_bwd_kernel_grad_hidden_dz": {"stored_ptr", "weight_ptr", "out_ptr"},
+    "lm_head_bwd_kernel_grad_weight_dz": {"stored_ptr", "hidden_ptr", "acc_ptr"},
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(DZ_WIDE_POINTERS))
+def test_dz_in_gemm_row_offsets_are_int64(kernel):
+    from grpo_kernels.ops.lm_head import triton as tri
+    from grpo_kernels.testing.aot import compile_launch
+
+    config = tri.CONFIGS[("sm90", "16bit")]
+    launches = matrix.record_lm_head_launches(65536, 8192, 256000, "bfloat16", config, bias=True, stored=True,
+                                              dz_in_gemm=True)  # fmt: skip
+    names = [la.name for la in launches]
+    dlogits = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
+    assert dlogits and not any(la.args["STORE_DLOGITS"] for la in dlogits)  # only the bias sums: no dz slab
+    launch = next(la for la in launches if la.name == kernel)
+    assert all(0 < g <= INT32_MAX for g in launch.grid), launch.grid
+    widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
+    for ptr in DZ_WIDE_POINTERS[kernel]:
+        assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"

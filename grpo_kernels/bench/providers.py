@@ -225,6 +225,12 @@ def _two_pass_only_on_triton(settings: RunSettings) -> str | None:
     return None
 
 
+def _one_pass_only_on_triton(settings: RunSettings) -> str | None:
+    if _resolved_backend("auto", settings.device) == "torch":
+        return f"the one-pass schedules run on the Triton backend ('auto' runs PyTorch on {settings.device.type})"
+    return None
+
+
 def _same_as_auto(settings: RunSettings) -> str | None:
     if _resolved_backend("auto", settings.device) == "torch":
         return (
@@ -573,6 +579,14 @@ REGISTRY.add(
         "grpo_kernels fused loss with schedule='two_pass' (4 GEMM units, no stored logits): the other schedule",
         {"fused_grpo": _ours("auto", "two_pass")["fused_grpo"]},
         extra_check=_two_pass_only_on_triton,
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-one-pass-dz",
+        "grpo_kernels fused loss with schedule='one_pass_dz' (dz formed inside the backward GEMMs, no dz slab)",
+        {"fused_grpo": _ours("auto", "one_pass_dz")["fused_grpo"]},
+        extra_check=_one_pass_only_on_triton,
     )
 )
 REGISTRY.add(

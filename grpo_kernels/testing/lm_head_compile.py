@@ -32,8 +32,11 @@ ARCHS = (90, 80)
 ARCH_CLASS = {90: "sm90", 80: "sm80"}
 CONFIG_ARCHS = ("sm90", "sm80", "unaligned")
 KERNEL_NAMES = dict(
-    fwd="lm_head_fwd_kernel_partial", merge="lm_head_fwd_kernel_merge", bwd="lm_head_bwd_kernel_dlogits"
+    fwd="lm_head_fwd_kernel_partial", merge="lm_head_fwd_kernel_merge", bwd="lm_head_bwd_kernel_dlogits",
+    # schedule="one_pass_dz": dz formed inside the backward GEMMs (always from stored logits)
+    gh_dz="lm_head_bwd_kernel_grad_hidden_dz", gw_dz="lm_head_bwd_kernel_grad_weight_dz",
 )
+DZ_KERNELS = ("gh_dz", "gw_dz")
 
 
 def _picked(arch: int, config_arch: str) -> bool:
@@ -104,6 +107,12 @@ def cases() -> list[dict]:
                 add("fwd", dtype, precision)
                 add("bwd", dtype, precision)
             add("merge", "float32", None)
+            # dz inside the backward GEMMs (opt-in): each upstream-gradient combination, the soft-cap, fp32
+            for kernel in DZ_KERNELS:
+                for grads in ("both", "logprobs", "entropy"):
+                    add(kernel, "bfloat16", None, grads=grads, stored=True)
+                add(kernel, "bfloat16", None, bias=True, stored=True, softcap=True)
+                add(kernel, "float32", "tf32x3", stored=True)
     return out
 
 
@@ -114,7 +123,7 @@ def case_id(c: dict) -> str:
     if c["kernel"] != "merge":
         parts.append("bias" if c["bias"] else "nobias")
         parts.append(f"H{c['H']}")
-    if c["kernel"] == "bwd":
+    if c["kernel"] in ("bwd", *DZ_KERNELS):
         parts.append(f"grads-{c['grads']}")
         if c["needs"] != "hwb":
             parts.append(f"needs-{c['needs']}")
@@ -139,7 +148,7 @@ def _allow_tf32(value: bool):
 
 def record_lm_head_launches(
     n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
-    stored=False, softcap=False,
+    stored=False, softcap=False, dz_in_gemm=False,
 ):  # fmt: skip
     """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
     import torch
@@ -158,6 +167,8 @@ def record_lm_head_launches(
         extra["stored_logits"] = logits
     cap = (1.0 / 30.0, 30.0 / 0.7) if softcap else None  # Gemma 2's cap, temperature 0.7
     extra["softcap"] = cap
+    if dz_in_gemm:
+        extra["dz_in_gemm"] = True
     with _allow_tf32(precision == "tf32"), record_launches(tri) as launches:
         stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits, softcap=cap)
         tri.lm_head_backward(
@@ -200,6 +211,7 @@ def compile_case(c: dict) -> dict:
             precision=c["precision"],
             stored=c.get("stored", False),
             softcap=c.get("softcap", False),
+            dz_in_gemm=c["kernel"] in DZ_KERNELS,
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
         result = compile_launch(launch, c["arch"])
@@ -255,7 +267,7 @@ def write_report(
         if r["kernel"] != "merge":
             flags.append("bias" if r["bias"] else "no bias")
             flags.append(f"H={r['H']}")
-        if r["kernel"] == "bwd":
+        if r["kernel"] in ("bwd", *DZ_KERNELS):
             flags.append(f"grads={r['grads']}")
             if r["needs"] != "hwb":
                 flags.append(f"needs={r['needs']}")

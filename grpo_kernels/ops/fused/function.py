@@ -19,6 +19,10 @@ Two schedules give the same result:
             whenever it is valid (no batch-global statistics; for objectives that are not token-local,
             every sequence fits in a chunk whose logits fit ONE_PASS_LOGITS_BYTES), and logged at
             DEBUG on the "grpo_kernels" logger.
+  one-pass-dz (opt-in, schedule="one_pass_dz") the one-pass schedule whose C forms dz from the stored
+            logits inside the operand loads of two Triton GEMMs (grad_hidden, grad_weight) instead of
+            writing an [n, V] dz slab for cuBLAS: the slab's write and two reads disappear. Off by default
+            until a GPU run has compared it with the cuBLAS path.
   low-memory  (opt-in, schedule="low_memory") two passes with the vocabulary outside in C: per slab
             of columns, every token's dz, the slab's grad_weight block written once in its final
             dtype, grad_hidden summed in fp32 [N, H]. No fp32 [V, H] accumulator (README.md beside
@@ -51,7 +55,7 @@ ONE_PASS_CHUNK_TOKENS = 8192
 # This budget, not ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 tokens at
 # V = 152k), so completions longer than that take the two-pass schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
-SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory")
+SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz")
 # The low-memory schedule (opt-in: a GPU run has not yet compared it with the others): two passes with
 # the vocabulary outside in C, so grad_weight is written once per block in its final dtype and no
 # V x H fp32 accumulator exists. Per slab of columns: a dz workspace of LOW_MEMORY_DZ_ROWS token rows
@@ -253,6 +257,12 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {requested!r}")
     if requested in ("two_pass", "low_memory"):
         return requested, None, "requested"
+    if requested == "one_pass_dz":  # one-pass with dz formed inside the backward GEMMs: same validity
+        try:
+            _, chunks, reason = choose_schedule("one_pass", backend, cfg, batch, chunk_tokens)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("schedule='one_pass'", "schedule='one_pass_dz'")) from None
+        return "one_pass_dz", chunks, reason + "; dz formed inside the backward GEMMs (requested)"
     why_not = None
     if backend != "triton":
         why_not = "the PyTorch backend computes the loss head with the reference"
@@ -280,7 +290,8 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
     return "one_pass", chunks, f"{len(chunks)} chunk(s) of at most {chunk_tokens} valid tokens"
 
 
-def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks):
+def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks,
+                                dz_in_gemm=False):  # fmt: skip
     """A -> B -> C per chunk (Triton backend). Returns what fused_grpo_forward does. A chunk holds whole
     sequences, or, for token-local objectives, pieces of them (plan_token_chunks): the loss head then
     gets each piece's whole-sequence length and the pieces' partial sums are merged per sequence."""
@@ -355,6 +366,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
             g_lp.index_select(0, local), None if g_ent is None else g_ent.index_select(0, local),
             need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
             grad_weight_acc=grad_weight_acc, grad_bias_acc=grad_bias_acc, stored_logits=chunk_logits,
+            **({"dz_in_gemm": True} if dz_in_gemm else {}),
         )  # fmt: skip
         if need_h:
             grad_hidden.index_copy_(0, rows, gh)
@@ -389,8 +401,8 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
     # round them to half precision); the loss head is fp32 O(N) work
     with torch.autocast(flat_hidden.device.type, enabled=False):
-        if chosen == "one_pass":
+        if chosen in ("one_pass", "one_pass_dz"):
             return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
-                                               chunks)  # fmt: skip
+                                               chunks, dz_in_gemm=chosen == "one_pass_dz")  # fmt: skip
         return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
                                   low_memory=chosen == "low_memory")  # fmt: skip

@@ -606,6 +606,145 @@ def lm_head_bwd_kernel_dlogits(
         tl.store(bias_grad_part_ptr + pid_m.to(tl.int64) * vocab + cols, col_sum, mask=col_ok)
 
 
+# ---- dz inside the backward GEMMs (opt-in: schedule="one_pass_dz") -----------------------------------
+# With the forward's fp32 logits stored (one-pass schedule), dz = dL/dlogit is formed in the operand load of
+# the two backward GEMMs instead of being written to an [n, V] slab and read back by cuBLAS: per token row
+# the statistics (lse, E_p[z], g_lp, g_H, target) come from O(n) vectors, the logits from the stored tile.
+# dz is rounded to the operand dtype before the dot, as the slab path rounds it when it writes the slab.
+
+
+@triton.jit
+def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
+               inv_temperature, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):  # fmt: skip
+    """Per-row (lse, c_lp, c_h, E[z], target) of dz; rows without upstream gradient get lse = 1e30 (p = 0),
+    exactly as lm_head_bwd_kernel_dlogits."""
+    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+    live = tl.zeros(offs_m.shape, dtype=tl.int1)
+    c_lp = tl.zeros(offs_m.shape, dtype=tl.float32)
+    c_h = tl.zeros(offs_m.shape, dtype=tl.float32)
+    mean_z = tl.zeros(offs_m.shape, dtype=tl.float32)
+    target = tl.full(offs_m.shape, -1, dtype=tl.int32)
+    if HAS_GRAD_LOGPROBS:
+        c_lp = tl.load(grad_logprobs_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
+        live = live | (c_lp != 0.0)
+    if HAS_GRAD_ENTROPY:
+        c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
+        live = live | (c_h != 0.0)
+    lse = tl.where(live, lse, 1.0e30)
+    return lse, c_lp, c_h, mean_z, target
+
+
+@triton.jit
+def _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS: tl.constexpr,
+             HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr):  # fmt: skip
+    """dL/dlogit of a [rows, cols] tile of logits z (rows on axis 0): the formula of
+    lm_head_bwd_kernel_dlogits."""
+    p = tl.exp2((z - lse[:, None]) * LOG2E)
+    dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
+    if HAS_GRAD_LOGPROBS:
+        dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
+    if HAS_SOFTCAP:
+        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)
+        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
+    return dz
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def lm_head_bwd_kernel_grad_hidden_dz(
+    stored_ptr,  # [n, V] fp32 logits stored by the forward (row stride stride_stored)
+    weight_ptr,  # [V, H], unit stride along H
+    targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
+    out_ptr,  # [n, H] fp32: grad_hidden (added into when ACCUMULATE)
+    n_rows, vocab, hidden_size, stride_stored, stride_weight, stride_out,
+    inv_temperature, cap_in, cap_out,
+    HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """grad_hidden[rows, h] = sum_v dz[rows, v] W[v, h]: BLOCK_M token rows x BLOCK_N hidden columns, the
+    vocabulary as the K loop, dz formed from the stored logits in the A-operand load."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_rows
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < hidden_size
+    lse, c_lp, c_h, mean_z, target = _row_stats(
+        offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
+        inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
+    )  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    z_rows = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored
+    for k0 in range(0, vocab, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < vocab
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=-1.0e30)
+        dz = _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
+                      HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
+        dz = tl.where(tile_ok, dz, 0.0)
+        w = tl.load(weight_ptr + cols.to(tl.int64)[:, None] * stride_weight + offs_h[None, :],
+                    mask=col_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
+        a = dz.to(w.dtype)  # the operand dtype: the slab path's rounding of dz
+        if UPCAST_OPERANDS:  # interpreter only (its bf16 dot is wrong; products of bf16 are exact in fp32)
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
+    out_ok = row_ok[:, None] & h_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=out_ok, other=0.0)
+    tl.store(out, acc, mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def lm_head_bwd_kernel_grad_weight_dz(
+    stored_ptr,  # [n, V] fp32 logits stored by the forward (row stride stride_stored)
+    hidden_ptr,  # [n, H], unit stride along H
+    targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
+    acc_ptr,  # [V, H] fp32 grad_weight accumulator (read, added to, written)
+    n_rows, vocab, hidden_size, stride_stored, stride_hidden, stride_acc,
+    inv_temperature, cap_in, cap_out,
+    HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """grad_weight[v, h] += sum_rows dz[rows, v] X[rows, h]: BLOCK_M vocabulary rows x BLOCK_N hidden
+    columns, the token rows as the K loop, dz formed from the stored logits and transposed in registers."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(vocab, BLOCK_M), tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
+    offs_v = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    v_ok = offs_v < vocab
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < hidden_size
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, n_rows, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        row_ok = rows < n_rows
+        lse, c_lp, c_h, mean_z, target = _row_stats(
+            rows, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
+            inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
+        )  # fmt: skip
+        tile_ok = row_ok[:, None] & v_ok[None, :]
+        z = tl.load(stored_ptr + rows.to(tl.int64)[:, None] * stride_stored + offs_v[None, :], mask=tile_ok,
+                    other=-1.0e30)  # fmt: skip  [BK rows, BM vocab]
+        dz = _dz_tile(z, offs_v, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
+                      HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
+        dz = tl.where(tile_ok, dz, 0.0)
+        x = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * stride_hidden + offs_h[None, :],
+                    mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip  [BK rows, BN]
+        a = tl.trans(dz.to(x.dtype))  # [BM vocab, BK rows] in the operand dtype
+        if UPCAST_OPERANDS:
+            acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, x, acc, input_precision=DOT_PRECISION)
+    out = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
+    out_ok = v_ok[:, None] & h_ok[None, :]
+    tl.store(out, acc + tl.load(out, mask=out_ok, other=0.0), mask=out_ok)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Host launchers
 # ---------------------------------------------------------------------------------------------------
@@ -918,6 +1057,7 @@ def lm_head_backward(
     stored_logits: torch.Tensor | None = None,
     grad_hidden_acc: torch.Tensor | None = None,
     softcap: tuple[float, float] | None = None,
+    dz_in_gemm: bool = False,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -928,6 +1068,8 @@ def lm_head_backward(
     and contracted by cuBLAS with fp32 accumulation. Returns (grad_hidden in hidden's dtype or None,
     grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py; with
     `grad_hidden_acc` (fp32 [N, H]) the fp32 grad_hidden is added into it and returned in its place.
+    dz_in_gemm (with `stored_logits`, opt-in): no dL/dlogit slab; two Triton GEMMs form dz from the stored
+    logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz).
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -995,7 +1137,7 @@ def lm_head_backward(
     grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     tile = cfg.backward
-    store_dlogits = need_grad_hidden or need_grad_weight
+    store_dlogits = (need_grad_hidden or need_grad_weight) and not dz_in_gemm  # dz_in_gemm: no slab
     plan = plan_backward(
         n_tokens,
         vocab,
@@ -1020,6 +1162,37 @@ def lm_head_backward(
     )
     inv_t = 1.0 / float(temperature)
     flags = _kernel_flags(hidden, tile)
+    if dz_in_gemm:
+        _check(stored_logits is not None, "dz_in_gemm needs the forward's stored logits (stored_logits=)")
+        per_row = dict(
+            targets_ptr=targets, lse_ptr=lse, expected_logit_ptr=expected_logit, grad_logprobs_ptr=grad_logprobs,
+            grad_entropy_ptr=grad_entropy, n_rows=n_tokens, vocab=vocab, hidden_size=hidden_size,
+            stride_stored=stored_logits.stride(0), inv_temperature=inv_t if softcap is None else 1.0,
+            cap_in=1.0 if softcap is None else float(softcap[0]), cap_out=1.0 if softcap is None else float(softcap[1]),
+            HAS_SOFTCAP=softcap is not None, HAS_GRAD_LOGPROBS=grad_logprobs is not None,
+            HAS_GRAD_ENTROPY=grad_entropy is not None, UPCAST_OPERANDS=flags["UPCAST_OPERANDS"],
+            DOT_PRECISION=flags["DOT_PRECISION"], BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        )  # fmt: skip
+        with _device_ctx(device):
+            if need_grad_hidden:
+                out = grad_hidden_acc if grad_hidden_acc is not None else torch.empty(
+                    hidden.shape, dtype=torch.float32, device=device)  # fmt: skip
+                grid = (triton.cdiv(n_tokens, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
+                _launch(lm_head_bwd_kernel_grad_hidden_dz, grid,
+                        dict(stored_ptr=stored_logits, weight_ptr=weight, out_ptr=out, stride_weight=weight.stride(0),
+                             stride_out=out.stride(0), ACCUMULATE=grad_hidden_acc is not None, **per_row),
+                        tile.num_warps, tile.num_stages)  # fmt: skip
+                if grad_hidden_acc is None:
+                    grad_hidden.copy_(out)
+            if need_grad_weight:
+                grid = (triton.cdiv(vocab, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
+                _launch(lm_head_bwd_kernel_grad_weight_dz, grid,
+                        dict(stored_ptr=stored_logits, hidden_ptr=hidden, acc_ptr=grad_weight_acc,
+                             stride_hidden=hidden.stride(0), stride_acc=grad_weight_acc.stride(0), **per_row),
+                        tile.num_warps, tile.num_stages)  # fmt: skip
+        if not need_grad_bias:  # else the loop below adds the bias sums (its kernel stores no slab here)
+            return result
     with _device_ctx(device):
         for r0 in range(0, n_tokens, rows):
             n = min(rows, n_tokens - r0)

@@ -1,0 +1,85 @@
+"""Run by tests/test_dz_in_gemm_interpreter.py in a subprocess with TRITON_INTERPRET=1.
+
+lm_head_backward with the forward's stored logits, two ways: the dz slab (lm_head_bwd_kernel_dlogits
+writes dz in the operand dtype, the GEMMs read it) and dz_in_gemm (two Triton GEMMs form dz in their
+operand loads). For each case and gradient, the largest ratio |slab - fused| / bound over the elements,
+where the bound is derived from the two computations (see the test's docstring). Prints one JSON line.
+"""
+
+import json
+import os
+
+import torch
+
+from grpo_kernels.ops.lm_head import triton as tri
+
+UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def dz_magnitude(z, lse, mean_z, c_lp, c_h, targets, softcap):
+    """An upper bound of |dz| per element in float64: p (|c_H| |E[z] - z| + |c_lp|) + |c_lp| 1[j = y],
+    times cap_in cap_out with a soft-cap (|1 - tanh^2| <= 1)."""
+    z = z.double()
+    p = torch.exp(z - lse.double()[:, None])
+    mag = p * (c_h.double().abs()[:, None] * (mean_z.double()[:, None] - z).abs() + c_lp.double().abs()[:, None])
+    mag[torch.arange(z.shape[0]), targets] += c_lp.double().abs()
+    if softcap is not None:
+        mag = mag * softcap[0] * softcap[1]
+    return mag
+
+
+def main():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    report = {}
+    n, h, v, temperature = 37, 48, 131, 0.7  # odd sizes: every tile edge of the 32 x 64 x 32 interpreter tiles
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for bias_on in (False, True):
+            for grads in ("both", "logprobs", "entropy"):
+                for capped in (False, True):
+                    g = torch.Generator().manual_seed(len(report))
+                    x = torch.randn(n, h, generator=g).to(dtype)
+                    w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+                    b = torch.randn(v, generator=g).to(dtype) if bias_on else None
+                    y = torch.randint(0, v, (n,), generator=g)
+                    cap = (1.0 / 30.0, 30.0 / temperature) if capped else None
+                    logits = torch.empty(n, v + 5)[:, :v]  # a row stride that is not V
+                    stats = tri.lm_head_forward(x, w, b, y, temperature, logits_out=logits, softcap=cap)
+                    g_lp = torch.randn(n, generator=g) if grads in ("both", "logprobs") else None
+                    g_h = torch.randn(n, generator=g) if grads in ("both", "entropy") else None
+                    for upstream in (g_lp, g_h):
+                        if upstream is not None:
+                            upstream[3] = 0.0  # a row whose upstream gradient is 0: dz exactly 0 there
+                    args = (x, w, b, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h)
+                    slab = tri.lm_head_backward(*args, stored_logits=logits, softcap=cap)
+                    fused = tri.lm_head_backward(*args, stored_logits=logits, softcap=cap, dz_in_gemm=True)
+                    zeros = torch.zeros(n)
+                    inv_t = 1.0 / temperature if cap is None else 1.0
+                    mag = dz_magnitude(logits, stats.lse, stats.expected_logit,
+                                       (g_lp if g_lp is not None else zeros) * inv_t,
+                                       (g_h if g_h is not None else zeros) * inv_t, y, cap)  # fmt: skip
+                    u_op, u32 = UNIT[dtype], UNIT[torch.float32]
+                    name = f"{str(dtype).removeprefix('torch.')}-{'bias' if bias_on else 'nobias'}-{grads}" + (
+                        "-softcap" if capped else "")  # fmt: skip
+                    entry = {}
+                    # grad_hidden = dz W: both round dz to the operand dtype (at most u_op |dz| apart), sum
+                    # V products in fp32 in different orders (2 V u32 of the absolute sum), and round the
+                    # result to the hidden dtype (one unit of each)
+                    absolute = mag @ w.double().abs()
+                    bound = (u_op + 2 * v * u32) * absolute + 2 * u_op * torch.maximum(
+                        slab[0].double().abs(), fused[0].double().abs())  # fmt: skip
+                    diff = (slab[0].double() - fused[0].double()).abs()
+                    entry["grad_hidden"] = (diff / bound.clamp(min=1e-300)).max().item()
+                    # grad_weight += dz^T X in fp32 (no final rounding): n products per element
+                    absolute = mag.T @ x.double().abs()
+                    bound = (u_op + 2 * n * u32) * absolute
+                    diff = (slab[1].double() - fused[1].double()).abs()
+                    entry["grad_weight"] = (diff / bound.clamp(min=1e-300)).max().item()
+                    if bias_on:  # the same kernel sums the bias gradient in both: identical
+                        entry["grad_bias_equal"] = bool(torch.equal(slab[2], fused[2]))
+                    entry["zero_row_hidden"] = float(fused[0][3].abs().max()) if grads == "both" else 0.0
+                    report[name] = entry
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
