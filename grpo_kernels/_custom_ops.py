@@ -28,9 +28,9 @@ from torch import Tensor
 _NAMESPACE = "grpo_kernels"
 
 
-@torch.compiler.assume_constant_result  # a pure function of the frozen config: a constant of the graph
 def config_to_json(cfg) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    """The config's fields as JSON, computed when it was built (a constant for torch.compile)."""
+    return cfg._as_json
 
 
 def config_from_json(text: str):

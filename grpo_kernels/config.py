@@ -9,6 +9,7 @@ and derived in grpo_kernels/ops/loss_head/README.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -263,6 +264,9 @@ class PolicyLossConfig:
             _check(uses_norm, "max_completion_length is only used by 'seq-mean-token-sum-norm'")
         if self.kl_straight_through:
             _check(self.kl_estimator != "k2", "kl_straight_through with k2 changes nothing; use kl_estimator='k2'")
+        # the fields as JSON, computed once: the compiled path passes it to the custom ops as a constant string
+        # (torch.compile reads the attribute of the frozen config; it would trace a json.dumps call)
+        object.__setattr__(self, "_as_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
     # --- derived properties -------------------------------------------------------------------------
     @property

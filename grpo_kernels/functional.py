@@ -369,9 +369,12 @@ def _check_temperature(temperature) -> None:
         chk.fail(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
+_DEFAULT_CONFIG = PolicyLossConfig()  # frozen: one shared instance (built outside any compiled region)
+
+
 def _check_config(config) -> PolicyLossConfig:
     if config is None:
-        return PolicyLossConfig()
+        return _DEFAULT_CONFIG
     if not isinstance(config, PolicyLossConfig):
         chk.fail(f"config must be a grpo_kernels.PolicyLossConfig, got {type(config).__name__}")
     return config
