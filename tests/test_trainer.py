@@ -177,11 +177,36 @@ COMPLETIONS = ["1 2", "4 4 4", "5", "7 8 9 1", "0 0", "3"]
 CPU_FP32 = trainer_module.Compute(torch.device("cpu"), torch.float32)
 
 
-def test_token_logprobs_match_the_full_model_logits():
-    """The one-token shift and left padding: log-probs of each completion token equal those of the plain
-    model run on that row alone."""
-    model, tokenizer = build_embedded_model(seed=0)
-    torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # a non-uniform policy
+def _model_with_logit_transform(kind: str):
+    """A tiny model built in code whose logits are transformed after the LM head: Gemma 2's soft-cap
+    (cap 2, small enough to bind), or Granite's 1 / logits_scaling; the embedded tokenizer."""
+    from grpo_kernels.trainer.model import EMBEDDED_VOCAB, build_embedded_tokenizer
+
+    tokenizer = build_embedded_tokenizer()
+    common = dict(vocab_size=len(EMBEDDED_VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "gemma2-softcap":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=16, final_logit_softcapping=2.0, **common))
+    else:
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        model = GraniteForCausalLM(GraniteConfig(logits_scaling=0.5, tie_word_embeddings=False, **common))
+    return model.float(), tokenizer
+
+
+@pytest.mark.parametrize("kind", ["embedded", "gemma2-softcap", "granite-logits-scaling"])
+def test_token_logprobs_match_the_full_model_logits(kind):
+    """The one-token shift, left padding and the model's logit transform: log-probs of each completion
+    token equal those of the plain model run on that row alone (soft-capped / scaled logits included)."""
+    if kind == "embedded":
+        model, tokenizer = build_embedded_model(seed=0)
+    else:
+        model, tokenizer = _model_with_logit_transform(kind)
+    torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.5)  # a non-uniform policy
     batch = _batch_for(model, tokenizer, PROMPTS, COMPLETIONS)
     config = TrainConfig(micro_batch_size=4)
     logprobs, entropy = trainer_module._token_logprobs(model, batch, config, CPU_FP32, need_entropy=True)
@@ -365,6 +390,19 @@ def cli(*args, cwd):
         text=True,
         timeout=300,
     )
+
+
+def test_cli_trains_a_soft_capped_model(tmp_path, capsys):
+    """A Gemma 2 folder (final_logit_softcapping) trains through --model: the fused loss applies the same
+    soft-cap as the model's own forward, which the sampler draws from."""
+    from grpo_kernels.cli import main
+
+    model, tokenizer = _model_with_logit_transform("gemma2-softcap")
+    model.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    args = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--no-progress"]
+    assert main(["train", "--model", str(tmp_path / "gemma2"), "--run-dir", str(tmp_path / "run"), *args]) == 0
+    assert "Gemma2ForCausalLM" in capsys.readouterr().out
 
 
 def test_cli_unknown_preset_exits_2_and_creates_nothing(tmp_path):

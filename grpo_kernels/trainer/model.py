@@ -22,8 +22,6 @@ EMBEDDED_MODEL = dict(
 )
 EMBEDDED_NAME = "embedded tiny Llama (2 layers, hidden 64, vocab 16)"
 
-# Model features that change logits after the LM head; the fused loss computes softmax(h W^T + b) only.
-_UNSUPPORTED_LOGIT_FEATURES = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 
 
 def build_embedded_tokenizer():
@@ -81,13 +79,32 @@ def load_pretrained(path: str):
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--model {path!r}: the tokenizer has no eos token; completions could never end")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for name in _UNSUPPORTED_LOGIT_FEATURES:
-        if getattr(model.config, name, None) not in (None, 1.0):
-            raise ValueError(
-                f"--model {path!r}: config.{name}={getattr(model.config, name)} changes the logits after the "
-                "LM head; the fused loss computes softmax(hidden @ W^T + b) and would not match the sampler"
-            )
+    try:
+        logit_transform(model)
+    except ValueError as exc:
+        raise ValueError(f"--model {path!r}: {exc}") from None
     return model, tokenizer
+
+
+def logit_transform(model) -> dict:
+    """The model's transform of the LM head's output before the softmax, as the fused functions' keywords:
+    ``softcap`` (Gemma 2 / 3 ``final_logit_softcapping``: cap tanh(x / cap)) and ``logit_scale`` (Cohere's
+    ``logit_scale``, ``output_multiplier`` / ``lm_head_multiplier``, Granite's 1 / ``logits_scaling``),
+    so that the loss's softmax is the one the sampler draws from."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if scale is None and getattr(config, name, None) is not None:
+            scale = float(getattr(config, name))
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = 1.0 / float(config.logits_scaling)
+    scale = 1.0 if scale is None else scale
+    if not (scale > 0 and scale < float("inf")):
+        raise ValueError(f"the model's logit scale {scale} must be finite and > 0")
+    if softcap is not None and not (0 < float(softcap) < float("inf")):
+        raise ValueError(f"the model's final_logit_softcapping {softcap} must be finite and > 0")
+    return {"softcap": None if softcap is None else float(softcap), "logit_scale": scale}
 
 
 def load_policy(model_path: str | None, seed: int):

@@ -37,7 +37,7 @@ from . import checkpoint as ckpt
 from .config import EPISODE_OPTIONS, TrainConfig
 from .distributed import DistContext, FSDPState, LossModule, ShardedSampler, init_from_env, launched_by_torchrun
 from .hooks import HookContext, make_hook
-from .model import EMBEDDED_VOCAB, eos_token_ids, lm_head_params, load_policy
+from .model import EMBEDDED_VOCAB, eos_token_ids, lm_head_params, load_policy, logit_transform
 from .multiturn import generate_episodes
 from .plot import PlotInfo, plot_metrics, read_metrics
 from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler
@@ -750,7 +750,7 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
         out = fused_linear_logprobs(
             hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
             mask=batch.loss_mask[rows], compute_entropy=need_entropy, backend=config.backend,
-            batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant, **logit_transform(model),
         )  # fmt: skip
         logprobs[rows] = out.logprobs
         if need_entropy:
@@ -775,6 +775,7 @@ def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normali
         batch.loss_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
         ref_logprobs=rows_of(batch.ref_logprobs), rollout_logprobs=rows_of(rollout_logprobs), bias=bias,
         config=loss_config, backend=config.backend, batch_invariant=config.batch_invariant, **normalizers,
+        **logit_transform(policy),
     )  # fmt: skip
     return out.loss, out.metrics
 
