@@ -498,6 +498,52 @@ def lm_head_fwd_kernel_merge(
     tl.store(expected_logit_ptr + offs, run_max + mean_dev, mask=ok)
 
 
+@triton.jit
+def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
+               inv_temperature, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):  # fmt: skip
+    """Per-row coefficients of dz (c_lp = g_lp / T, c_H = g_H / T), E[z], target, and which rows are live
+    (a nonzero upstream gradient). A row that is not contributes exactly 0: its lse is replaced by +1e30 so
+    p = 0 (its logits may be unrelated to lse: exp could overflow), and every coefficient multiplying p is 0."""
+    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+    live = tl.zeros(offs_m.shape, dtype=tl.int1)
+    c_lp = tl.zeros(offs_m.shape, dtype=tl.float32)
+    c_h = tl.zeros(offs_m.shape, dtype=tl.float32)
+    mean_z = tl.zeros(offs_m.shape, dtype=tl.float32)
+    target = tl.full(offs_m.shape, -1, dtype=tl.int32)
+    if HAS_GRAD_LOGPROBS:
+        c_lp = tl.load(grad_logprobs_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
+        live = live | (c_lp != 0.0)
+    if HAS_GRAD_ENTROPY:
+        c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
+        mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
+        live = live | (c_h != 0.0)
+    lse = tl.where(live, lse, 1.0e30)
+    return lse, c_lp, c_h, mean_z, target, live
+
+
+@triton.jit
+def _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS: tl.constexpr,
+             HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr):  # fmt: skip
+    """dL/dlogit of a [rows, cols] tile of logits z (rows on axis 0):
+    dz_j = p_j (c_H (E[z] - z_j) - c_lp) + c_lp 1[j = y]  (README.md derives it); with a soft-cap times
+    dz/dx = cap_in cap_out (1 - tanh^2), tanh = z / cap_out (the host then passes inv_temperature 1)."""
+    p = tl.exp2((z - lse[:, None]) * LOG2E)  # softmax probabilities
+    if HAS_GRAD_ENTROPY:
+        if HAS_GRAD_LOGPROBS:
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
+        else:
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z))
+    else:
+        dz = p * (-c_lp[:, None])
+    if HAS_GRAD_LOGPROBS:
+        dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
+    if HAS_SOFTCAP:
+        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)
+        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
+    return dz
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def lm_head_bwd_kernel_dlogits(
     hidden_ptr,  # [n, H], unit stride along H
@@ -545,23 +591,11 @@ def lm_head_bwd_kernel_dlogits(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < vocab
 
-    # dL/dlogit_j = p_j * (c_H * (E[z] - z_j) - c_lp) + c_lp * 1[j = y]  (README.md derives it), with
-    # c_lp = g_lp / T and c_H = g_H / T.
-    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
-    live = tl.zeros((BLOCK_M,), dtype=tl.int1)
-    if HAS_GRAD_LOGPROBS:
-        c_lp = tl.load(grad_logprobs_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
-        target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
-        live = live | (c_lp != 0.0)
-    if HAS_GRAD_ENTROPY:
-        c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
-        mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
-        live = live | (c_h != 0.0)
-    # Rows with zero upstream gradient contribute exactly 0: their lse is replaced by +1e30 so p = 0 (a
-    # skipped tile's acc is 0 and its "logits" bias / T are unrelated to lse, exp could overflow), and every
-    # coefficient multiplying p is 0. A tile whose rows are all such skips its GEMM.
-    lse = tl.where(live, lse, 1.0e30)
-    any_live = tl.sum(live.to(tl.int32), axis=0) > 0
+    lse, c_lp, c_h, mean_z, target, live = _row_stats(
+        offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
+        inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
+    )  # fmt: skip
+    any_live = tl.sum(live.to(tl.int32), axis=0) > 0  # a tile whose rows have no upstream gradient: no GEMM
 
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if FROM_STORED:  # the forward kept the fp32 logits of these rows: no GEMM here (one-pass schedule)
@@ -584,19 +618,8 @@ def lm_head_bwd_kernel_dlogits(
             DOT_PRECISION,
         )
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
-    p = tl.exp2((z - lse[:, None]) * LOG2E)  # [BM, BN] softmax probabilities
-    if HAS_GRAD_ENTROPY:
-        if HAS_GRAD_LOGPROBS:
-            dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
-        else:
-            dz = p * (c_h[:, None] * (mean_z[:, None] - z))
-    else:
-        dz = p * (-c_lp[:, None])
-    if HAS_GRAD_LOGPROBS:
-        dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
-    if HAS_SOFTCAP:  # dz/dx = cap_in cap_out (1 - tanh^2), tanh = z / cap_out (the host passes inv_temperature 1)
-        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)
-        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
+    dz = _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
+                  HAS_SOFTCAP)  # fmt: skip
 
     if STORE_DLOGITS:
         out = dlogits_ptr + offs_m.to(tl.int64)[:, None] * stride_dlogits + cols[None, :]
@@ -611,44 +634,6 @@ def lm_head_bwd_kernel_dlogits(
 # the two backward GEMMs instead of being written to an [n, V] slab and read back by cuBLAS: per token row
 # the statistics (lse, E_p[z], g_lp, g_H, target) come from O(n) vectors, the logits from the stored tile.
 # dz is rounded to the operand dtype before the dot, as the slab path rounds it when it writes the slab.
-
-
-@triton.jit
-def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
-               inv_temperature, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):  # fmt: skip
-    """Per-row (lse, c_lp, c_h, E[z], target) of dz; rows without upstream gradient get lse = 1e30 (p = 0),
-    exactly as lm_head_bwd_kernel_dlogits."""
-    lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
-    live = tl.zeros(offs_m.shape, dtype=tl.int1)
-    c_lp = tl.zeros(offs_m.shape, dtype=tl.float32)
-    c_h = tl.zeros(offs_m.shape, dtype=tl.float32)
-    mean_z = tl.zeros(offs_m.shape, dtype=tl.float32)
-    target = tl.full(offs_m.shape, -1, dtype=tl.int32)
-    if HAS_GRAD_LOGPROBS:
-        c_lp = tl.load(grad_logprobs_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
-        target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
-        live = live | (c_lp != 0.0)
-    if HAS_GRAD_ENTROPY:
-        c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
-        mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
-        live = live | (c_h != 0.0)
-    lse = tl.where(live, lse, 1.0e30)
-    return lse, c_lp, c_h, mean_z, target
-
-
-@triton.jit
-def _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS: tl.constexpr,
-             HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr):  # fmt: skip
-    """dL/dlogit of a [rows, cols] tile of logits z (rows on axis 0): the formula of
-    lm_head_bwd_kernel_dlogits."""
-    p = tl.exp2((z - lse[:, None]) * LOG2E)
-    dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
-    if HAS_GRAD_LOGPROBS:
-        dz += tl.where(cols[None, :] == target[:, None], c_lp[:, None], 0.0)
-    if HAS_SOFTCAP:
-        t = tl.minimum(tl.maximum(z / cap_out, -1.0), 1.0)
-        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
-    return dz
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -671,7 +656,7 @@ def lm_head_bwd_kernel_grad_hidden_dz(
     row_ok = offs_m < n_rows
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ok = offs_h < hidden_size
-    lse, c_lp, c_h, mean_z, target = _row_stats(
+    lse, c_lp, c_h, mean_z, target, _ = _row_stats(
         offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
         inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
     )  # fmt: skip
@@ -723,7 +708,7 @@ def lm_head_bwd_kernel_grad_weight_dz(
     for r0 in range(0, n_rows, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         row_ok = rows < n_rows
-        lse, c_lp, c_h, mean_z, target = _row_stats(
+        lse, c_lp, c_h, mean_z, target, _ = _row_stats(
             rows, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
             inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
         )  # fmt: skip
