@@ -523,36 +523,14 @@ def grpo_loss(
 
     The objective, its aggregation and its KL / entropy terms are set by ``config`` (formulas and
     gradients: grpo_kernels/ops/loss_head/README.md). Use it when you already have the log-probs;
-    ``fused_linear_grpo_loss`` computes them from the hidden states in the same call.
+    ``fused_linear_grpo_loss`` computes them from the hidden states in the same call. Its arguments
+    advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, config, cu_seqlens, is_weights,
+    token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps and check_finite mean here what
+    ``fused_linear_grpo_loss`` documents, the per-token ones in the layout of ``logprobs``.
 
     Args:
         logprobs: [B, T] (or [N] with cu_seqlens) fp32 / bf16 per-token log-probs of the current policy,
             differentiable.
-        advantages: float [B] (one per sequence, broadcast over its tokens) or [B, T] per token
-            (``gk.advantages.estimate``); [S] / [N] with cu_seqlens.
-        mask: bool / 0-1 [B, T]: the completion tokens the loss counts (1) and the padding or
-            tool-output tokens it skips (0). Skipped tokens contribute exactly 0 to loss and gradients.
-        old_logprobs: [B, T] fp32 log-probs of the policy that sampled (or the previous update's), no grad;
-            None means on-policy: ratio 1 in value, the gradient still flows (TRL / verl with one update).
-        ref_logprobs: [B, T] the reference policy's log-probs; needed when ``config.kl_coef > 0`` (the KL
-            term) or for ``loss_type="group_dpo"``; None otherwise.
-        rollout_logprobs: [B, T] the inference engine's log-probs of the sampled tokens (vLLM / SGLang),
-            for the sampler-mismatch corrections ``config.is_level`` / ``off_policy_mask_threshold``;
-            NaN marks a token the engine did not score (no correction for it).
-        config: a ``PolicyLossConfig`` (or a preset: ``PolicyLossConfig.dapo()``); default
-            ``PolicyLossConfig()``: PPO clip 0.2, no KL, token-mean.
-        cu_seqlens: int [S + 1] cumulative sequence lengths for packed inputs ([N] per-token tensors);
-            None for padded [B, T] inputs.
-        is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
-        token_weights: optional [B, T] per-token weights of the policy term (process weights).
-        num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
-            the token-mean aggregations; None: this call's own count.
-        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
-        dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
-            it so that the average is the gradient of the global loss. Default 1.
-        grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
-            are not given (local counts divided by it). Default 1.
-        check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
         entropy: optional [B, T] per-token entropy; needed (and differentiable) when the config uses it
             (entropy_coef > 0 or top_entropy_quantile < 1); otherwise only reported as a metric.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".

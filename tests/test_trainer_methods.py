@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -36,18 +33,9 @@ from grpo_kernels.trainer.multiturn import (  # noqa: E402
 )
 from grpo_kernels.trainer.rollout import PaddedBatch, Rollouts  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = dict(prompts_per_step=4, group_size=4, micro_batch_size=8, steps=2, warmup_steps=0)
+from test_trainer import ROOT, cli, quiet, run  # noqa: E402  the small-run and CLI helpers of the trainer tests
+
 EOS = EMBEDDED_VOCAB.index("<eos>")
-
-
-def quiet(*_):
-    pass
-
-
-def run(tmp_path, name="run", **fields):
-    config = TrainConfig(**{**SMALL, "run_dir": str(tmp_path / name), **fields})
-    return train(config, progress=False, log=quiet)
 
 
 def capture(monkeypatch, function_name):
@@ -134,7 +122,7 @@ def test_dapo_soft_overlong_punishment_hand_computed():
     config = TrainConfig(overlong_cache=2)
     rollouts = rollouts_of([3, 4, 5, 6], [0, 0, 0, 0])
     components = torch.tensor([[1.0], [1.0], [1.0], [0.0]])
-    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=6, expected=4)
+    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=6)
     assert shaped.tolist() == [1.0, 1.0, 0.5, -1.0]
 
 
@@ -143,7 +131,7 @@ def test_grpo_lead_length_reward_hand_computed():
     config = TrainConfig(lead_length_alpha=0.05)
     rollouts = rollouts_of([2, 4, 6, 3], [0, 0, 0, 0])
     components = torch.tensor([[1.0], [1.0], [1.0], [0.0]])
-    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=8, expected=8)
+    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=8)
     expected = torch.tensor([math.exp(0.05), 1.0, math.exp(-0.05), -1.0])
     torch.testing.assert_close(shaped, expected, rtol=0, atol=2e-6)  # epsilon 1e-6 in z: |dz| <= 5e-7
 
@@ -156,7 +144,7 @@ def test_diver_bonus_only_for_correct_and_diverse_completions():
     texts = ["1 2 3 4 5", "1 2 3 4 5", "4 5 6 7 8", "9 0 1 2 3"]
     rollouts = rollouts_of([5, 5, 5, 5], [0, 0, 1, 1], completions=texts)
     components = torch.tensor([[1.0], [1.0], [1.0], [0.0]])
-    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=8, expected=8)
+    shaped = trainer_module._shape_rewards(config, rollouts, components, budget=8)
     diversity = gk.advantages.textual_diversity(texts, rollouts.group_index, direction="one_way")
     assert diversity[0] == diversity[1] == 0 and diversity[2] > 0.9
     assert shaped.tolist() == pytest.approx([1.0, 1.0, 1.0 + 0.5 * float(diversity[2]), 0.0], abs=1e-7)
@@ -278,7 +266,7 @@ def test_mt_grpo_and_gigpo_options_from_episodes_hand_computed():
         turn_rewards=torch.tensor([[1.0, 1.0], [0.0, 0.0]]), state_keys=[["1", "1 5 2 9"], ["1", "1 5 2 9"]],
     )  # fmt: skip
     batch = PaddedBatch.build(rollouts, pad_id=0, device="cpu")
-    options = trainer_module._episode_options(rollouts, batch, "mt_grpo")
+    options = trainer_module._episode_options(rollouts, batch)
     assert options["turn_rewards"].tolist() == [[1.0, 0.0], [0.0, 0.0]]  # the last turn is the outcome itself
     assert options["state_ids"].tolist() == [[0, 1], [0, 1]]  # equal contexts: one anchor state
     # MT-GRPO: A^O = +-(0.5 / (std + 1e-4)), std of (1, 0) = sqrt(1/2); turn 0 adds the same A^T
@@ -346,12 +334,6 @@ def test_prorl_reset_copies_the_policy_and_clears_the_optimizer(tmp_path):
 
 
 # ---- a new user's first runs -----------------------------------------------------------------------------
-
-
-def cli(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    return subprocess.run([sys.executable, "-m", "grpo_kernels", "train", "--no-progress", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 def test_jsonl_words_outside_the_embedded_vocabulary_are_refused(tmp_path):

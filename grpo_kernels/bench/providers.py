@@ -219,16 +219,16 @@ def _ours_tp() -> dict:
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
 
 
-def _two_pass_only_on_triton(settings: RunSettings) -> str | None:
-    if _resolved_backend("auto", settings.device) == "torch":
-        return f"the PyTorch backend (what 'auto' runs on {settings.device.type}) always takes two passes"
-    return None
+def _schedule_needs_triton(why: str):
+    """A provider check: skipped (with `why` and the device) where 'auto' resolves to the PyTorch backend,
+    which always takes two passes whatever the schedule asked."""
 
+    def check(settings: RunSettings) -> str | None:
+        if _resolved_backend("auto", settings.device) == "torch":
+            return f"{why} ('auto' runs the PyTorch backend on {settings.device.type})"
+        return None
 
-def _one_pass_only_on_triton(settings: RunSettings) -> str | None:
-    if _resolved_backend("auto", settings.device) == "torch":
-        return f"the one-pass schedules run on the Triton backend ('auto' runs PyTorch on {settings.device.type})"
-    return None
+    return check
 
 
 def _same_as_auto(settings: RunSettings) -> str | None:
@@ -578,7 +578,7 @@ REGISTRY.add(
         "grpo_kernels-two-pass",
         "grpo_kernels fused loss with schedule='two_pass' (4 GEMM units, no stored logits): the other schedule",
         {"fused_grpo": _ours("auto", "two_pass")["fused_grpo"]},
-        extra_check=_two_pass_only_on_triton,
+        extra_check=_schedule_needs_triton("the PyTorch backend always takes two passes"),
     )
 )
 REGISTRY.add(
@@ -586,7 +586,7 @@ REGISTRY.add(
         "grpo_kernels-one-pass-dz",
         "grpo_kernels fused loss with schedule='one_pass_dz' (dz formed inside the backward GEMMs, no dz slab)",
         {"fused_grpo": _ours("auto", "one_pass_dz")["fused_grpo"]},
-        extra_check=_one_pass_only_on_triton,
+        extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
     )
 )
 REGISTRY.add(

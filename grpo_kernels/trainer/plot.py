@@ -63,14 +63,12 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_metrics(metrics_path: str, png_path: str, info: PlotInfo | str) -> None:
+def plot_metrics(metrics_path: str, png_path: str, info: PlotInfo) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    if isinstance(info, str):
-        info = PlotInfo(title=info)
     rows = read_metrics(metrics_path)
     chosen = panels(info)
     columns = math.ceil(len(chosen) / 2)

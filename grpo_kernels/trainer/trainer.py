@@ -152,7 +152,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     hook = make_hook(config.hook, config.hook_options)
     updates = hook.update_stages(loss_config) * config.num_iterations  # one optimizer step each
     _check_task(config, task)
-    _check_advantage_options(config, task)
+    _check_advantage_options(config)
     backend_description = _describe_backend(config.backend, device)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -236,7 +236,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         """Every reward function on the rows, then the shaping of the config (the training reward)."""
         components = torch.stack([score_one(n, fn, rollouts) for n, fn in zip(reward_names, reward_fns)], 1)
         task_rewards = components[:, 0]
-        rewards = _shape_rewards(config, rollouts, components, budget, max_new_tokens)
+        rewards = _shape_rewards(config, rollouts, components, budget)
         return dataclasses.replace(
             rollouts, rewards=rewards, task_rewards=task_rewards, reward_components=components
         )
@@ -303,7 +303,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             try:
                 record = _train_step(
                     step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy,
-                    reference, optimizer, updates, compute, ctx, loss_module, estimator_state, budget,
+                    reference, optimizer, updates, compute, ctx, loss_module, estimator_state,
                 )  # fmt: skip
             except KeyboardInterrupt:  # the second Ctrl-C: stop now, mid-step (nothing of it is kept)
                 bar.close()
@@ -358,7 +358,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
 
 def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy, reference,
-                optimizer, updates, compute, ctx, loss_module, estimator_state, budget) -> dict:  # fmt: skip
+                optimizer, updates, compute, ctx, loss_module, estimator_state) -> dict:  # fmt: skip
     """One step: rollouts, rewards, log-probs, advantages, the updates. Returns the step's metrics."""
     device = compute.device
     step_started = time.time()
@@ -423,7 +423,7 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         "completion_ids": batch.completion_ids,
         "logprobs": sampling_logprobs,
         "ref_logprobs": batch.ref_logprobs,
-        **_episode_options(rollouts, batch, config.advantage),
+        **_episode_options(rollouts, batch),
     }
     options = _estimator_options(spec, config, from_batch)
     estimator_rewards = rollouts.reward_components.to(device) if spec.rewards_shape == "[B, K]" else rewards
@@ -464,7 +464,7 @@ def _estimator_options(spec, config: TrainConfig, available: dict) -> dict:
     return options | config.advantage_options
 
 
-def _episode_options(rollouts: Rollouts, batch: PaddedBatch, advantage: str) -> dict:
+def _episode_options(rollouts: Rollouts, batch: PaddedBatch) -> dict:
     """The multi-turn estimators' options from the episodes (empty for one-turn rollouts).
 
     MT-GRPO: turn k's tokens get A_outcome + turn_coef * A_turn(k); the last turn's reward is the outcome
@@ -490,7 +490,7 @@ def _episode_options(rollouts: Rollouts, batch: PaddedBatch, advantage: str) -> 
     }
 
 
-def _shape_rewards(config, rollouts: Rollouts, components: torch.Tensor, budget: int, expected: int):
+def _shape_rewards(config, rollouts: Rollouts, components: torch.Tensor, budget: int):
     """The training reward [B] from the reward functions' values [B, K]: their sum, then the shaping the
     config asks for (DAPO soft overlong punishment, GRPO-LEAD length reward, DIVER diversity bonus)."""
     task_rewards = components[:, 0]
@@ -566,7 +566,7 @@ def _check_task(config: TrainConfig, task) -> None:
             raise ValueError("diversity_coef / lead_length_alpha shape one-turn completions, not episodes")
 
 
-def _check_advantage_options(config: TrainConfig, task) -> None:
+def _check_advantage_options(config: TrainConfig) -> None:
     """Run the estimator once on a tiny synthetic batch with the run's options, so a bad option value
     (--advantage-option scale=bogus) fails before the run folder exists, not at step 1."""
     spec = gk_advantages.get(config.advantage)
