@@ -698,11 +698,15 @@ def fused_linear_grpo_loss(
         softcap: the model's final logit soft-cap, as in ``fused_linear_logprobs``.
         logit_scale: the model's logit multiplier, as in ``fused_linear_logprobs``.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
-        schedule: "auto" (one pass over the vocabulary per chunk of tokens when valid, else two; the
-            choice is logged at DEBUG), "one_pass", "two_pass", "low_memory" (two passes with the
-            vocabulary outside in the backward: no fp32 [V, H] accumulator, grad_weight written once per
-            block) or "one_pass_dz" (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab);
-            the last two are opt-in, never chosen by "auto", until a GPU run has compared them.
+        schedule: "auto", "one_pass" (per chunk of tokens, the logits kept between forward and
+            backward: 3 GEMM units, an fp32 [V, H] grad_weight accumulator), "two_pass" (the backward
+            recomputes the logits: 4 units), "low_memory" (two passes with the vocabulary outside in the
+            backward: no fp32 [V, H] accumulator, grad_weight written once per block) or "one_pass_dz"
+            (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab; opt-in until a GPU run
+            has compared it). "auto" takes one_pass where valid, else two_pass, and low_memory instead
+            when the weight needs a gradient and the other's modelled peak extra memory exceeds 1.5 GiB
+            (a Qwen3-8B head: 3.45 GiB one-pass, 0.75 low-memory at 16k tokens); the choice and its
+            reason are logged at DEBUG on the "grpo_kernels" logger.
 
     Returns:
         GRPOLossOutput: ``loss`` (0-d, differentiable), ``metrics`` (see ``GRPOLossOutput``), and the

@@ -110,3 +110,22 @@ def test_low_memory_schedule_matches_torch(name, report):
     for key, (got, expected) in r["metrics"].items():
         assert close(got, expected), f"metric {key}: triton {got!r}, torch {expected!r}"
     assert r["backward_calls"] == {"stored": 0, "recomputed": 2, "dz_in_gemm": 0}, r["backward_calls"]  # per slab
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
+def test_auto_takes_the_low_memory_schedule_over_the_memory_goal(name, report):
+    """schedule="auto" where the one- or two-pass schedule's modelled peak exceeds the extra-memory goal
+    (set to 0 bytes for the test): the low-memory schedule runs (vocabulary slabs, logits recomputed),
+    equals the PyTorch backend, and the DEBUG line says why."""
+    r = report[f"{name}-packed-auto-over-goal"]
+    assert_matches_torch(r)
+    assert "extra-memory goal" in r["said"] and "low_memory" in r["said"], r["said"]
+    calls = r["backward_calls"]
+    assert calls["stored"] == 0 and calls["recomputed"] >= 2, calls  # one backward call per vocabulary slab
+
+
+def test_auto_keeps_one_pass_within_the_memory_goal(report):
+    r = report["grpo-packed-auto-within-goal"]
+    assert_matches_torch(r)
+    assert "one_pass schedule" in r["said"] and "extra-memory goal" not in r["said"], r["said"]
+    assert r["backward_calls"]["stored"] >= 2 and r["backward_calls"]["recomputed"] == 0, r["backward_calls"]

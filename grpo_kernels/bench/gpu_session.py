@@ -69,7 +69,9 @@ TARGETS = {
 # Providers not run in a session: torch-compile spends minutes compiling, verl's wheel brings too much,
 # grpo_kernels-torch is the CPU backend.
 EXCLUDED_PROVIDERS = ("torch-compile", "verl", "verl-torch", "grpo_kernels-torch")
-SWEEP_PROVIDERS = ("grpo_kernels",)
+# The sweep compares "auto" (the low-memory schedule wherever the one-pass peak exceeds the memory goal,
+# so at the target head) with the one-pass schedule it replaces there: the time the memory costs.
+SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")
 
 
 @dataclass

@@ -583,6 +583,14 @@ REGISTRY.add(
 )
 REGISTRY.add(
     Provider(
+        "grpo_kernels-one-pass",
+        "grpo_kernels fused loss with schedule='one_pass' (3 GEMM units, stored logits, fp32 [V, H] accumulator)",
+        {"fused_grpo": _ours("auto", "one_pass")["fused_grpo"]},
+        extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
+    )
+)
+REGISTRY.add(
+    Provider(
         "grpo_kernels-one-pass-dz",
         "grpo_kernels fused loss with schedule='one_pass_dz' (dz formed inside the backward GEMMs, no dz slab)",
         {"fused_grpo": _ours("auto", "one_pass_dz")["fused_grpo"]},

@@ -15,18 +15,21 @@ Two schedules give the same result:
             (PolicyLossConfig.token_local: token-level ratios, token IS) every chunk is filled to
             capacity and a sequence may be cut across chunks (the loss head gets each piece's
             whole-sequence length; the pieces' partial sums are merged), so completions of any length
-            take it; other objectives need whole sequences in a chunk. Chosen by the Triton backend
-            whenever it is valid (no batch-global statistics; for objectives that are not token-local,
-            every sequence fits in a chunk whose logits fit ONE_PASS_LOGITS_BYTES), and logged at
-            DEBUG on the "grpo_kernels" logger.
+            take it; other objectives need whole sequences in a chunk. Valid without batch-global
+            statistics and, for objectives that are not token-local, when every sequence fits in a
+            chunk whose logits fit ONE_PASS_LOGITS_BYTES.
   one-pass-dz (opt-in, schedule="one_pass_dz") the one-pass schedule whose C forms dz from the stored
             logits inside the operand loads of two Triton GEMMs (grad_hidden, grad_weight) instead of
             writing an [n, V] dz slab for cuBLAS: the slab's write and two reads disappear. Off by default
             until a GPU run has compared it with the cuBLAS path.
-  low-memory  (opt-in, schedule="low_memory") two passes with the vocabulary outside in C: per slab
-            of columns, every token's dz, the slab's grad_weight block written once in its final
-            dtype, grad_hidden summed in fp32 [N, H]. No fp32 [V, H] accumulator (README.md beside
-            ops/lm_head, "Memory and bytes moved per schedule"); 4 GEMM units.
+  low-memory  two passes with the vocabulary outside in C: per slab of columns, every token's dz,
+            the slab's grad_weight block written once in its final dtype, grad_hidden summed in fp32
+            [N, H]. No fp32 [V, H] accumulator (README.md beside ops/lm_head, "Memory and bytes moved
+            per schedule"); 4 GEMM units.
+"auto" (run_fused) on the Triton backend: one-pass where valid, else two-pass; either is replaced by
+low-memory when the weight needs a gradient, the head is not vocabulary-parallel, and the schedule's
+modelled peak extra memory (memory.py) exceeds EXTRA_MEMORY_GOAL while low-memory's is smaller. The
+choice and its reason are logged at DEBUG on the "grpo_kernels" logger.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ class _Saved:
 ONE_PASS_CHUNK_TOKENS = 8192
 # The chunk's fp32 logits kept between A and C: 4 V bytes per token (V = 151936: 2 GiB for 3.5k tokens).
 # This budget, not ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 tokens at
-# V = 152k), so completions longer than that take the two-pass schedule.
+# V = 152k): longer completions are cut across chunks for token-local objectives, other objectives
+# take the two-pass schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
 SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz")
-# The low-memory schedule (opt-in: a GPU run has not yet compared it with the others): two passes with
+# The low-memory schedule ("auto" where the others' peak exceeds the memory goal): two passes with
 # the vocabulary outside in C, so grad_weight is written once per block in its final dtype and no
 # V x H fp32 accumulator exists. Per slab of columns: a dz workspace of LOW_MEMORY_DZ_ROWS token rows
 # and the slab's fp32 grad_weight block, within LOW_MEMORY_SLAB_BYTES; plus grad_hidden in fp32 [N, H].
@@ -125,7 +129,9 @@ def lm_head_grads_vocab_outer(lm_impl, hidden_rows, weight, bias, targets_rows, 
     grad_bias = torch.empty_like(bias) if need_b else None
     columns = vocab_slab_columns(n_rows, hidden_size, hidden_rows.element_size(), vocab)
     extra = {}
-    if lm_impl.__name__.endswith(".triton"):  # the dz workspace of one token chunk of the slab
+    # the dz workspace of one token chunk of the slab (Triton backend; the name of a wrapped backend
+    # (batch-invariant, logit transform) starts with the backend module's)
+    if lm_impl.__name__.split(" ")[0].endswith(".triton"):
         extra["workspace_bytes"] = LOW_MEMORY_DZ_ROWS * ((columns + 64) * hidden_rows.element_size() + 4 * hidden_size)
     for v0 in range(0, vocab, columns):
         v1 = min(vocab, v0 + columns)
@@ -397,6 +403,21 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     # rank makes the same calls in the same order
     chunk_tokens = chunk_tokens or one_pass_capacity(getattr(lm_impl, "planning_vocab", weight.shape[0]))
     chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
+    if (schedule == "auto" and backend == "triton" and not hasattr(lm_impl, "planning_vocab")
+            and weight.requires_grad and torch.is_grad_enabled()):  # fmt: skip
+        # the fp32 [V, H] accumulator of the one- and two-pass schedules is what breaks the goal: only
+        # a weight gradient has it; vocabulary-parallel heads keep their schedules (same slabs per rank)
+        from .memory import EXTRA_MEMORY_GOAL, prefer_low_memory
+
+        n_valid = int(batch.valid.sum())  # one host read per call (the chunk plan has made one already)
+        masked = n_valid < batch.valid.shape[0]
+        if prefer_low_memory(chosen, n_valid, weight.shape[1], weight.shape[0], flat_hidden.element_size(),
+                             bias=bias is not None and bias.requires_grad, masked=masked,
+                             goal=EXTRA_MEMORY_GOAL):  # fmt: skip
+            reason = (f"the {chosen} schedule's modelled peak ({reason}) exceeds the "
+                      f"{EXTRA_MEMORY_GOAL / 2**30:.1f} GiB extra-memory goal at V = {weight.shape[0]}, "
+                      f"H = {weight.shape[1]}, {n_valid} valid tokens")  # fmt: skip
+            chosen, chunks = "low_memory", None
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
     # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
     # round them to half precision); the loss head is fp32 O(N) work

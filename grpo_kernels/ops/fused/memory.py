@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from .function import ONE_PASS_LOGITS_BYTES, one_pass_capacity
 
 GIB = 2**30
+# The extra-memory goal of the fused loss (beyond inputs and gradients): "auto" leaves a schedule whose
+# modelled peak exceeds it for the low-memory schedule when that one fits better (prefer_low_memory).
+EXTRA_MEMORY_GOAL = 3 * GIB // 2
 # per valid token, the O(N) vectors the fused path keeps alive at once (fp32 / int64 per-token values:
 # logprobs, entropy, leaves, g_lp, g_ent, row indices, statistics, loss-head inputs): an upper bound
 PER_TOKEN_BYTES = 160
@@ -79,3 +82,22 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
     buffers["dz slab [rows, V_pad] + fp32 grad_hidden rows"] = plan.workspace_bytes
     buffers["per-token vectors (O(N) bound)"] = PER_TOKEN_BYTES * n_valid
     return ScheduleMemory(schedule, buffers, sum(buffers.values()))
+
+
+def prefer_low_memory(chosen: str, n_valid: int, hidden: int, vocab: int, element_size: int, *, bias: bool,
+                      masked: bool, goal: int = EXTRA_MEMORY_GOAL) -> bool:  # fmt: skip
+    """Whether "auto" takes the low-memory schedule instead of `chosen` ("one_pass" or "two_pass"): the
+    chosen schedule's modelled peak extra exceeds `goal` and the low-memory one's is smaller.
+
+    Why memory decides (README.md beside ops/lm_head, "Memory and bytes moved per schedule"): where the
+    fp32 [V, H] accumulator breaks the goal (V x H large), the one-pass schedule's saved GEMM unit and the
+    V x H traffic the accumulator costs per chunk are about the same time by the bandwidth / FLOP model
+    (Qwen3-8B head: ~26 ms against ~25 ms at 16k tokens, ~103 against ~104 at 64k), while the peak is 5x
+    smaller. Below the goal (small heads, frozen heads) nothing changes."""
+    if chosen not in ("one_pass", "two_pass"):
+        return False
+    current = schedule_memory(chosen, n_valid, hidden, vocab, element_size, bias=bias, masked=masked)
+    if current.peak_extra <= goal:
+        return False
+    low = schedule_memory("low_memory", n_valid, hidden, vocab, element_size, bias=bias, masked=masked)
+    return low.peak_extra < current.peak_extra
