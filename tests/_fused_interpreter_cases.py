@@ -124,6 +124,20 @@ def main():
     fused.LOW_MEMORY_SLAB_BYTES = 1
     for name, cfg in sorted(CONFIGS.items()):
         compare(f"{name}-packed-low_memory", cfg, "packed", "low_memory", refused_ok=False)
+    # the TMA kernel A (use_forward_kernel("tma")) in both schedules: in one pass the stored logits leave
+    # by TMA stores into the padded-row buffer; V = 203 and H = 24 leave ragged tiles on every edge
+    import grpo_kernels.ops.lm_head.triton as lm_triton
+
+    launched, launch = [], lm_triton._launch
+    lm_triton._launch = lambda kernel, *args: (launched.append(kernel.__name__), launch(kernel, *args))[1]
+    with lm_triton.use_forward_kernel("tma"):
+        for name in ("grpo", "gspo", "dapo"):
+            for schedule in ("one_pass", "two_pass"):
+                launched.clear()
+                compare(f"{name}-packed-{schedule}-tma", CONFIGS[name], "packed", schedule, refused_ok=False)
+                report[f"{name}-packed-{schedule}-tma"]["forward_kernels"] = sorted(
+                    {n for n in launched if n.startswith("lm_head_fwd_kernel_partial")})  # fmt: skip
+    lm_triton._launch = launch
     # "auto" where the one- / two-pass schedule's modelled peak exceeds the extra-memory goal (a goal of
     # 0 bytes here; at the Qwen3-8B head the 2.3 GiB fp32 accumulator does it): the low-memory schedule,
     # said in the DEBUG line

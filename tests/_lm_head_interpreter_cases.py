@@ -140,6 +140,21 @@ CASES = [
     ),
 ]
 
+# The same checks with the TMA kernel A (use_forward_kernel("tma"): descriptors bound the ragged token,
+# vocabulary and K edges instead of clamped indices and a peeled K tail): ragged K with bias, many
+# vocabulary splits, one token, peaked logits, fp16 and bf16, and the strided case, whose misaligned
+# weight must fall back to the cp.async kernel with a TMAFallbackWarning.
+TMA_CASE_IDS = (
+    "fp32-N37-H48-V1001-bias-T0.7-zero_rows",
+    "fp32-N37-H64-V3000-T1-splits-chunks-acc",
+    "fp32-N1-H64-V50-bias-T2",
+    "fp32-N37-H64-V1001-peaked-T0.7",
+    "fp16-N37-H64-V3000-bias-T0.7",
+    "fp16-N37-H48-V1001-T1.3-logprobs_only-strided",
+    "bf16-N37-H64-V1001-bias-T0.7",
+)
+CASES += [dict(c, id=f"{c['id']}-tma", forward_kernel="tma") for c in CASES if c["id"] in TMA_CASE_IDS]
+
 FORWARD_FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
 AUTOGRAD_FIELDS = ("logprobs", "entropy")
 
@@ -239,6 +254,8 @@ def _compare(tri, gt, base, torch):
 
 
 def run_case(case):
+    import warnings
+
     import torch
 
     from grpo_kernels.ops.lm_head import triton as tri
@@ -249,7 +266,16 @@ def run_case(case):
 
     if case.get("autograd"):
         return _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch)
-    stats = tri.lm_head_forward(x, w, b, y, T, num_sms=case.get("num_sms", 8))
+    launched, launch = [], tri._launch
+    tri._launch = lambda kernel, *args: (launched.append(kernel.__name__), launch(kernel, *args))[1]
+    try:
+        with tri.use_forward_kernel(case.get("forward_kernel", "cp.async")), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", tri.TMAFallbackWarning)
+            stats = tri.lm_head_forward(x, w, b, y, T, num_sms=case.get("num_sms", 8))
+    finally:
+        tri._launch = launch
+    out["forward_kernels"] = launched
+    out["tma_fallback_warnings"] = [str(m.message) for m in said if issubclass(m.category, tri.TMAFallbackWarning)]
     gt_stats, gt_grads = _stats_and_grads(
         x.double(),
         w.double(),

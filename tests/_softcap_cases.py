@@ -54,6 +54,34 @@ def main():
                 runs[backend] = (out.loss, out.logprobs, x.grad, w.grad, bb.grad)
             for name, a, e in zip(("loss", "logprobs", "grad_hidden", "grad_weight", "grad_bias"), runs["triton"], runs["torch"]):
                 report[f"{key}/{schedule}/{name}"] = worst(a, e)
+    # the TMA kernel A with the soft-cap: log-probs and the one-pass schedule (logits stored by TMA)
+    import grpo_kernels.ops.lm_head.triton as lm_triton
+
+    launched, launch = [], lm_triton._launch
+    lm_triton._launch = lambda kernel, *args: (launched.append(kernel.__name__), launch(kernel, *args))[1]
+    cap, scale = 3.0, 0.5
+    with lm_triton.use_forward_kernel("tma"):
+        for fn in ("logprobs_fn", "one_pass"):
+            runs = {}
+            for backend in ("torch", "triton"):
+                x, w, bb = (z.clone().requires_grad_() for z in (hidden, weight, bias))
+                if fn == "logprobs_fn":
+                    out = gk.fused_linear_logprobs(x, w, targets, bb, 0.8, mask=mask, softcap=cap, logit_scale=scale,
+                                                   backend=backend)  # fmt: skip
+                    (out.logprobs.sum() + 0.3 * out.entropy.sum()).backward()
+                    runs[backend] = (out.logprobs, out.entropy, x.grad, w.grad, bb.grad)
+                else:
+                    out = gk.fused_linear_grpo_loss(x, w, targets, adv, mask, old, bias=bb,
+                                                    config=C.dapo(entropy_coef=0.01, temperature=0.7), softcap=cap,
+                                                    logit_scale=scale, backend=backend,
+                                                    schedule="two_pass" if backend == "torch" else "one_pass")  # fmt: skip
+                    out.loss.backward()
+                    runs[backend] = (out.loss, out.logprobs, x.grad, w.grad, bb.grad)
+            names = ("logprobs", "entropy") if fn == "logprobs_fn" else ("loss", "logprobs")
+            for name, a, e in zip(names + ("grad_hidden", "grad_weight", "grad_bias"), runs["triton"], runs["torch"]):
+                report[f"tma-cap{cap}-scale{scale}/{fn}/{name}"] = worst(a, e)
+    lm_triton._launch = launch
+    report["forward_kernels"] = sorted({n for n in launched if n.startswith("lm_head_fwd_kernel_partial")})
     print(json.dumps(report))
 
 

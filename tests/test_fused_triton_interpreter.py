@@ -129,3 +129,15 @@ def test_auto_keeps_one_pass_within_the_memory_goal(report):
     assert_matches_torch(r)
     assert "one_pass schedule" in r["said"] and "extra-memory goal" not in r["said"], r["said"]
     assert r["backward_calls"]["stored"] >= 2 and r["backward_calls"]["recomputed"] == 0, r["backward_calls"]
+
+
+@pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])
+@pytest.mark.parametrize("name", ["grpo", "gspo", "dapo"])
+def test_tma_kernel_a_matches_torch(name, schedule, report):
+    """use_forward_kernel("tma"): the TMA kernel A ran (and only it), and the fused loss equals the PyTorch
+    backend; in one pass the backward reads the logits the TMA stores wrote."""
+    r = report[f"{name}-packed-{schedule}-tma"]
+    assert_matches_torch(r)
+    assert r["forward_kernels"] == ["lm_head_fwd_kernel_partial_tma"], r["forward_kernels"]
+    if schedule == "one_pass":
+        assert r["backward_calls"]["stored"] >= 2 and r["backward_calls"]["recomputed"] == 0, r["backward_calls"]

@@ -8,6 +8,8 @@ Run: `python -m pytest tests/test_gpu.py -q` on a GPU machine.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -90,6 +92,34 @@ def test_fused_schedules_agree_in_bf16(config):
         # recomputes them per vocabulary slab and sums grad_hidden over slabs in fp32
         for name, a, b in (("grad_hidden", one[1], two[1]), ("grad_weight", one[2], two[2])):
             assert_close(f"{schedule} {name}", a, b, atol=1e-2 * b.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_tma_kernel_a_matches_the_cp_async_kernel_in_bf16(bias):
+    """The TMA kernel A (opt-in) against the default cp.async kernel at a real head: the statistics with
+    and without the stored fp32 logits (one-pass schedule), and those logits. Both fold exact bf16 products
+    into fp32 over the same 64-wide K slices; they differ in tile shape (128x128 / 64x128 against 128x256 /
+    128x128), so in the vocabulary splits and the order partial statistics merge: 1e-5 of the logits'
+    scale bounds that fp32 reordering at V = 152k."""
+    from grpo_kernels.ops.lm_head import triton as lm_triton
+
+    n, h, v = 3000, 4096, 151936
+    hidden, weight, targets = make(n, h, v)
+    b = (0.1 * torch.randn(v, device="cuda")).to(torch.bfloat16) if bias else None
+    runs = {}
+    for kernel in ("cp.async", "tma"):
+        logits = torch.empty(n, v, device="cuda")
+        with lm_triton.use_forward_kernel(kernel), warnings.catch_warnings():
+            warnings.simplefilter("error", lm_triton.TMAFallbackWarning)  # the TMA kernel must run here
+            stats = lm_triton.lm_head_forward(hidden, weight, b, targets, 0.9, logits_out=logits)
+            plain = lm_triton.lm_head_forward(hidden, weight, b, targets, 0.9)
+        runs[kernel] = (stats, plain, logits)
+    (s1, p1, z1), (s2, p2, z2) = runs["cp.async"], runs["tma"]
+    scale = z1.abs().max().item()
+    assert_close("stored logits", z2, z1, atol=1e-5 * scale, rtol=0)
+    for field in ("logprobs", "entropy", "lse", "expected_logit"):
+        for a, e in ((getattr(s2, field), getattr(s1, field)), (getattr(p2, field), getattr(p1, field))):
+            assert_close(f"TMA {field}", a, e, atol=1e-5 * scale, rtol=0)
 
 
 def test_backward_gemms_take_the_fp32_out_path():

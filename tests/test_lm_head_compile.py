@@ -66,6 +66,38 @@ def test_lm_head_kernel_compiles(case, rows):
             )
 
 
+TMA_CASES = [c for c in CASES if c["kernel"] in matrix.TMA_KERNELS]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=[matrix.case_id(c) for c in TMA_CASES])
+def test_tma_kernel_a_moves_operands_by_tma_and_fits_two_ctas_per_sm(case, rows):
+    """The TMA kernel A (use_forward_kernel("tma")): its operands arrive by TMA (cp.async.bulk.tensor), the
+    stored logits leave by a TMA store, it still holds its wgmma and its partials' stores, and two CTAs fit
+    on an SM (registers and shared memory) so one's epilogue overlaps the other's MMAs, except with the
+    soft-cap (uncapped registers: one CTA, as the cp.async kernel A always runs)."""
+    r = rows[matrix.case_id(case)]
+    assert "error" not in r, r["error"]
+    assert r["tma"], f"{r['id']}: no cp.async.bulk.tensor in the PTX"
+    assert r["tma_store"] == case["stored"], f"{r['id']}: TMA store {r['tma_store']}, stored logits {case['stored']}"
+    assert r["mma"] == "wgmma" and r["global_stores"] > 0 and not r["spills"], r
+    assert r["ctas_per_sm"] >= (1 if case["softcap"] and not case["stored"] else 2), (
+        f"{r['id']}: {r['ctas_per_sm']} CTA(s) per SM at {r['registers']} registers x {r['num_warps']} warps, "
+        f"{r['shared'] / 1024:.0f} KiB of shared memory"
+    )
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["stats", "stored-logits"])
+def test_warp_specialize_is_ignored_on_sm90(stored, rows):
+    """WARP_SPECIALIZE=True on the vocabulary-tile loop of the TMA kernel A compiles to the very same PTX as
+    without it (Triton's sm_90 warp specialisation does not take this loop), and not to an empty body. The
+    lm_head README says so; if this fails, Triton has started to specialise the loop: time it on a GPU."""
+    plain = next(r for r in rows.values() if r["kernel"] == "fwd_tma" and r["stored"] == stored
+                 and not r["bias"] and not r["softcap"] and r["H"] == matrix.SHAPE["H"] and r["dtype"] == "bfloat16")  # fmt: skip
+    probe = next(r for r in rows.values() if r["kernel"] == "fwd_tma_ws" and r["stored"] == stored)
+    assert probe["mma"] == "wgmma" and probe["global_stores"] > 0, probe
+    assert probe["ptx_sha256"] == plain["ptx_sha256"], (probe["id"], plain["id"])
+
+
 def _huge_launches(bias: bool):
     from grpo_kernels.ops.lm_head import triton as tri
 

@@ -239,3 +239,62 @@ def test_lm_head_plan_forward(n_tokens, vocab):
         assert total / (132 * makespan) > 0.9, plan
     assert plan.num_programs < 2**31
     assert plan.partial_bytes(n_tokens) <= 4 * n_tokens * (3 * plan.num_vocab_tiles + 1)
+
+
+# ---- which kernel A: the cp.async default and the opt-in TMA one ----------------------------------
+
+
+def test_forward_kernel_switch(monkeypatch):
+    monkeypatch.delenv("GRPO_KERNELS_FORWARD_KERNEL", raising=False)
+    assert tri.forward_kernel() == "cp.async"
+    monkeypatch.setenv("GRPO_KERNELS_FORWARD_KERNEL", "tma")
+    assert tri.forward_kernel() == "tma"
+    with tri.use_forward_kernel("cp.async"):  # the block wins over the environment, and is undone
+        assert tri.forward_kernel() == "cp.async"
+        with tri.use_forward_kernel("tma"):
+            assert tri.forward_kernel() == "tma"
+        assert tri.forward_kernel() == "cp.async"
+    assert tri.forward_kernel() == "tma"
+    monkeypatch.setenv("GRPO_KERNELS_FORWARD_KERNEL", "wgmma")
+    with pytest.raises(ValueError, match="GRPO_KERNELS_FORWARD_KERNEL must be one of"):
+        tri.forward_kernel()
+    with pytest.raises(ValueError, match="forward kernel must be one of"):
+        with tri.use_forward_kernel("TMA"):
+            pass
+
+
+@pytest.mark.parametrize("softcap", [None, (1 / 30, 30.0)], ids=["plain", "softcap"])
+@pytest.mark.parametrize("stored", [False, True], ids=["stats", "stored"])
+def test_tma_kernel_a_launch(stored, softcap):
+    """The recorded launch: TMA descriptors with the TMA tile's block shapes, the logits descriptor only when
+    logits are stored (bounded by [N, V], the buffer's padded row stride), the register cap of two CTAs per
+    SM except under the soft-cap."""
+    n, h, v = 300, 64, 1001
+    logits = meta(n, 1004, dtype=torch.float32)[:, :v] if stored else None
+    with tri.use_forward_kernel("tma"), record_launches(tri) as launches:
+        tri.lm_head_forward(meta(n, h), meta(v, h), None, meta(n, dtype=torch.int64), 1.0, config=CFG,
+                            logits_out=logits, softcap=softcap)  # fmt: skip
+    (launch,) = [la for la in launches if la.name.startswith("lm_head_fwd_kernel_partial")]
+    assert launch.name == "lm_head_fwd_kernel_partial_tma"
+    tile = CFG.forward_tma_stored if stored else CFG.forward_tma
+    a = launch.args
+    assert a["hidden_desc"].block_shape == [tile.block_m, tile.block_k] and a["hidden_desc"].shape == [n, h]
+    assert a["weight_desc"].block_shape == [tile.block_n, tile.block_k] and a["weight_desc"].shape == [v, h]
+    if stored:
+        assert a["logits_desc"].shape == [n, v] and a["logits_desc"].strides == [1004, 1]
+        assert a["logits_desc"].block_shape == [tile.block_m, tile.block_n]
+    else:
+        assert a["logits_desc"] is None
+    assert (launch.num_warps, launch.num_stages) == (tile.num_warps, tile.num_stages)
+    assert launch.max_registers == (None if softcap else tile.max_registers)
+    assert a["WARP_SPECIALIZE"] is False
+
+
+def test_tma_kernel_a_falls_back_with_a_warning():
+    """A configuration without TMA entries (fp32 operands on sm_90) runs the cp.async kernel and says why."""
+    tri._tma_fallbacks_warned.clear()
+    x, w = meta(64, 64, dtype=torch.float32), meta(100, 64, dtype=torch.float32)
+    with tri.use_forward_kernel("tma"), record_launches(tri) as launches:
+        with pytest.warns(tri.TMAFallbackWarning, match="sm90-fp32 tile configuration has no TMA entry"):
+            tri.lm_head_forward(x, w, None, meta(64, dtype=torch.int64), 1.0, config=tri.CONFIGS[("sm90", "fp32")])
+    assert launches[0].name == "lm_head_fwd_kernel_partial"

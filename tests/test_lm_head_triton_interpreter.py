@@ -61,6 +61,14 @@ def test_lm_head_triton_interpreter(case, report):
     assert r["invariants"]["max_logprob"] <= 0.0, r["invariants"]
     assert r["invariants"]["min_entropy"] >= 0.0, r["invariants"]
 
+    if not case.get("autograd"):  # which kernel A ran: the TMA one where asked, unless an operand is misaligned
+        tma = case.get("forward_kernel") == "tma" and case.get("layout") != "strided"
+        assert r["forward_kernels"][0] == ("lm_head_fwd_kernel_partial_tma" if tma else "lm_head_fwd_kernel_partial"), r
+        if case.get("forward_kernel") == "tma" and not tma:
+            assert any("not 16-byte aligned" in m for m in r["tma_fallback_warnings"]), r["tma_fallback_warnings"]
+        else:
+            assert r["tma_fallback_warnings"] == [], r["tma_fallback_warnings"]
+
     returned, expected = r["returned"], r["expected_returned"]
     for name in GRADIENTS:
         assert returned[name] == expected[name], (

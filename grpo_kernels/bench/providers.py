@@ -13,9 +13,8 @@ Peers are imported only inside their factories; `unavailable()` answers without 
 
 from __future__ import annotations
 
-import os
-
 import functools
+import os
 import types
 from collections import defaultdict
 from collections.abc import Callable
@@ -117,10 +116,25 @@ def _resolved_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton_available()[0] else "torch"
 
 
-def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False) -> dict:
+def _in_forward_kernel(fn, forward_kernel: str):
+    """fn run with kernel A `forward_kernel` (grpo_kernels.ops.lm_head.triton.use_forward_kernel)."""
+    if forward_kernel == "cp.async":
+        return fn
+
+    def wrapped():
+        from ..ops.lm_head import triton as tri
+
+        with tri.use_forward_kernel(forward_kernel):
+            return fn()
+
+    return wrapped
+
+
+def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False, forward_kernel: str = "cp.async") -> dict:
     import grpo_kernels as gk
 
     def logprobs(inp, s):
+        @functools.partial(_in_forward_kernel, forward_kernel=forward_kernel)
         def fn():
             out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend=backend,
                                            batch_invariant=batch_invariant)  # fmt: skip
@@ -131,6 +145,7 @@ def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False) -
     def fused(inp, s):
         b, t = _bt(inp)
 
+        @functools.partial(_in_forward_kernel, forward_kernel=forward_kernel)
         def fn():
             hidden = inp.hidden.view(b, t, -1)
             targets = inp.targets.view(b, t)
@@ -579,6 +594,15 @@ REGISTRY.add(
         "grpo_kernels fused loss with schedule='two_pass' (4 GEMM units, no stored logits): the other schedule",
         {"fused_grpo": _ours("auto", "two_pass")["fused_grpo"]},
         extra_check=_schedule_needs_triton("the PyTorch backend always takes two passes"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-tma",
+        "grpo_kernels with the TMA kernel A (use_forward_kernel('tma'): operands and stored logits by TMA, "
+        "two CTAs per SM); the default cp.async kernel A is the grpo_kernels row",
+        {op: f for op, f in _ours("auto", forward_kernel="tma").items() if op != "loss_head"},
+        extra_check=_schedule_needs_triton("the TMA kernel A runs on the Triton backend"),
     )
 )
 REGISTRY.add(

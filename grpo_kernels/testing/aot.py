@@ -18,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ class RecordedLaunch:
     args: dict
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # the launch's maxnreg, if it sets one
 
     @property
     def name(self) -> str:
@@ -52,8 +54,8 @@ def record_launches(module):
     launches: list[RecordedLaunch] = []
     original = module._launch
 
-    def recorder(kernel, grid, args, num_warps, num_stages):
-        launches.append(RecordedLaunch(kernel, tuple(grid), dict(args), num_warps, num_stages))
+    def recorder(kernel, grid, args, num_warps, num_stages, max_registers=None):
+        launches.append(RecordedLaunch(kernel, tuple(grid), dict(args), num_warps, num_stages, max_registers))
 
     module._launch = recorder
     try:
@@ -78,6 +80,8 @@ class CompileResult:
     global_stores: int  # st.global instructions in the PTX: 0 means the kernel writes nothing (compiled to
     # an empty body, as a persistent warp-specialised loop can with triton 3.6 / 3.9)
     tma: bool  # operands or results moved by the tensor memory accelerator (cp.async.bulk.tensor)
+    tma_store: bool  # a TMA store (cp.async.bulk.tensor ... global.shared): results leave through TMA
+    ptx_sha256: str  # of the PTX: two launches that compile to the same code have the same digest
     seconds: float
     signature: dict = field(default_factory=dict)
     ttir: str = field(default="", repr=False)  # Triton IR before any lowering (not in as_dict)
@@ -85,6 +89,16 @@ class CompileResult:
     @property
     def spills(self) -> bool:
         return self.stack > 0 or self.local > 0
+
+    def ctas_per_sm(self) -> int:
+        """Blocks of this kernel one SM holds at once: 64 Ki registers (allocated per warp in units of 256,
+        i.e. per thread rounded up to 8) and 228 KiB of shared memory on sm_90 (164 KiB on an A100), each
+        block reserving 1 KiB more."""
+        sm_registers, sm_shared = 65536, (228 if self.arch >= 90 else 164) * 1024
+        per_block_regs = -(-self.registers // 8) * 8 * 32 * self.num_warps
+        by_regs = sm_registers // max(per_block_regs, 1)
+        by_shared = sm_shared // (self.shared + self.static_shared + 1024)
+        return min(by_regs, by_shared)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -95,6 +109,7 @@ class CompileResult:
             for k, v in self.constexprs.items()
         }
         d["spills"] = self.spills
+        d["ctas_per_sm"] = self.ctas_per_sm()
         return d
 
 
@@ -121,7 +136,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
-def _specialise(kernel, args: dict, num_warps: int, num_stages: int, target):
+def _specialise(kernel, args: dict, num_warps: int, num_stages: int, target, max_registers: int | None = None):
     """(signature, constexprs, attrs, options) exactly as the JIT derives them from these arguments."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -130,6 +145,8 @@ def _specialise(kernel, args: dict, num_warps: int, num_stages: int, target):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     # the options every _launch passes (enable_fp_fusion: see ops/*/triton.py _launch)
     kwargs = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
+    if max_registers is not None:
+        kwargs["maxnreg"] = max_registers
     bound_args, specialization, options = binder(**args, **kwargs)
     return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
 
@@ -141,7 +158,7 @@ def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
 
     target = GPUTarget("cuda", arch, 32)
     options, signature, constexprs, attrs = _specialise(
-        launch.kernel, launch.args, launch.num_warps, launch.num_stages, target
+        launch.kernel, launch.args, launch.num_warps, launch.num_stages, target, launch.max_registers
     )
     start = time.perf_counter()
     compiled = triton.compile(
@@ -165,6 +182,8 @@ def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
         mma=mma,
         global_stores=ptx.count("st.global"),
         tma="cp.async.bulk.tensor" in ptx,
+        tma_store=any(".global.shared" in line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line),
+        ptx_sha256=hashlib.sha256(ptx.encode()).hexdigest(),
         seconds=seconds,
         signature={k: v for k, v in signature.items() if v != "constexpr"},
         ttir=compiled.asm["ttir"],

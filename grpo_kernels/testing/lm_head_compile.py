@@ -35,8 +35,12 @@ KERNEL_NAMES = dict(
     fwd="lm_head_fwd_kernel_partial", merge="lm_head_fwd_kernel_merge", bwd="lm_head_bwd_kernel_dlogits",
     # schedule="one_pass_dz": dz formed inside the backward GEMMs (always from stored logits)
     gh_dz="lm_head_bwd_kernel_grad_hidden_dz", gw_dz="lm_head_bwd_kernel_grad_weight_dz",
+    # kernel A with TMA operands (use_forward_kernel("tma")); "_ws" with WARP_SPECIALIZE=True, the probe of
+    # whether Triton honours warp_specialize on this kernel (same PTX digest: it does not)
+    fwd_tma="lm_head_fwd_kernel_partial_tma", fwd_tma_ws="lm_head_fwd_kernel_partial_tma",
 )
 DZ_KERNELS = ("gh_dz", "gw_dz")
+TMA_KERNELS = ("fwd_tma", "fwd_tma_ws")
 
 
 def _picked(arch: int, config_arch: str) -> bool:
@@ -113,6 +117,15 @@ def cases() -> list[dict]:
                     add(kernel, "bfloat16", None, grads=grads, stored=True)
                 add(kernel, "bfloat16", None, bias=True, stored=True, softcap=True)
                 add(kernel, "float32", "tf32x3", stored=True)
+            if arch >= 90:  # the TMA kernel A (Hopper only): each path of the cp.async one that it replaces
+                for bias in (False, True):
+                    for stored in (False, True):
+                        add("fwd_tma", "bfloat16", None, bias=bias, stored=stored)
+                add("fwd_tma", "bfloat16", None, h=RAGGED_H)
+                for stored in (False, True):
+                    add("fwd_tma", "bfloat16", None, bias=True, stored=stored, softcap=True)
+                    add("fwd_tma_ws", "bfloat16", None, stored=stored)
+                add("fwd_tma", "float16", None)
     return out
 
 
@@ -148,7 +161,7 @@ def _allow_tf32(value: bool):
 
 def record_lm_head_launches(
     n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
-    stored=False, softcap=False, dz_in_gemm=False,
+    stored=False, softcap=False, dz_in_gemm=False, forward_kernel="cp.async",
 ):  # fmt: skip
     """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
     import torch
@@ -169,7 +182,7 @@ def record_lm_head_launches(
     extra["softcap"] = cap
     if dz_in_gemm:
         extra["dz_in_gemm"] = True
-    with _allow_tf32(precision == "tf32"), record_launches(tri) as launches:
+    with _allow_tf32(precision == "tf32"), tri.use_forward_kernel(forward_kernel), record_launches(tri) as launches:
         stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits, softcap=cap)
         tri.lm_head_backward(
             x,
@@ -212,8 +225,11 @@ def compile_case(c: dict) -> dict:
             stored=c.get("stored", False),
             softcap=c.get("softcap", False),
             dz_in_gemm=c["kernel"] in DZ_KERNELS,
+            forward_kernel="tma" if c["kernel"] in TMA_KERNELS else "cp.async",
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
+        if c["kernel"] == "fwd_tma_ws":
+            launch.args["WARP_SPECIALIZE"] = True
         result = compile_launch(launch, c["arch"])
         row.update(result.as_dict())
         row["tile"] = {k: launch.args[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in launch.args}
@@ -259,8 +275,8 @@ def write_report(
         "the cubin; no GPU was used.",
         "",
         "| arch | config | kernel | dtype | precision | flags | tile (BMxBNxBK) | warps | stages | REG | "
-        "STACK | LOCAL | smem KiB | mma | picked |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "STACK | LOCAL | smem KiB | CTAs/SM | mma | TMA | picked |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         flags = []
@@ -275,11 +291,13 @@ def write_report(
             flags.append("stored logits")
         if r.get("softcap"):
             flags.append("softcap")
+        if r["kernel"] == "fwd_tma_ws":
+            flags.append("WARP_SPECIALIZE")
         if "error" in r:
             lines.append(
                 f"| sm_{r['arch']} | {r['config']} | {KERNEL_NAMES[r['kernel']]} | {r['dtype']} | "
                 f"{r['precision'] or ''} | {' '.join(flags)} | | | | ERROR: "
-                f"{r['error'][:120].replace('|', '/')} | | | | | {'yes' if r['picked'] else ''} |"
+                f"{r['error'][:120].replace('|', '/')} | | | | | | | {'yes' if r['picked'] else ''} |"
             )
             continue
         tile = r.get("tile") or {}
@@ -288,12 +306,18 @@ def write_report(
             f"| sm_{r['arch']} | {r['config']} | {r['kernel_name']} | {r['dtype']} | "
             f"{r['precision'] or ''} | "
             f"{' '.join(flags)} | {tile_s} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
-            f"{r['stack']} | {r['local']} | {r['shared'] / 1024:.0f} | {r['mma']} | "
-            f"{'yes' if r['picked'] else ''} |"
+            f"{r['stack']} | {r['local']} | {r['shared'] / 1024:.0f} | {r['ctas_per_sm']} | {r['mma']} | "
+            f"{_tma_cell(r)} | {'yes' if r['picked'] else ''} |"
         )
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines) + "\n")
     return md_path, json_path
+
+
+def _tma_cell(r: dict) -> str:
+    if not r.get("tma"):
+        return ""
+    return "loads + store" if r.get("tma_store") else "loads"
 
 
 _ADDPTR_TENSOR = re.compile(r"(%[\w.]+) = tt\.addptr (%[\w.]+), (%[\w.]+) : [^,]+, tensor<[\dx]+x(i\d+)>")

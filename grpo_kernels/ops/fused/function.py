@@ -68,6 +68,11 @@ LOW_MEMORY_SLAB_BYTES = 256 * 2**20
 LOW_MEMORY_DZ_ROWS = 8192
 
 
+def stored_logits_row_stride(vocab: int) -> int:
+    """Row stride (fp32 elements) of the one-pass schedule's logits buffer: V rounded up to 16 bytes."""
+    return -(-vocab // 4) * 4
+
+
 def one_pass_capacity(vocab: int, logits_bytes: int | None = None) -> int:
     """Valid tokens per one-pass chunk: the logits budget (default ONE_PASS_LOGITS_BYTES), in whole
     64-token tiles, capped at ONE_PASS_CHUNK_TOKENS."""
@@ -340,7 +345,8 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
     if needs_grad and chunks:
         capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))
-        logits = torch.empty((capacity, vocab), dtype=torch.float32, device=device)
+        # rows padded to 16 bytes (4 fp32), so the TMA kernel A can store into it at any V
+        logits = torch.empty((capacity, stored_logits_row_stride(vocab)), dtype=torch.float32, device=device)[:, :vocab]
     for i, (s0, s1, t0, t1) in enumerate(chunks):
         chunk_valid = valid[t0:t1]
         rows = valid_rows[row_edges[i]:row_edges[i + 1]]  # the valid rows of this chunk, flat indices

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .function import ONE_PASS_LOGITS_BYTES, one_pass_capacity
+from .function import ONE_PASS_LOGITS_BYTES, one_pass_capacity, stored_logits_row_stride
 
 GIB = 2**30
 # The extra-memory goal of the fused loss (beyond inputs and gradients): "auto" leaves a schedule whose
@@ -69,7 +69,7 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
         buffers["grad_bias accumulator, fp32 [V]"] = 4 * vocab
     if schedule == "one_pass":
         rows = min(n_valid, max(1, one_pass_capacity(vocab, logits_bytes)))
-        buffers["chunk logits, fp32 [chunk, V]"] = 4 * rows * vocab
+        buffers["chunk logits, fp32 [chunk, V]"] = 4 * rows * stored_logits_row_stride(vocab)
         buffers["chunk hidden rows + chunk grad_hidden [chunk, H]"] = 2 * element_size * rows * hidden
         plan = plan_backward(rows, vocab, hidden, element_size, block_m, workspace_bytes, store_dlogits=True,
                              need_bias_grad=bias, need_hidden_grad=True)  # fmt: skip

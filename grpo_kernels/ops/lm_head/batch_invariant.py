@@ -30,12 +30,14 @@ SPLIT_TILES = 32  # vocabulary tiles per split of the Triton forward in this mod
 
 def invariant_config(device, dtype):
     """The Triton tile configuration of the mode: the dispatcher's aligned one for the device and dtype,
-    with the forward tile that can also store logits used for both forward variants."""
+    with the forward tile that can also store logits used for both forward variants (of either kernel A)."""
     from .triton import pick_config
 
     base = pick_config(device, dtype, aligned=True)
     tile = base.forward_stored or base.forward
-    return dataclasses.replace(base, name=f"{base.name}-batch-invariant", forward=tile, forward_stored=None)
+    tma_tile = base.forward_tma_stored or base.forward_tma  # the TMA kernel A likewise: one tile for both
+    return dataclasses.replace(base, name=f"{base.name}-batch-invariant", forward=tile, forward_stored=None,
+                               forward_tma=tma_tile, forward_tma_stored=None)  # fmt: skip
 
 
 class BatchInvariant:

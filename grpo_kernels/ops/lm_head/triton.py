@@ -18,8 +18,10 @@ keyword-only). Derivations, tile choices and workspace formulas: README.md besid
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -62,6 +64,8 @@ class TileConfig:
     group_m: int  # token tiles per rasterisation group (L2 reuse of the weight tiles)
     num_warps: int
     num_stages: int
+    # registers per thread the compiler may use (maxnreg), where a cap is what lets two CTAs share an SM
+    max_registers: int | None = None
 
     def smem_bytes(self, element_size: int) -> int:
         """Shared memory of the operand pipeline: num_stages x ([BM, BK] + [BN, BK]) tiles."""
@@ -76,6 +80,10 @@ class LMHeadTritonConfig:
     # the forward that also stores the fp32 logits (fused one-pass schedule), when `forward` has no
     # registers left for the store's addresses
     forward_stored: TileConfig | None = None
+    # kernel A with TMA operands (lm_head_fwd_kernel_partial_tma, forward_kernel("tma")): without and with
+    # the logits store; None where the architecture has no TMA (the cp.async kernel runs)
+    forward_tma: TileConfig | None = None
+    forward_tma_stored: TileConfig | None = None
 
 
 # Every configuration the dispatcher can return. The compile tier (tests/test_lm_head_compile.py) AOT-compiles
@@ -92,6 +100,13 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         backward=TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
         # storing the 128x256 fp32 tile as well spills (255 registers + 152 B stack): 128x128 for it
         forward_stored=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3),
+        # TMA kernel A: tiles at <= 128 registers x 256 threads (or 4 warps) and <= 113 KiB of shared memory,
+        # so two CTAs share an SM and one's softmax epilogue runs while the other's wgmma pipeline is busy
+        # (README §6). 128x128 needs 128 registers without bias, 135 with (the cap holds it at 128 without
+        # spills); the soft-cap's tanh needs 176 and would spill under the cap, so it runs uncapped, one
+        # CTA per SM. Storing the fp32 tile adds 64 KiB of TMA staging: 64x128 tiles on one warpgroup.
+        forward_tma=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3, max_registers=128),
+        forward_tma_stored=TileConfig(64, 128, 64, 16, num_warps=4, num_stages=3),
     ),
     # fp32 operands (tf32x3, or tf32 where torch allows it): 4-byte elements, so half-width tiles.
     ("sm90", "fp32"): LMHeadTritonConfig(
@@ -132,11 +147,15 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         "interpreter",
         forward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
         backward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        forward_tma=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        forward_tma_stored=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
     ),
     ("interpreter", "fp32"): LMHeadTritonConfig(
         "interpreter",
         forward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
         backward=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        forward_tma=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
+        forward_tma_stored=TileConfig(32, 64, 32, 2, num_warps=4, num_stages=1),
     ),
 }
 
@@ -168,6 +187,65 @@ def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) 
     if not aligned:
         return CONFIGS[("unaligned", operands)]
     return CONFIGS[(arch_class(torch.cuda.get_device_capability(device)), operands)]
+
+
+# Which kernel A runs (README.md §6, "TMA kernel A"): "cp.async" (the default until a GPU run has timed
+# the two) or "tma". GRPO_KERNELS_FORWARD_KERNEL sets it for the process, use_forward_kernel for a block.
+FORWARD_KERNELS = ("cp.async", "tma")
+_forward_kernel_override: str | None = None
+
+
+def forward_kernel() -> str:
+    """The kernel A the next lm_head_forward asks for: use_forward_kernel's choice inside its block, else
+    the GRPO_KERNELS_FORWARD_KERNEL environment variable, else "cp.async"."""
+    if _forward_kernel_override is not None:
+        return _forward_kernel_override
+    name = os.environ.get("GRPO_KERNELS_FORWARD_KERNEL", "cp.async")
+    _check(name in FORWARD_KERNELS, f"GRPO_KERNELS_FORWARD_KERNEL must be one of {FORWARD_KERNELS}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_forward_kernel(name: str):
+    """Within the block, lm_head_forward runs kernel A `name` ("cp.async" or "tma") where it can; "tma"
+    needs sm_90+ (or the interpreter), 16-byte aligned operand rows and a tile configuration with TMA
+    entries, else the cp.async kernel runs and a TMAFallbackWarning says why (once per reason)."""
+    global _forward_kernel_override
+    _check(name in FORWARD_KERNELS, f"forward kernel must be one of {FORWARD_KERNELS}, got {name!r}")
+    previous, _forward_kernel_override = _forward_kernel_override, name
+    try:
+        yield
+    finally:
+        _forward_kernel_override = previous
+
+
+class TMAFallbackWarning(UserWarning):
+    """The TMA kernel A was asked for but cannot run here; the cp.async kernel ran instead."""
+
+
+_tma_fallbacks_warned: set[str] = set()
+
+
+def _tma_blocker(device: torch.device, cfg: LMHeadTritonConfig, tensors: list[torch.Tensor]) -> str | None:
+    """Why the TMA kernel A cannot run on these operands (None: it can)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} has no TMA"
+    if cfg.forward_tma is None:
+        return f"the {cfg.name} tile configuration has no TMA entry"
+    if device.type == "meta":  # AOT planning: alignment is what the recorded specialisation assumes
+        return None
+    for t in tensors:  # TMA descriptors: 16-byte aligned base and row strides, unit stride along the row
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1:
+            return "an operand's base or row stride is not 16-byte aligned"
+    return None
+
+
+def _warn_tma_fallback(reason: str) -> None:
+    """One line per reason (the warnings machinery, so filters apply; no source line, as notify_once)."""
+    if reason not in _tma_fallbacks_warned:
+        _tma_fallbacks_warned.add(reason)
+        warnings.warn_explicit(f"grpo_kernels lm_head: the TMA kernel A was asked for but {reason}; the cp.async "
+                               "kernel ran", TMAFallbackWarning, "grpo_kernels", 0, module="grpo_kernels")  # fmt: skip
 
 
 @functools.cache
@@ -436,25 +514,114 @@ def lm_head_fwd_kernel_partial(
         if STORE_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
             z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
             tl.store(z_out, z, mask=row_ok[:, None] & (cols < vocab)[None, :])
-        # the target logit first: afterwards z is only needed through z - new_max (fewer live registers)
-        in_tile = (target >= n0) & (target < n0 + BLOCK_N)
-        if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
-            target_z += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        rescale = tl.exp2((run_max - new_max) * LOG2E)
-        shifted = z - new_max[:, None]  # [BM, BN], <= 0
-        e = tl.exp2(shifted * LOG2E)
-        # re-centre the deviation sum on new_max: (z - old) = (z - new) + (new - old)
-        run_dev = rescale * (run_dev + (run_max - new_max) * run_sum) + tl.sum(e * shifted, axis=1)
-        run_sum = rescale * run_sum + tl.sum(e, axis=1)
-        run_max = new_max
+        run_max, run_sum, run_dev, target_z = _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z,
+                                                         BLOCK_N)  # fmt: skip
+    _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
+                    row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N)  # fmt: skip
 
+
+@triton.jit
+def _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z, BLOCK_N: tl.constexpr):
+    """Fold one [BM, BN] fp32 logits tile (columns n0 + arange(BN)) into the running statistics of its rows:
+    max, sum exp(z - max), sum exp(z - max) (z - max), and the target's logit where it lies in the tile."""
+    # the target logit first: afterwards z is only needed through z - new_max (fewer live registers)
+    in_tile = (target >= n0) & (target < n0 + BLOCK_N)
+    if tl.sum(in_tile.to(tl.int32), axis=0) > 0:
+        target_z += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+    new_max = tl.maximum(run_max, tl.max(z, axis=1))
+    rescale = tl.exp2((run_max - new_max) * LOG2E)
+    shifted = z - new_max[:, None]  # [BM, BN], <= 0
+    e = tl.exp2(shifted * LOG2E)
+    # re-centre the deviation sum on new_max: (z - old) = (z - new) + (new - old)
+    run_dev = rescale * (run_dev + (run_max - new_max) * run_sum) + tl.sum(e * shifted, axis=1)
+    run_sum = rescale * run_sum + tl.sum(e, axis=1)
+    return new_max, run_sum, run_dev, target_z
+
+
+@triton.jit
+def _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
+                    row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A split's statistics of its BLOCK_M tokens, and the target logit of the tokens whose target it holds."""
     part = pid_split.to(tl.int64) * n_tokens + offs_m
     tl.store(part_max_ptr + part, run_max, mask=row_ok)
     tl.store(part_sum_ptr + part, run_sum, mask=row_ok)
     tl.store(part_dev_ptr + part, run_dev, mask=row_ok)
     owns_target = row_ok & (target >= split_lo) & (target < split_lo + n_tiles * BLOCK_N) & (target < vocab)
     tl.store(target_logit_ptr + offs_m, target_z, mask=owns_target)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "tiles_per_split", "num_splits"])
+def lm_head_fwd_kernel_partial_tma(
+    hidden_desc,  # TMA descriptor over hidden [N, H], block [BLOCK_M, BLOCK_K]
+    weight_desc,  # TMA descriptor over weight [V, H], block [BLOCK_N, BLOCK_K]
+    logits_desc,  # TMA descriptor over the fp32 logits [N, V] (row stride of the buffer), block [BM, BN]; or None
+    bias_ptr,  # [V] or None
+    targets_ptr,  # [N] int
+    part_max_ptr,  # [num_splits, N] fp32, as lm_head_fwd_kernel_partial
+    part_sum_ptr,
+    part_dev_ptr,
+    target_logit_ptr,  # [N] fp32
+    n_tokens,
+    vocab,
+    hidden_size,
+    tiles_per_split,
+    num_splits,
+    inv_temperature,
+    cap_in,
+    cap_out,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    UPCAST_OPERANDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """lm_head_fwd_kernel_partial with its operands brought by the tensor memory accelerator (Hopper and
+    newer): same programs, same partials, same fold. The descriptors bound every access: rows past N or V
+    and the ragged last K slice load as zeros and the logits store is clipped to [N, V], so no index is
+    clamped and no K tail is peeled. WARP_SPECIALIZE asks Triton to split the vocabulary-tile loop into
+    producer and consumer warps (the compile report records whether the PTX changes; README §6)."""
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
+    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_tokens
+    target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)  # V < 2^31
+
+    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
+    first_tile = pid_split * tiles_per_split
+    split_lo = first_tile * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
+    k_tiles = tl.cdiv(hidden_size, BLOCK_K)
+
+    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t in tl.range(0, n_tiles, warp_specialize=WARP_SPECIALIZE):
+        n0 = split_lo + t * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_tiles):  # pipelined by the launch's num_stages
+            x = hidden_desc.load([m0, kk * BLOCK_K])
+            w = weight_desc.load([n0, kk * BLOCK_K])
+            if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+        z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
+        if STORE_LOGITS:  # the fp32 tile through shared memory, one bulk store clipped to [N, V]
+            logits_desc.store([m0, n0], z)
+        run_max, run_sum, run_dev, target_z = _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z,
+                                                         BLOCK_N)  # fmt: skip
+    _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
+                    row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_tokens", "num_splits"])
@@ -735,10 +902,11 @@ def lm_head_bwd_kernel_grad_weight_dz(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _launch(kernel, grid, args: dict, num_warps: int, num_stages: int) -> None:
+def _launch(kernel, grid, args: dict, num_warps: int, num_stages: int, max_registers: int | None = None) -> None:
     """Every launch goes through here; grpo_kernels.testing.aot swaps it to record launches instead."""
     # FP fusion explicitly on: the statistics and dz are written as FMAs (Triton 3.10 turns the default off)
-    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
+    options = {} if max_registers is None else {"maxnreg": max_registers}
+    kernel[grid](**args, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True, **options)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -868,7 +1036,17 @@ def lm_head_forward(
     targets = targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
-    tile = cfg.forward_stored if (logits_out is not None and cfg.forward_stored is not None) else cfg.forward
+    use_tma = False
+    if forward_kernel() == "tma":
+        blocker = _tma_blocker(device, cfg, [hidden, weight] + ([logits_out] if logits_out is not None else []))
+        if blocker is not None:
+            _warn_tma_fallback(blocker)
+        use_tma = blocker is None
+    if use_tma:
+        tile = cfg.forward_tma_stored if (logits_out is not None and cfg.forward_tma_stored is not None) \
+            else cfg.forward_tma  # fmt: skip
+    else:
+        tile = cfg.forward_stored if (logits_out is not None and cfg.forward_stored is not None) else cfg.forward
     if num_sms is None:
         num_sms = (
             _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -892,39 +1070,20 @@ def lm_head_forward(
     partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
     target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
     inv_t = 1.0 / float(temperature)
+    transform = dict(
+        inv_temperature=inv_t,
+        cap_in=1.0 if softcap is None else float(softcap[0]),
+        cap_out=1.0 if softcap is None else float(softcap[1]),
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        STORE_LOGITS=logits_out is not None,
+    )
     with _device_ctx(device):
-        _launch(
-            lm_head_fwd_kernel_partial,
-            (plan.num_programs,),
-            dict(
-                hidden_ptr=hidden,
-                weight_ptr=weight,
-                bias_ptr=bias,
-                targets_ptr=targets,
-                part_max_ptr=partials[0],
-                part_sum_ptr=partials[1],
-                part_dev_ptr=partials[2],
-                target_logit_ptr=target_logit,
-                logits_ptr=logits_out,
-                n_tokens=n_tokens,
-                vocab=vocab,
-                hidden_size=hidden_size,
-                stride_hidden=hidden.stride(0),
-                stride_weight=weight.stride(0),
-                stride_logits=logits_out.stride(0) if logits_out is not None else 0,
-                tiles_per_split=plan.tiles_per_split,
-                num_splits=plan.num_splits,
-                inv_temperature=inv_t,
-                cap_in=1.0 if softcap is None else float(softcap[0]),
-                cap_out=1.0 if softcap is None else float(softcap[1]),
-                HAS_BIAS=bias is not None,
-                HAS_SOFTCAP=softcap is not None,
-                STORE_LOGITS=logits_out is not None,
-                **_kernel_flags(hidden, tile),
-            ),
-            tile.num_warps,
-            tile.num_stages,
-        )
+        if use_tma:
+            _launch_forward_tma(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform)
+        else:
+            _launch_forward_cp_async(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile,
+                                     transform)  # fmt: skip
         _launch(
             lm_head_fwd_kernel_merge,
             (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
@@ -945,6 +1104,80 @@ def lm_head_forward(
             1,
         )
     return stats
+
+
+def _launch_forward_cp_async(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform):
+    """Kernel A with pointer loads (cp.async pipeline on sm_80 / sm_90)."""
+    n_tokens, hidden_size = hidden.shape
+    _launch(
+        lm_head_fwd_kernel_partial,
+        (plan.num_programs,),
+        dict(
+            hidden_ptr=hidden,
+            weight_ptr=weight,
+            bias_ptr=bias,
+            targets_ptr=targets,
+            part_max_ptr=partials[0],
+            part_sum_ptr=partials[1],
+            part_dev_ptr=partials[2],
+            target_logit_ptr=target_logit,
+            logits_ptr=logits_out,
+            n_tokens=n_tokens,
+            vocab=weight.shape[0],
+            hidden_size=hidden_size,
+            stride_hidden=hidden.stride(0),
+            stride_weight=weight.stride(0),
+            stride_logits=logits_out.stride(0) if logits_out is not None else 0,
+            tiles_per_split=plan.tiles_per_split,
+            num_splits=plan.num_splits,
+            **transform,
+            **_kernel_flags(hidden, tile),
+        ),
+        tile.num_warps,
+        tile.num_stages,
+    )
+
+
+def _launch_forward_tma(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform,
+                        warp_specialize=False):  # fmt: skip
+    """Kernel A with TMA descriptors: the operands' tiles and the stored logits tiles move by TMA."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    logits_desc = None
+    if logits_out is not None:  # [N, V] of the buffer (its padding columns are never written)
+        logits_desc = TensorDescriptor(logits_out, [n_tokens, vocab], [logits_out.stride(0), 1],
+                                       [tile.block_m, tile.block_n])  # fmt: skip
+    flags = _kernel_flags(hidden, tile)
+    del flags["EVEN_K"]  # the descriptor zero-fills the ragged last K slice
+    _launch(
+        lm_head_fwd_kernel_partial_tma,
+        (plan.num_programs,),
+        dict(
+            hidden_desc=TensorDescriptor(hidden, list(hidden.shape), [hidden.stride(0), 1], [tile.block_m, tile.block_k]),
+            weight_desc=TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [tile.block_n, tile.block_k]),
+            logits_desc=logits_desc,
+            bias_ptr=bias,
+            targets_ptr=targets,
+            part_max_ptr=partials[0],
+            part_sum_ptr=partials[1],
+            part_dev_ptr=partials[2],
+            target_logit_ptr=target_logit,
+            n_tokens=n_tokens,
+            vocab=vocab,
+            hidden_size=hidden_size,
+            tiles_per_split=plan.tiles_per_split,
+            num_splits=plan.num_splits,
+            **transform,
+            **flags,
+            WARP_SPECIALIZE=warp_specialize,
+        ),
+        tile.num_warps,
+        tile.num_stages,
+        # the register cap of two CTAs per SM, except for the soft-cap's tanh (spills under it)
+        None if transform["HAS_SOFTCAP"] else tile.max_registers,
+    )
 
 
 _MM_OUT_DTYPE_OK: dict[str, bool] = {}
