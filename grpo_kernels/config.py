@@ -93,6 +93,7 @@ class PolicyLossConfig:
     clip_high: float = 0.2  # upper bound 1 + clip_high (GMPO: log-ratio bound +clip_high)
     dual_clip: float | None = None  # c > 1: for A < 0 the loss is at most -c A (verl clip_ratio_c)
     delta: float | None = None  # TRL/INTELLECT-2 two-sided clip: the unclipped ratio is capped at delta
+    # (recommended > 1 + clip_high; a smaller delta also caps ratios the clip would let through, as in TRL)
     log_ratio_clamp: float | None = 20.0  # log-ratios entering exp() are clamped to [-c, c] (verl's guard)
     cispo_form: str = "relative"  # "relative": clip(r, 1-clip_low, 1+clip_high) (verl, paper)
     cispo_cap: float | None = None  # "absolute": min(r, cispo_cap) (TRL's epsilon_high, e.g. 5.0)
@@ -129,7 +130,7 @@ class PolicyLossConfig:
     old_prob_threshold: float | None = None  # Lopti: split tokens by old-policy probability
     old_prob_side: str = "low"  # which side of the split this update trains on
     # --- entropy bonus ----------------------------------------------------------------------------
-    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss; < 0: a penalty, as TRL allows)
     entropy_agg_mode: str | None = None  # aggregation of the entropy term; None: loss_agg_mode
     # --- aggregation ------------------------------------------------------------------------------
     loss_agg_mode: str = "token-mean"  # token-mean, seq-mean-token-mean, seq-mean-token-sum(-norm), ...
@@ -180,7 +181,6 @@ class PolicyLossConfig:
                 _finite(name, getattr(self, name))
         _check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low and clip_high must be >= 0")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
-        _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0 (it is a bonus), got {self.entropy_coef}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         _check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "sapo temperatures must be > 0")
         _check(0.0 <= self.pspo_alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.pspo_alpha}")
@@ -205,10 +205,7 @@ class PolicyLossConfig:
         else:
             _check(self.group_size is None, "group_size is only used by loss_type='group_dpo'")
         if self.delta is not None:
-            _check(
-                self.delta > 1.0 + self.clip_high,
-                f"delta must be > 1 + clip_high = {1.0 + self.clip_high}, got {self.delta}",
-            )
+            _check(self.delta > 0, f"delta caps a ratio (> 0); it must be > 0, got {self.delta}")
             _check(self.loss_type == "ppo_clip", "delta applies to loss_type='ppo_clip' only")
         if self.log_ratio_clamp is not None:
             _check(self.log_ratio_clamp > 0, f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
@@ -221,10 +218,17 @@ class PolicyLossConfig:
             self.cispo_cap is None or (self.loss_type == "cispo" and self.cispo_form == "absolute"),
             "cispo_cap is only used by loss_type='cispo' with cispo_form='absolute'",
         )
-        if self.loss_type in ("gpg", "vespo", "gmpo", "clip_cov", "kl_cov", "group_dpo"):
+        if self.loss_type in ("gpg", "gmpo", "clip_cov", "kl_cov", "group_dpo"):
             _check(
                 self.ratio_level == "token",
                 f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'",
+            )
+        if self.loss_type == "vespo":  # its weight comes from the summed log-ratio; ratio_level sets only the
+            # ratio of the KL correction (TRL's importance_sampling_level does the same)
+            _check(
+                self.ratio_level in ("token", "sequence"),
+                f"loss_type='vespo' takes ratio_level 'token' or 'sequence' (the KL correction's ratio), got "
+                f"{self.ratio_level!r}",
             )
         if self.loss_type == "gmpo":
             _check(
@@ -297,7 +301,7 @@ class PolicyLossConfig:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
+        return self.entropy_coef != 0 or self.top_entropy_quantile < 1.0
 
     def replace(self, **changes: Any) -> PolicyLossConfig:
         """A copy with some fields changed (validated again)."""

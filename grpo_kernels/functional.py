@@ -61,7 +61,7 @@ class GRPOLossOutput:
             kl                            mean KL to the reference (estimator ``kl_estimator``); with ref
             kl_loss                       the aggregated KL term that enters the loss (kl_coef > 0)
             entropy                       mean token entropy, when entropy is given or computed
-            entropy_loss                  the aggregated entropy term (entropy_coef > 0)
+            entropy_loss                  the aggregated entropy term (entropy_coef != 0)
             ppo_kl                        mean of -log r (old minus new log-prob: verl ``actor/ppo_kl``)
             ratio/mean, ratio/min, /max   the importance ratio r (1, 1, 1 for an all-masked batch)
             clip_ratio/low_mean           tokens with r < 1 - clip_low and A < 0 (TRL ``clip_ratio/low_mean``)
@@ -532,7 +532,7 @@ def grpo_loss(
         logprobs: [B, T] (or [N] with cu_seqlens) fp32 / bf16 per-token log-probs of the current policy,
             differentiable.
         entropy: optional [B, T] per-token entropy; needed (and differentiable) when the config uses it
-            (entropy_coef > 0 or top_entropy_quantile < 1); otherwise only reported as a metric.
+            (entropy_coef != 0 or top_entropy_quantile < 1); otherwise only reported as a metric.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
 
     Returns:
@@ -556,7 +556,7 @@ def grpo_loss(
     )  # fmt: skip
     if cfg.needs_entropy and entropy is None:
         chk.fail(
-            "this config needs the per-token entropy (entropy_coef > 0 or top_entropy_quantile < 1); pass entropy="
+            "this config needs the per-token entropy (entropy_coef != 0 or top_entropy_quantile < 1); pass entropy="
         )
     per_token = dict(
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,

@@ -278,17 +278,12 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
             "processes: TRL takes the entropy quantile over all processes, the fused loss over its own batch"
             + hint
         )
-    if trainer.loss_type == "vespo" and trainer.importance_sampling_level != "token":
-        problems.append(
-            f"loss_type='vespo' with importance_sampling_level={trainer.importance_sampling_level!r}: "
-            "VESPO is defined on token log-ratios (TRL warns about it too)" + hint
-        )
     if getattr(trainer, "_is_vlm", False):
         problems.append("a vision-language processing_class (multimodal inputs are not fused)" + hint)
     if not problems:
         try:
             policy_loss_config(trainer)
-        except ValueError as exc:  # e.g. delta <= 1 + epsilon_high, a negative entropy_coef
+        except ValueError as exc:  # a GRPOConfig value TRL accepts but no PolicyLossConfig can express
             settings = (
                 f"loss_type={trainer.loss_type!r}, epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
                 f"delta={args.delta}, entropy_coef={args.entropy_coef}"

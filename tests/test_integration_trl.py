@@ -287,6 +287,11 @@ CASES = {
     "vespo": dict(loss_type="vespo"),
     # features
     "delta": dict(loss_type="dapo", delta=1.5),
+    # settings TRL accepts that the fused loss once refused: a delta inside the clip range, an entropy
+    # penalty, VESPO with sequence-level ratios (they set only the KL correction's ratio, beta > 0 here)
+    "delta-inside-clip-range": dict(loss_type="dapo", delta=1.1, epsilon_high=0.28),
+    "entropy-penalty": dict(loss_type="dapo", entropy_coef=-0.05),
+    "vespo-sequence-level": dict(loss_type="vespo", importance_sampling_level="sequence"),
     "gspo-sequence-level": dict(
         loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-2, epsilon_high=4e-2
     ),
@@ -399,26 +404,6 @@ def build(model_dir, tmp_path, **kwargs):
         model=model_dir, reward_funcs=reward_letters, args=grpo_config(str(tmp_path), **config),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), **kwargs,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("settings", "field"),
-    [
-        (
-            dict(loss_type="vespo", importance_sampling_level="sequence"),
-            "importance_sampling_level='sequence'",
-        ),
-        (dict(loss_type="dapo", delta=1.1, epsilon_high=0.28), "delta"),
-        (dict(entropy_coef=-0.01), "entropy_coef"),
-    ],
-)
-def test_fused_mode_refuses_what_it_cannot_reproduce(settings, field, model_dirs, tmp_path):
-    with pytest.raises(ValueError, match="grpo_kernels_mode='logprobs'") as info:
-        build(model_dirs["qwen2"], tmp_path, beta=0.0, **settings)
-    assert field in str(info.value)
-    build(
-        model_dirs["qwen2"], tmp_path, beta=0.0, grpo_kernels_mode="logprobs", **settings
-    )  # TRL's loss: fine
 
 
 def test_fused_mode_refuses_vision_language_trainers(model_dirs, tmp_path):

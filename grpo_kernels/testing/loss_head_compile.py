@@ -90,7 +90,7 @@ def record_case(name: str, need_grad: bool = True):
             is_weights=tensors["is_weights"] if "is_weights" in present else None,
             entropy=tensors["entropy"] if "entropy" in present else None,
             token_weights=tensors["token_weights"] if "token_weights" in present else None,
-            need_grad_logprobs=need_grad, need_grad_entropy=need_grad and cfg.entropy_coef > 0,
+            need_grad_logprobs=need_grad, need_grad_entropy=need_grad and cfg.entropy_coef != 0,
             seq_lengths=torch.full((batch,), 3.0 * length) if "seq_lengths" in present else None,
         )  # fmt: skip
     (launch,) = launches

@@ -182,7 +182,7 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     )
     # B: the loss head on leaves, so autograd gives dL/dlogp and dL/dH per token
     lp_leaf = logprobs.clone().requires_grad_(needs_grad)
-    ent_leaf = entropy.clone().requires_grad_(needs_grad and cfg.entropy_coef > 0)
+    ent_leaf = entropy.clone().requires_grad_(needs_grad and cfg.entropy_coef != 0)
     with torch.enable_grad():
         out = loss_head(lp_leaf, ent_leaf)
     if not needs_grad:
@@ -357,7 +357,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
                                         logits_out=chunk_logits)  # fmt: skip
         logprobs[rows] = stats.logprobs
         entropy[rows] = stats.entropy
-        use_ent = cfg.entropy_coef > 0
+        use_ent = cfg.entropy_coef != 0
         # segment boundaries of this chunk's (pieces of) sequences s0..s1-1, chunk-local
         chunk_cu = batch.cu_seqlens[s0:s1 + 1].clamp(t0, t1) - t0 if cut else batch.cu_seqlens[s0:s1 + 1] - t0
         _, _, g_lp, g_ent, chunk_partials = loss_head.loss_head_triton(

@@ -236,7 +236,7 @@ def policy_loss_reference(
 
     if ent is not None:
         metrics["entropy"] = ent.detach().sum() / m.sum().clamp(min=1.0)
-        if cfg.entropy_coef > 0:
+        if cfg.entropy_coef != 0:
             # the bonus acts on the tokens the entropy selection keeps (TRL: mask * entropy_mask)
             entropy_loss = normalizers.aggregate(ent * entropy_selected, cfg.entropy_agg_mode or cfg.loss_agg_mode,
                                                  count_mask=entropy_selected)  # fmt: skip
@@ -345,7 +345,7 @@ def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool)
             names.add("kl_loss")
     if has_entropy:
         names.add("entropy")
-        if cfg.entropy_coef > 0:
+        if cfg.entropy_coef != 0:
             names.add("entropy_loss")
     return tuple(sorted(names))
 

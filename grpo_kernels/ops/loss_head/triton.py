@@ -589,7 +589,7 @@ def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_e
         HAS_OLD=has_old, HAS_REF=has_ref, USE_KL=has_ref and cfg.kl_coef > 0, KL_RATIO=cfg.kl_ratio_correction,
         KL_ST=cfg.kl_straight_through, IS_LEVEL={None: 0, "token": 1, "sequence": 2}[cfg.is_level],
         IS_MASK=cfg.is_mode == "mask", HAS_ISW=has_isw, HAS_ENT=has_ent,
-        USE_ENT_BONUS=has_ent and cfg.entropy_coef > 0, HAS_TOKW=has_tokw, HAS_SEL=has_sel, HAS_COV=has_cov,
+        USE_ENT_BONUS=has_ent and cfg.entropy_coef != 0, HAS_TOKW=has_tokw, HAS_SEL=has_sel, HAS_COV=has_cov,
         OFFPOL=cfg.off_policy_mask_threshold is not None, HAS_ROLLOUT=has_rollout,
         OLDPROB=0 if cfg.old_prob_threshold is None else (1 if cfg.old_prob_side == "low" else 2),
         CISPO_ABS=cfg.cispo_form == "absolute", NEED_GRAD=need_grad, HAS_SEQ_LEN=has_seq_len,
@@ -650,7 +650,7 @@ def loss_head_triton(
     def ptr(x):
         return x.contiguous() if x is not None else logprobs  # a dummy pointer for absent inputs
 
-    use_ent_bonus = entropy is not None and cfg.entropy_coef > 0
+    use_ent_bonus = entropy is not None and cfg.entropy_coef != 0
     g_lp = torch.empty(n, dtype=torch.float32, device=device) if need_grad else logprobs
     g_ent = torch.zeros(n, dtype=torch.float32, device=device) if (need_grad and use_ent_bonus) else logprobs
     scratch = torch.empty(n, dtype=torch.float32, device=device) if (need_grad and cfg.ratio_level == "prefix") \
@@ -803,7 +803,7 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
             loss = loss + cfg.kl_coef * kl_loss
     if has_ent:
         metrics["entropy"] = token_mean(P_ENT)
-        if cfg.entropy_coef > 0:
+        if cfg.entropy_coef != 0:
             entropy_loss = p[:, P_LOSS_ENT].sum()
             metrics["entropy_loss"] = entropy_loss
             loss = loss - cfg.entropy_coef * entropy_loss
