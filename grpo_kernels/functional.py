@@ -518,6 +518,7 @@ def grpo_loss(
     grad_accum_steps: int = 1,
     check_finite: bool = True,
     backend: str = "auto",
+    entropy_group: torch.distributed.ProcessGroup | None = None,
 ) -> GRPOLossOutput:
     """The GRPO-family policy loss on per-token log-probs (the loss head, without the LM head).
 
@@ -525,8 +526,8 @@ def grpo_loss(
     gradients: grpo_kernels/ops/loss_head/README.md). Use it when you already have the log-probs;
     ``fused_linear_grpo_loss`` computes them from the hidden states in the same call. Its arguments
     advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, config, cu_seqlens, is_weights,
-    token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps and check_finite mean here what
-    ``fused_linear_grpo_loss`` documents, the per-token ones in the layout of ``logprobs``.
+    token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite and entropy_group
+    mean here what ``fused_linear_grpo_loss`` documents, the per-token ones in the layout of ``logprobs``.
 
     Args:
         logprobs: [B, T] (or [N] with cu_seqlens) fp32 / bf16 per-token log-probs of the current policy,
@@ -543,6 +544,7 @@ def grpo_loss(
         ValueError: on a bad shape, dtype, device or config, or a needed input missing, before any work.
     """
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
+        _refuse_group_in_compile(entropy_group)
         return _custom_ops.compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs,
                                               rollout_logprobs, entropy, _check_config(config), cu_seqlens,
                                               is_weights, token_weights, num_tokens, num_sequences, dp_size,
@@ -572,7 +574,8 @@ def grpo_loss(
         chk.check_finite("logprobs", flat_lp, batch.valid)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
     resolved = _loss_head_backend(cfg, backend, device, resolve_backend(backend, device, "grpo_loss"))
-    out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved)
+    _check_entropy_group(entropy_group, cfg)
+    out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved, entropy_group)
     return GRPOLossOutput(
         loss=out.loss,
         metrics=out.metrics,
@@ -590,7 +593,26 @@ def _loss_head_backend(cfg: PolicyLossConfig, backend: str, device, resolved: st
     return resolved
 
 
-def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig, backend: str):
+def _refuse_group_in_compile(entropy_group) -> None:
+    if entropy_group is not None:
+        chk.fail("entropy_group is not supported inside torch.compile (a process group is not an op argument): "
+                 "call this function outside the compiled region")  # fmt: skip
+
+
+def _check_entropy_group(entropy_group, cfg: PolicyLossConfig) -> None:
+    if entropy_group is None:
+        return
+    import torch.distributed as dist
+
+    if cfg.top_entropy_quantile >= 1.0:
+        chk.fail("entropy_group is only used with top_entropy_quantile < 1 (the quantile it takes over "
+                 "processes); drop it or set the quantile")  # fmt: skip
+    if not isinstance(entropy_group, dist.ProcessGroup):
+        chk.fail(f"entropy_group must be a torch.distributed ProcessGroup, got {type(entropy_group).__name__}")
+
+
+def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossConfig, backend: str,
+               entropy_group=None):  # fmt: skip
     """The loss head on flat tokens: the fp32 reference (autograd) or the Triton kernel."""
     n = batch.normalizers
     if backend == "triton":
@@ -606,7 +628,7 @@ def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossCo
                 entropy=None if flat_entropy is None else flat_entropy.detach(), token_weights=batch.token_weights,
                 num_tokens=n["num_tokens"], num_sequences=n["num_sequences"], dp_size=n["dp_size"],
                 grad_accum_steps=n["grad_accum_steps"], need_grad_logprobs=need_grad_logprobs,
-                need_grad_entropy=need_grad_entropy,
+                need_grad_entropy=need_grad_entropy, entropy_group=entropy_group,
             )  # fmt: skip
 
         metrics: dict = {}
@@ -617,7 +639,7 @@ def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossCo
         old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
         rollout_logprobs=batch.rollout_logprobs, is_weights=batch.is_weights, entropy=flat_entropy,
         token_weights=batch.token_weights, num_tokens=n["num_tokens"], num_sequences=n["num_sequences"],
-        dp_size=n["dp_size"], grad_accum_steps=n["grad_accum_steps"],
+        dp_size=n["dp_size"], grad_accum_steps=n["grad_accum_steps"], entropy_group=entropy_group,
     )  # fmt: skip
 
 
@@ -647,6 +669,7 @@ def fused_linear_grpo_loss(
     logit_scale: float = 1.0,
     backend: str = "auto",
     schedule: str = "auto",
+    entropy_group: torch.distributed.ProcessGroup | None = None,
 ) -> GRPOLossOutput:
     """From the last hidden states to the GRPO-family loss in one call, without the [tokens, V] logits.
 
@@ -692,6 +715,9 @@ def fused_linear_grpo_loss(
         tp_group: vocabulary-parallel LM head, as in ``fused_linear_logprobs`` (weight / bias are this
             rank's block of rows, targets global ids, every per-token input the same on every rank); loss,
             metrics, log-probs and entropy are identical on every rank.
+        entropy_group: with ``top_entropy_quantile < 1``, the data-parallel processes whose valid tokens the
+            entropy quantile is taken over (TRL's ``get_high_entropy_mask`` gathers every process's);
+            None: this call's tokens only. A collective: every rank of the group calls the function.
         batch_invariant: as in ``fused_linear_logprobs``: each token's log-prob and entropy (so its ratio
             and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
             aggregated loss depends on the batch by definition.
@@ -717,6 +743,7 @@ def fused_linear_grpo_loss(
             heavy work, naming the argument.
     """
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
+        _refuse_group_in_compile(entropy_group)
         return _custom_ops.compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs,
                                                ref_logprobs, rollout_logprobs, bias, _check_config(config),
                                                cu_seqlens, is_weights, token_weights, num_tokens, num_sequences,
@@ -762,10 +789,11 @@ def fused_linear_grpo_loss(
     _check_flag("batch_invariant", batch_invariant)
     _check_transform(softcap, logit_scale)
     head_backend = _loss_head_backend(cfg, backend, device, resolved)
+    _check_entropy_group(entropy_group, cfg)
     loss, metrics, logprobs, entropy = run_fused(
         flat_hidden, weight, bias, flat_targets, batch, cfg,
         _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend), resolved, schedule,
+        lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_group), resolved, schedule,
     )  # fmt: skip
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

@@ -159,18 +159,26 @@ def loss_normalizers(trainer, batch_size: int, num_items_in_batch) -> dict:
       dapo, cispo, vespo: num_tokens = max(num_items_in_batch, 1) GA / steps_per_generation (train;
         eval: max(num_items_in_batch, 1)), dp_size = num_processes
       entropy bonus: grad_accum_steps = GA (a local token mean / GA).
+      top_entropy_quantile < 1 with several processes: entropy_group = the default process group.
     `trainer` is the GRPOTrainer, `batch_size` the micro-batch's rows, `num_items_in_batch` TRL's count."""
     training = trainer.model.training
     ga = trainer.current_gradient_accumulation_steps if training else 1
     loss_type = trainer.loss_type
+    # TRL takes the top-entropy quantile over every process's tokens (get_high_entropy_mask gathers them):
+    # accelerate's processes are torch.distributed's default group
+    group = {}
+    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        group = dict(entropy_group=dist.group.WORLD)
     if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
-        return dict(num_sequences=batch_size * ga, grad_accum_steps=ga)
+        return dict(num_sequences=batch_size * ga, grad_accum_steps=ga, **group)
     if loss_type == "bnpo":
-        return dict(grad_accum_steps=ga)
+        return dict(grad_accum_steps=ga, **group)
     items = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
     items = max(float(items), 1.0)
     num_tokens = items * ga / trainer.args.steps_per_generation if training else items
-    return dict(num_tokens=num_tokens, dp_size=trainer.accelerator.num_processes, grad_accum_steps=ga)
+    return dict(num_tokens=num_tokens, dp_size=trainer.accelerator.num_processes, grad_accum_steps=ga, **group)
 
 
 def log_trl_metrics(
@@ -272,12 +280,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
     if trainer.loss_type not in LOSS_AGG_MODE:
         problems.append(f"loss_type={trainer.loss_type!r}: the fused loss knows {TRL_LOSS_TYPES}{hint}")
         return problems
-    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
-        problems.append(
-            f"top_entropy_quantile={trainer.top_entropy_quantile} with {trainer.accelerator.num_processes} "
-            "processes: TRL takes the entropy quantile over all processes, the fused loss over its own batch"
-            + hint
-        )
     if getattr(trainer, "_is_vlm", False):
         problems.append("a vision-language processing_class (multimodal inputs are not fused)" + hint)
     if not problems:

@@ -173,6 +173,106 @@ def ddp_worker(rank, world, with_normalizers):
     return out
 
 
+def entropy_quantile_worker(rank, world):
+    """top_entropy_quantile across data-parallel ranks (TRL gathers every process's entropies): with
+    entropy_group the ranks' averaged gradient is the single-process one on the whole batch; without it
+    each rank selects by its own quantile (reported, to show the difference is real)."""
+    import grpo_kernels as gk
+    from grpo_kernels import PolicyLossConfig as C
+
+    d = lm_inputs(203, b=5)
+    # sequences of different sharpness, so each rank's own entropy quantile is far from the batch's
+    d["hidden"] = d["hidden"] * torch.tensor([0.3, 1.0, 2.5, 4.0, 0.6])[:, None, None]
+    mine = list(range(rank, 5, world))
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(5, 7, generator=g) * 4
+    cfg = C.dapo(top_entropy_quantile=0.4, entropy_coef=0.02)
+    n_tokens = int(d["mask"].sum())
+    w_full = d["weight"].clone().requires_grad_()
+    full = gk.fused_linear_grpo_loss(d["hidden"], w_full, d["targets"], d["adv"], d["mask"], old, config=cfg,
+                                     backend="torch", num_tokens=n_tokens, num_sequences=5)  # fmt: skip
+    full.loss.backward()
+    out = {}
+    for name, group in (("entropy_group", dist.group.WORLD), ("local_quantile", None)):
+        w = d["weight"].clone().requires_grad_()
+        local = gk.fused_linear_grpo_loss(d["hidden"][mine], w, d["targets"][mine], d["adv"][mine], d["mask"][mine],
+                                          old[mine], config=cfg, backend="torch", num_tokens=n_tokens,
+                                          num_sequences=5, dp_size=world, entropy_group=group)  # fmt: skip
+        local.loss.backward()
+        grad = w.grad.clone()
+        dist.all_reduce(grad)
+        grad /= world
+        loss = local.loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= world
+        out[name] = {"grad_weight": worst(grad, w_full.grad), "loss": worst(loss, full.loss)}
+    # grpo_loss on log-probs takes the same group
+    lp = full.logprobs.detach()
+    ent = full.entropy.detach()
+    whole = gk.grpo_loss(lp.clone().requires_grad_(), d["adv"], d["mask"], old, entropy=ent, config=cfg,
+                         backend="torch", num_tokens=n_tokens, num_sequences=5)  # fmt: skip
+    part = gk.grpo_loss(lp[mine], d["adv"][mine], d["mask"][mine], old[mine], entropy=ent[mine], config=cfg,
+                        backend="torch", num_tokens=n_tokens, num_sequences=5, dp_size=world,
+                        entropy_group=dist.group.WORLD)  # fmt: skip
+    total = part.loss.detach().clone()
+    dist.all_reduce(total)
+    out["grpo_loss"] = {"loss": worst(total / world, whole.loss)}
+    return out
+
+
+class _GlooAccelerator:
+    """accelerate's Accelerator as GRPOTrainer._compute_loss uses it, on a real gloo group: gather
+    concatenates every rank's tensor along dim 0, reduce sums, pad_across_processes pads dim 0 to the
+    longest rank's."""
+
+    sync_gradients = True
+
+    def __init__(self, world):
+        self.num_processes = world
+
+    def gather(self, x):
+        x = torch.atleast_1d(x).contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.num_processes)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts)
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        size = torch.tensor([x.shape[0]])
+        sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
+        dist.all_gather(sizes, size)
+        longest = int(max(sizes))
+        return torch.cat([x, x.new_full((longest - x.shape[0], *x.shape[1:]), pad_index)])
+
+
+def trl_entropy_quantile_worker(rank, world):
+    """TRL's _compute_loss with top_entropy_quantile on `world` real processes (each its own batch) against
+    the TRL adapter's configuration of grpo_kernels (its loss_normalizers pass the default group as
+    entropy_group): loss, dloss/dlogp, dloss/dentropy and every logged metric. Returns the failure text
+    of tests/test_parity_trl.compare, or "ok"."""
+    import test_parity_trl as parity
+
+    out = {}
+    for loss_type in ("dapo", "grpo"):
+        case = parity.trl_case(loss_type, num_processes=world, grad_accum=2, beta=0.04, top_entropy_quantile=0.4,
+                               entropy_coef=0.05)  # fmt: skip
+        x = parity.make_token_inputs(parity.SEED + rank)  # every rank its own batch
+        theirs = parity.run_trl(case, x, _GlooAccelerator(world))
+        ours = parity.run_ours(case, x, _GlooAccelerator(world))
+        try:
+            parity.compare(case, theirs, ours)
+            out[loss_type] = "ok"
+        except AssertionError as exc:
+            out[loss_type] = str(exc)
+    return out
+
+
 def verl_lce_worker(rank, world):
     """verl's Megatron calling convention: linear_cross_entropy(hidden, local weight block, global labels,
     temperature, "none", tp_group) positionally, against the whole head on one process."""

@@ -79,6 +79,20 @@ def test_normalizers_smaller_than_this_call_are_refused(kwargs, match):
         gk.grpo_loss(torch.randn(2, 5), adv, mask, config=C.dapo(), **kwargs)
 
 
+@pytest.mark.parametrize("config,group,match", [
+    (C.dapo(top_entropy_quantile=0.5, entropy_coef=0.01), "world", "entropy_group must be a torch.distributed ProcessGroup, got str"),
+    (C.dapo(), "world", "entropy_group is only used with top_entropy_quantile < 1"),
+])  # fmt: skip
+def test_bad_entropy_group_is_refused(config, group, match):
+    """entropy_group: a process group, and only where a quantile is taken (never silently ignored)."""
+    hidden, weight, targets, mask, adv = _batch()
+    kwargs = dict(config=config, backend="torch", entropy_group=group)
+    with pytest.raises(ValueError, match=match):
+        gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        gk.grpo_loss(torch.randn(2, 5), adv, mask, entropy=torch.rand(2, 5), **kwargs)
+
+
 @pytest.mark.parametrize("name", ["mask", "advantages", "cu_seqlens"])
 def test_non_tensor_inputs_say_what_is_expected(name):
     hidden, weight, targets, mask, adv = _batch()

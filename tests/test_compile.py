@@ -161,6 +161,19 @@ def test_tp_group_is_refused_inside_compile():
         compiled(torch.randn(B, T, H), torch.randn(V, H), torch.randint(0, V, (B, T)))
 
 
+def test_entropy_group_is_refused_inside_compile():
+    group = object()  # any non-None group: refused before it is used
+    cfg = gk.PolicyLossConfig.dapo(top_entropy_quantile=0.5, entropy_coef=0.01)
+
+    def step(logprobs, entropy, advantages, mask):
+        return gk.grpo_loss(logprobs, advantages, mask, entropy=entropy, config=cfg, backend="torch",
+                            entropy_group=group).loss  # fmt: skip
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="entropy_group is not supported inside torch.compile"):
+        compiled(torch.randn(B, T), torch.rand(B, T), torch.randn(B), torch.ones(B, T, dtype=torch.bool))
+
+
 def loss_head_configs():
     from test_loss_head import CONFIGS as ALL
 

@@ -40,3 +40,16 @@ def test_local_normalizers_warn_once_and_differ():
             got, expected, _, scale = report[agg]["grad_weight"]
             # off by far more than rounding: more than 1 % of the largest gradient element
             assert abs(got - expected) > 0.01 * scale, f"{agg}: local normalizers matched by chance"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_entropy_quantile_over_processes_gives_the_single_process_result(world):
+    """top_entropy_quantile with entropy_group: the quantile over every rank's tokens (TRL's), so the
+    data-parallel result is the single-process one; each rank's own quantile is not."""
+    reports = run_group(workers.entropy_quantile_worker, world)
+    for rank, report in enumerate(reports):
+        for name in ("entropy_group", "grpo_loss"):
+            for key, (got, expected, index, scale) in report[name].items():
+                assert close(got, expected, 1e-5, scale), f"rank {rank} {name} {key}: at {index}: {got} vs {expected}"
+        got, expected, _, scale = report["local_quantile"]["grad_weight"]
+        assert abs(got - expected) > 1e-3 * scale, "the local quantile matched the global one by chance"

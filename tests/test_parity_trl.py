@@ -481,8 +481,8 @@ TWO_PROCESS_CASES = [
 def test_two_processes_match_trl(loss_type, level, inputs):
     """num_processes=2: the dapo / cispo / vespo normalizer and every logged metric reduced across the
     two ranks as TRL reduces them (token-weighted global means, gathered min / max, gathered
-    nanmean of policy_loss). top_entropy_quantile is left out: TRL takes its quantile across ranks
-    and the fused adapter refuses it with several processes."""
+    nanmean of policy_loss). top_entropy_quantile, whose quantile TRL takes across ranks with real
+    collectives, is test_top_entropy_quantile_over_processes_matches_trl."""
     check_two_processes(
         trl_case(
             loss_type,
@@ -493,3 +493,18 @@ def test_two_processes_match_trl(loss_type, level, inputs):
             entropy_coef=0.05,
         )
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_top_entropy_quantile_over_processes_matches_trl(world):
+    """top_entropy_quantile < 1 on `world` spawned gloo processes, each with its own batch: TRL gathers every
+    process's entropies for the quantile (get_high_entropy_mask); the adapter passes the default process
+    group as entropy_group, and the loss, both gradients and every logged metric equal TRL's on every rank."""
+    import _distributed_workers as workers
+
+    from grpo_kernels.testing.distributed import run_group
+
+    for rank, report in enumerate(run_group(workers.trl_entropy_quantile_worker, world)):
+        for loss_type, result in report.items():
+            assert result == "ok", f"rank {rank} of {world}, {loss_type}: {result}"

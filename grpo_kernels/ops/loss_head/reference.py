@@ -45,6 +45,7 @@ def policy_loss_reference(
     num_sequences: float | None = None,  # global sequence normalizer (seq-mean-*); None: local count
     dp_size: int = 1,  # data-parallel ranks whose gradients get averaged
     grad_accum_steps: int = 1,  # local counts are multiplied by this (micro-batch means / GA)
+    entropy_group=None,  # process group the top-entropy quantile is taken over (TRL: all processes)
 ) -> LossHeadOutput:
     cfg = config
     valid = mask.bool()
@@ -184,7 +185,7 @@ def policy_loss_reference(
         selection = selection * keep
     entropy_selected = m
     if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 rule": train on high-entropy forks only
-        entropy_selected = top_entropy_selection(ent, valid, cfg.top_entropy_quantile)
+        entropy_selected = top_entropy_selection(ent, valid, cfg.top_entropy_quantile, entropy_group)
         metrics["selection/entropy_kept_frac"] = entropy_selected.sum() / m.sum().clamp(min=1.0)
         selection = selection * entropy_selected
     if cfg.old_prob_threshold is not None:  # Lopti: low- / high-probability token groups
@@ -516,13 +517,38 @@ def kl_cov_selected(cfg, adv, lp, valid):
     return selected
 
 
-def top_entropy_selection(ent, valid, quantile):
+def top_entropy_selection(ent, valid, quantile, group=None):
     """TRL get_high_entropy_mask: tokens whose entropy is >= the (1 - rho) quantile of the valid
-    tokens' entropies (torch.quantile, linear interpolation). Returns a {0, 1} float tensor."""
-    if not bool(valid.any()):
+    tokens' entropies (torch.quantile, linear interpolation). Returns a {0, 1} float tensor.
+
+    `group` (a torch.distributed process group): the quantile is taken over the valid tokens of every
+    process in it, as TRL gathers them across processes (a collective: every rank must call it, also a
+    rank without valid tokens)."""
+    local = ent.detach().float()[valid]
+    if group is not None:
+        local = _gather_variable(local, group)
+    if local.numel() == 0 or not bool(valid.any()):
         return torch.zeros(ent.shape, dtype=torch.float32, device=ent.device)
-    threshold = torch.quantile(ent.detach().float()[valid], 1.0 - quantile)
+    threshold = torch.quantile(local, 1.0 - quantile)
     return ((ent.detach() >= threshold) & valid).float()
+
+
+def _gather_variable(x, group):
+    """The 1-D tensors `x` of every rank of `group`, concatenated in rank order (lengths may differ)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    counts = torch.tensor([x.numel()], dtype=torch.long, device=x.device)
+    all_counts = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts, group=group)
+    sizes = [int(c) for c in all_counts]
+    padded = torch.zeros(max(sizes), dtype=x.dtype, device=x.device)
+    padded[: x.numel()] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
 
 def group_dpo_loss(cfg, seq_logprob_sum, seq_ref_sum, seq_adv, seq_len, grad_accum_steps, dp_size, metrics):

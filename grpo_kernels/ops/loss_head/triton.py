@@ -607,6 +607,7 @@ def loss_head_triton(
     old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, is_weights=None, entropy=None,
     token_weights=None, num_tokens=None, num_sequences=None, dp_size=1, grad_accum_steps=1,
     need_grad_logprobs=True, need_grad_entropy=False, block=None, norms=None, finalize=True, seq_lengths=None,
+    entropy_group=None,
 ):  # fmt: skip
     """Run the kernel on flat [N] inputs (validated by the functional layer).
 
@@ -617,7 +618,7 @@ def loss_head_triton(
     all chunks; loss and metrics are then None here. `seq_lengths` [num_seqs] fp32: the whole valid
     length of the sequence each segment belongs to, when the segments are pieces of longer sequences
     (token-local objectives only, PolicyLossConfig.token_local; their partials are merged by
-    `merge_segment_partials`).
+    `merge_segment_partials`). `entropy_group`: the top-entropy quantile over these processes' tokens.
     """
     from .reference import clip_cov_keep, group_dpo_loss, kl_cov_selected, top_entropy_selection
 
@@ -630,7 +631,7 @@ def loss_head_triton(
     # selections that need statistics of the whole batch are made here, in torch (as the reference)
     entropy_selected = None
     if cfg.top_entropy_quantile < 1.0:
-        entropy_selected = top_entropy_selection(entropy, valid, cfg.top_entropy_quantile)
+        entropy_selected = top_entropy_selection(entropy, valid, cfg.top_entropy_quantile, entropy_group)
     cov = None
     if cfg.loss_type in ("clip_cov", "kl_cov"):
         lp_c = torch.where(valid, logprobs.float(), 0.0)
