@@ -1070,7 +1070,18 @@ def lm_head_forward(
     partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
     target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
     inv_t = 1.0 / float(temperature)
-    transform = dict(
+    shared = dict(  # the arguments both kernels A take
+        bias_ptr=bias,
+        targets_ptr=targets,
+        part_max_ptr=partials[0],
+        part_sum_ptr=partials[1],
+        part_dev_ptr=partials[2],
+        target_logit_ptr=target_logit,
+        n_tokens=n_tokens,
+        vocab=vocab,
+        hidden_size=hidden_size,
+        tiles_per_split=plan.tiles_per_split,
+        num_splits=plan.num_splits,
         inv_temperature=inv_t,
         cap_in=1.0 if softcap is None else float(softcap[0]),
         cap_out=1.0 if softcap is None else float(softcap[1]),
@@ -1079,11 +1090,8 @@ def lm_head_forward(
         STORE_LOGITS=logits_out is not None,
     )
     with _device_ctx(device):
-        if use_tma:
-            _launch_forward_tma(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform)
-        else:
-            _launch_forward_cp_async(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile,
-                                     transform)  # fmt: skip
+        launch_forward = _launch_forward_tma if use_tma else _launch_forward_cp_async
+        launch_forward(hidden, weight, logits_out, plan, tile, shared)
         _launch(
             lm_head_fwd_kernel_merge,
             (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
@@ -1106,31 +1114,20 @@ def lm_head_forward(
     return stats
 
 
-def _launch_forward_cp_async(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform):
-    """Kernel A with pointer loads (cp.async pipeline on sm_80 / sm_90)."""
-    n_tokens, hidden_size = hidden.shape
+def _launch_forward_cp_async(hidden, weight, logits_out, plan, tile, shared: dict):
+    """Kernel A with pointer loads (cp.async pipeline on sm_80 / sm_90). `shared`: the arguments both
+    kernels A take (bias, targets, partials, sizes, split, logit transform)."""
     _launch(
         lm_head_fwd_kernel_partial,
         (plan.num_programs,),
         dict(
             hidden_ptr=hidden,
             weight_ptr=weight,
-            bias_ptr=bias,
-            targets_ptr=targets,
-            part_max_ptr=partials[0],
-            part_sum_ptr=partials[1],
-            part_dev_ptr=partials[2],
-            target_logit_ptr=target_logit,
             logits_ptr=logits_out,
-            n_tokens=n_tokens,
-            vocab=weight.shape[0],
-            hidden_size=hidden_size,
             stride_hidden=hidden.stride(0),
             stride_weight=weight.stride(0),
             stride_logits=logits_out.stride(0) if logits_out is not None else 0,
-            tiles_per_split=plan.tiles_per_split,
-            num_splits=plan.num_splits,
-            **transform,
+            **shared,
             **_kernel_flags(hidden, tile),
         ),
         tile.num_warps,
@@ -1138,45 +1135,32 @@ def _launch_forward_cp_async(hidden, weight, bias, targets, partials, target_log
     )
 
 
-def _launch_forward_tma(hidden, weight, bias, targets, partials, target_logit, logits_out, plan, tile, transform,
-                        warp_specialize=False):  # fmt: skip
+def _launch_forward_tma(hidden, weight, logits_out, plan, tile, shared: dict):
     """Kernel A with TMA descriptors: the operands' tiles and the stored logits tiles move by TMA."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    n_tokens, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    logits_desc = None
-    if logits_out is not None:  # [N, V] of the buffer (its padding columns are never written)
-        logits_desc = TensorDescriptor(logits_out, [n_tokens, vocab], [logits_out.stride(0), 1],
-                                       [tile.block_m, tile.block_n])  # fmt: skip
+    def descriptor(t, shape, block):  # rows of `t` with unit stride along the last dimension
+        return TensorDescriptor(t, list(shape), [t.stride(0), 1], block)
+
     flags = _kernel_flags(hidden, tile)
     del flags["EVEN_K"]  # the descriptor zero-fills the ragged last K slice
     _launch(
         lm_head_fwd_kernel_partial_tma,
         (plan.num_programs,),
         dict(
-            hidden_desc=TensorDescriptor(hidden, list(hidden.shape), [hidden.stride(0), 1], [tile.block_m, tile.block_k]),
-            weight_desc=TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [tile.block_n, tile.block_k]),
-            logits_desc=logits_desc,
-            bias_ptr=bias,
-            targets_ptr=targets,
-            part_max_ptr=partials[0],
-            part_sum_ptr=partials[1],
-            part_dev_ptr=partials[2],
-            target_logit_ptr=target_logit,
-            n_tokens=n_tokens,
-            vocab=vocab,
-            hidden_size=hidden_size,
-            tiles_per_split=plan.tiles_per_split,
-            num_splits=plan.num_splits,
-            **transform,
+            hidden_desc=descriptor(hidden, hidden.shape, [tile.block_m, tile.block_k]),
+            weight_desc=descriptor(weight, weight.shape, [tile.block_n, tile.block_k]),
+            # [N, V] of the logits buffer: its padding columns are never written
+            logits_desc=None if logits_out is None else descriptor(logits_out, (hidden.shape[0], weight.shape[0]),
+                                                                   [tile.block_m, tile.block_n]),  # fmt: skip
+            **shared,
             **flags,
-            WARP_SPECIALIZE=warp_specialize,
+            WARP_SPECIALIZE=False,  # the compile tier's probe sets it (Triton ignores it here: README §6)
         ),
         tile.num_warps,
         tile.num_stages,
         # the register cap of two CTAs per SM, except for the soft-cap's tanh (spills under it)
-        None if transform["HAS_SOFTCAP"] else tile.max_registers,
+        None if shared["HAS_SOFTCAP"] else tile.max_registers,
     )
 
 
