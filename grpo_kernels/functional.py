@@ -460,7 +460,10 @@ def _flatten_batch(
         )
     chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
     if normalizers["num_tokens"] is not None:
-        chk.check_global_count("num_tokens", normalizers["num_tokens"], int(valid.sum()), "valid tokens")
+        # not bounded below by this call's count: an estimate of the step's count is a normaliser too (TRL
+        # scales the generation batch's count by GA / steps_per_generation, which can fall below one
+        # micro-batch's own count when GA < steps_per_generation)
+        chk.check_positive_normalizer("num_tokens", normalizers["num_tokens"], int(valid.sum()), "valid tokens")
     if normalizers["num_sequences"] is not None:
         nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
         chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
@@ -704,7 +707,9 @@ def fused_linear_grpo_loss(
         is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
         token_weights: optional [B, T] per-token weights of the policy term (process weights).
         num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
-            the token-mean aggregations; None: this call's own count.
+            the token-mean aggregations; None: this call's own count. Any value > 0 is taken as given, so
+            an estimate serves too: TRL's (the generation batch's count times GA / steps_per_generation)
+            can fall below one micro-batch's own count.
         num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
         dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
             it so that the average is the gradient of the global loss. Default 1.

@@ -67,16 +67,30 @@ def _batch():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_tokens=5), "num_tokens=5 is fewer than the 8 valid tokens"),
-    (dict(num_tokens=0), "num_tokens=0 is fewer than the 8 valid tokens"),
+    (dict(num_tokens=0), "num_tokens=0 must be > 0: this call holds 8 valid tokens"),
     (dict(num_sequences=1), "num_sequences=1 is fewer than the 2 sequences"),
 ])  # fmt: skip
-def test_normalizers_smaller_than_this_call_are_refused(kwargs, match):
+def test_normalizers_that_cannot_count_this_call_are_refused(kwargs, match):
     hidden, weight, targets, mask, adv = _batch()
     with pytest.raises(ValueError, match=match):
         gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, config=C.dapo(), backend="torch", **kwargs)
     with pytest.raises(ValueError, match=match):
         gk.grpo_loss(torch.randn(2, 5), adv, mask, config=C.dapo(), **kwargs)
+
+
+def test_num_tokens_may_be_an_estimate_below_this_calls_count():
+    """TRL's window estimate (num_items GA / steps_per_generation) can fall below one micro-batch's count:
+    taken as given, the token sum divided by it."""
+    hidden, weight, targets, mask, adv = _batch()
+    logp = torch.randn(2, 5, dtype=torch.float64)
+    at_count = gk.grpo_loss(logp, adv.double(), mask, config=C.dapo(), num_tokens=8).loss
+    below = gk.grpo_loss(logp, adv.double(), mask, config=C.dapo(), num_tokens=5).loss
+    torch.testing.assert_close(below, at_count * 8 / 5, rtol=1e-12, atol=0)
+    fused = gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, config=C.dapo(), backend="torch",
+                                      num_tokens=5).loss
+    fused_at_count = gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, config=C.dapo(),
+                                               backend="torch", num_tokens=8).loss
+    torch.testing.assert_close(fused, fused_at_count * 8 / 5, rtol=2e-6, atol=0)  # fp32: a few ulps
 
 
 @pytest.mark.parametrize("config,group,match", [

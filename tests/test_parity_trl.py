@@ -127,6 +127,7 @@ def trl_case(loss_type, **overrides) -> dict:
         entropy_coef=0.0,
         training=True,
         advantages="seq",
+        items_elsewhere=None,  # valid tokens of the generation batch outside this slice; None: see below
     )
     case.update(overrides)
     if case["steps_per_generation"] is None:  # GRPOConfig default: steps_per_generation = GA
@@ -190,8 +191,11 @@ def completion_and_tool_masks():
 
 def num_items_in_batch(case) -> int:
     """Valid tokens of the whole generation batch: this slice plus steps_per_generation - 1 others
-    (and those of the other processes), deliberately not a multiple of the local count."""
+    (and those of the other processes), deliberately not a multiple of the local count; or this slice
+    plus case["items_elsewhere"]."""
     local = int(make_mask().sum())
+    if case["items_elsewhere"] is not None:
+        return local + case["items_elsewhere"]
     return local * case["steps_per_generation"] * case["num_processes"] + 5
 
 
@@ -448,6 +452,17 @@ def test_eval_mode_matches_trl(loss_type, inputs):
 def test_generation_batch_normalizer_matches_trl(loss_type, inputs):
     """num_items_in_batch over 4 slices x 2 processes, GA 2: num_tokens = N GA / spg, dp_size 2."""
     check(trl_case(loss_type, grad_accum=2, steps_per_generation=4, num_processes=2, beta=0.04), inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+def test_rescaled_normalizer_below_the_local_count_matches_trl(loss_type, inputs):
+    """GA 3 of steps_per_generation 4, this slice holding nearly all of the generation batch's tokens: TRL's
+    window estimate num_items GA / spg falls below this call's own count and is used as it is (TRL's own
+    test_prepare_input_called_with_correct_data trains with these settings)."""
+    case = trl_case(loss_type, grad_accum=3, steps_per_generation=4, items_elsewhere=2)
+    local = int(make_mask().sum())
+    assert num_items_in_batch(case) * 3 / 4 < local  # the regime this case is for
+    check(case, inputs)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
