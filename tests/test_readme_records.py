@@ -39,3 +39,30 @@ def test_test_count_and_time_come_from_the_record():
     )
     assert expected in readme_text(), f"README test figures differ from docs/records/tests.json; expected:\n{expected}"
     assert record["failed"] == 0 and record["error"] == 0, "the recorded run must be a passing one"
+
+
+def trl_suite_sentence(record: dict) -> str:
+    """The integrations README's summary of the recorded run of TRL's own GRPO tests (trl_suite.py)."""
+    stock = record["counts"]["stock"]
+    tests = sum(stock.values())
+    skipped = stock.get("skipped", 0) + stock.get("xfailed", 0)
+    v = record["versions"]
+    return (
+        f"TRL's tests at {record['trl_tests']['ref']}, trl {v['trl']}, transformers {v['transformers']}, "
+        f"torch {v['torch']}, grpo_kernels at {record['grpo_kernels_git_sha'][:7]}): **{tests} tests, "
+        f"{len(record['differ'])} with a different outcome**. {record['passed_both']} pass both ways, "
+        f"{record['passed_both_through_fused_loss']} of them training through the fused loss; "
+        f"{record['failed_both']} fail both ways ({len(record['failed_both_no_standin'])} load a hub repo that "
+        f"has no stand-in, {len(record['failed_both_otherwise'])} fail on TRL's own trainer for the reasons "
+        f"below); {skipped} skip both ways"
+    )
+
+
+def test_trl_suite_figures_come_from_the_record():
+    record = json.loads((RECORDS / "trl_suite.json").read_text())
+    text = " ".join((CHECKOUT / "integrations" / "README.md").read_text().split())
+    expected = trl_suite_sentence(record)
+    assert expected in text, f"integrations/README.md differs from docs/records/trl_suite.json; expected:\n{expected}"
+    assert record["counts"]["stock"] == record["counts"]["swapped"] and not record["differ"], (
+        "the recorded run must give every test the same outcome both ways"
+    )
