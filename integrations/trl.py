@@ -280,8 +280,6 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
     if trainer.loss_type not in LOSS_AGG_MODE:
         problems.append(f"loss_type={trainer.loss_type!r}: the fused loss knows {TRL_LOSS_TYPES}{hint}")
         return problems
-    if getattr(trainer, "_is_vlm", False):
-        problems.append("a vision-language processing_class (multimodal inputs are not fused)" + hint)
     if not problems:
         try:
             policy_loss_config(trainer)
@@ -729,12 +727,6 @@ def _build_trainer_class():
             return self._fused_loss(model, inputs)
 
         def _fused_loss(self, model, inputs):
-            present = [k for k in MULTIMODAL_INPUTS if inputs.get(k) is not None]
-            if present:
-                raise NotImplementedError(
-                    f"grpo_kernels_mode='fused' does not handle multimodal inputs ({present}); "
-                    "use grpo_kernels_mode='logprobs'"
-                )
             prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
             completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -770,9 +762,11 @@ def _build_trainer_class():
             )  # fmt: skip
             self._grpo_kernels_head = head
             try:
+                # a vision-language model's inputs go to its forward as in TRL's _compute_loss; its language
+                # model's hidden states reach the seam like a text model's (image tokens are prompt positions)
                 logps, _, aux_loss = self._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-                    compute_aux_loss=self.aux_loss_enabled,
+                    compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in MULTIMODAL_INPUTS},
                 )  # fmt: skip
             finally:
                 self._grpo_kernels_head = None

@@ -406,13 +406,89 @@ def build(model_dir, tmp_path, **kwargs):
     )  # fmt: skip
 
 
-def test_fused_mode_refuses_vision_language_trainers(model_dirs, tmp_path):
-    """A ProcessorMixin processing_class (TRL's _is_vlm) may bring multimodal inputs: refused in
-    fused mode (it is checked after GRPOTrainer.__init__, as here)."""
-    trainer = build(model_dirs["qwen2"], tmp_path, beta=0.0, grpo_kernels_mode="logprobs")
-    trainer._is_vlm = True
-    assert any("vision-language" in p for p in gk_trl.unsupported_settings(trainer, "fused"))
-    assert gk_trl.unsupported_settings(trainer, "logprobs") == []
+# A vision-language model: LLaVA (a CLIP vision tower, a projector, a Llama language model), tiny, with a
+# processor built here. Each 28 x 28 image is 4 patches + the CLS feature ("full" selection): 5 image
+# tokens in the prompt, which are prompt positions for the loss like any other.
+VLM_WORDS = WORDS + ["<image>"]
+VLM_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}:"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}{% endfor %} "
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(VLM_WORDS + ["user:", "assistant:"])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>", additional_special_tokens=["<image>"])  # fmt: skip
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 28},
+                                                      crop_size={"height": 28, "width": 28})  # fmt: skip
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=VLM_TEMPLATE, patch_size=14,
+        vision_feature_select_strategy="full", image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                eos_token_id=1, bos_token_id=None, initializer_range=0.3, model_type="llama")  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, model_type="clip_vision_model")  # fmt: skip
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=vocab["<image>"],
+                                      vision_feature_select_strategy="full", vision_feature_layer=-1)  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_vlm") / "llava"
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def image_prompts() -> Dataset:
+    """PROMPTS as conversational prompts, each with one 28 x 28 image of its own."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)) for _ in PROMPTS]
+    prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in PROMPTS]
+    return Dataset.from_dict({"prompt": prompts, "image": images})
+
+
+def reward_letters_chat(completions, **kwargs):  # conversational completions: [{"role", "content"}]
+    return reward_letters([c[0]["content"] for c in completions])
+
+
+def train_vlm(trainer_cls, model_dir, tmp_path, **kwargs):
+    import transformers
+
+    recorder = GradientRecorder()
+    trainer = trainer_cls(
+        model=model_dir, reward_funcs=reward_letters_chat, args=grpo_config(str(tmp_path)),
+        train_dataset=image_prompts(), processing_class=transformers.AutoProcessor.from_pretrained(model_dir),
+        callbacks=[recorder], **kwargs,
+    )  # fmt: skip
+    assert trainer._is_vlm
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return copy.deepcopy(trainer.state.log_history), recorder.steps, params
+
+
+@pytest.mark.parametrize("mode", gk_trl.MODES)
+def test_vision_language_training_matches_trl(mode, vlm_dir, tmp_path):
+    """Images in the prompts (pixel_values reach the forward as in TRL's _compute_loss): both modes train
+    like TRL's trainer, the vision tower's and projector's gradients included."""
+    theirs = train_vlm(GRPOTrainer, vlm_dir, tmp_path / "trl")
+    ours = train_vlm(GRPOKernelsTrainer, vlm_dir, tmp_path / "ours", grpo_kernels_mode=mode)
+    vision_grads = [n for n in theirs[1][0] if "vision_tower" in n or "projector" in n]
+    assert vision_grads and all(bool(theirs[1][0][n].abs().max() > 0) for n in vision_grads)
+    compare(f"[llava, grpo_kernels_mode={mode}]", theirs, ours)
 
 
 @pytest.mark.parametrize("mode", ["logprobs", "fused"])
