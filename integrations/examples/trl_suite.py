@@ -7,8 +7,10 @@ TRL's tests are not part of its wheel: give the `tests/` folder of a TRL checkou
 `trl` was cut from, or near it). Nothing is downloaded: the hub repos the tests load
 (`trl-internal-testing/tiny-*` models and the `zen` prompt datasets) are replaced by stand-ins built here,
 in code, under `--out` (tiny models of the same classes with a byte-level tokenizer, the chat template
-of the model's family as the installed TRL ships it, else ChatML, and the Zen-of-Python prompts), and the runs are offline (`HF_HUB_OFFLINE=1`). Repos without
-a stand-in (vision-language models, remote code) fail the same way in both runs and are listed as such.
+of the model's family as the installed TRL ships it, else ChatML; a Gemma 3 vision-language model with
+its processor; the Zen-of-Python prompts, with an image each for `zen-image`), and the runs are offline (`HF_HUB_OFFLINE=1`). Repos without
+a stand-in (the vision-language models other than Gemma 3, remote code, a few architectures) fail the same
+way in both runs and are listed as such.
 
 The swapped run imports `GRPOKernelsTrainer as GRPOTrainer` right after the test file's own
 `from trl import ... GRPOTrainer ...` (the README's one-line change) in its default `fused` mode, and
@@ -148,6 +150,77 @@ def standin_tokenizer():
     return tokenizer
 
 
+GEMMA3_VLM = "tiny-Gemma3ForConditionalGeneration"
+GEMMA3_TOKENS = ["<pad>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                 "<image_soft_token>"]
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def zen_image(path: Path) -> None:
+    """`zen-image`, conversational_prompt_only: the Zen prompts, each with a 28 x 28 image of its own."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    card = ["---", "configs:", "- config_name: conversational_prompt_only", "  data_files:"]
+    (path / "conversational_prompt_only").mkdir(parents=True, exist_ok=True)
+    for split, prompts in {"train": ZEN_PROMPTS[:ZEN_TRAIN_ROWS], "test": ZEN_PROMPTS[ZEN_TRAIN_ROWS:]}.items():
+        rows = {
+            "prompt": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in prompts],
+            "image": [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)) for _ in prompts],
+        }
+        features = datasets.Features({"prompt": [{"role": datasets.Value("string"), "content": [
+            {"type": datasets.Value("string"), "text": datasets.Value("string")}]}], "image": datasets.Image()})
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(path / "conversational_prompt_only" / f"{split}.parquet")
+        card += [f"  - split: {split}", f"    path: conversational_prompt_only/{split}.parquet"]
+    (path / "README.md").write_text("\n".join(card + ["---", ""]))
+
+
+def build_gemma3_vlm(path: Path) -> None:
+    """Gemma 3 with images: a SigLIP tower (28 x 28 images, 16 patches pooled to 4 image tokens), a
+    soft-capped Gemma 3 language model whose sliding window spans every prompt (the completion sees the image), its processor (byte-level tokenizer with Gemma's image tokens)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for token in GEMMA3_TOKENS:
+        vocab[token] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<end_of_turn>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
+    )  # fmt: skip
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+        chat_template=GEMMA3_TEMPLATE, image_seq_length=4,
+    )  # fmt: skip
+    text = dict(vocab_size=STANDIN_VOCAB_ROWS, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=512,
+                sliding_window=512, pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"],
+                eos_token_id=vocab["<end_of_turn>"])  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=7, vision_use_head=False)  # Gemma 3 reads the patch features, not a pooled head  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab["<start_of_image>"],
+        eoi_token_index=vocab["<end_of_image>"], image_token_index=vocab["<image_soft_token>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+
+
 def build_standins(root: Path, models: list[str] | None = None, log=print) -> dict:
     """Write `root/trl-internal-testing/<repo>` for each stand-in model (all by default) and the `zen`
     dataset. Returns {repo: "built" | the reason it could not be built}."""
@@ -164,7 +237,7 @@ def build_standins(root: Path, models: list[str] | None = None, log=print) -> di
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.pad_token_id)
     built = {}
-    for repo in models if models is not None else list(STANDIN_MODELS):
+    for repo in [m for m in models if m in STANDIN_MODELS] if models is not None else list(STANDIN_MODELS):
         config_class, model_class, extra = STANDIN_MODELS[repo]
         try:
             torch.manual_seed(0)
@@ -176,6 +249,14 @@ def build_standins(root: Path, models: list[str] | None = None, log=print) -> di
         except Exception as error:  # this transformers lacks the class: its tests fail both ways
             built[repo] = f"{type(error).__name__}: {error}"
         log(f"  stand-in {repo}: {built[repo]}")
+    if models is None or GEMMA3_VLM in models:
+        try:
+            build_gemma3_vlm(org / GEMMA3_VLM)
+            built[GEMMA3_VLM] = "built"
+        except Exception as error:
+            built[GEMMA3_VLM] = f"{type(error).__name__}: {error}"
+        log(f"  stand-in {GEMMA3_VLM}: {built[GEMMA3_VLM]}")
+    zen_image(org / "zen-image")
     zen = org / "zen"
     configs = {"standard_prompt_only": lambda p: p, "conversational_prompt_only": lambda p: [{"role": "user", "content": p}]}
     splits = {"train": ZEN_PROMPTS[:ZEN_TRAIN_ROWS], "test": ZEN_PROMPTS[ZEN_TRAIN_ROWS:]}
@@ -338,9 +419,9 @@ def main(argv=None) -> int:
 
     if not (args.trl_tests / TEST_FILE).is_file():
         parser.error(f"{args.trl_tests / TEST_FILE} does not exist: --trl-tests must be TRL's tests/ folder")
-    unknown = [m for m in (args.models or "").split(",") if m and m not in STANDIN_MODELS]
+    unknown = [m for m in (args.models or "").split(",") if m and m not in (*STANDIN_MODELS, GEMMA3_VLM)]
     if unknown:
-        parser.error(f"no stand-in for {unknown}; known: {sorted(STANDIN_MODELS)}")
+        parser.error(f"no stand-in for {unknown}; known: {sorted([*STANDIN_MODELS, GEMMA3_VLM])}")
     try:
         swap_trainer((args.trl_tests / TEST_FILE).read_text())
     except ValueError as error:
