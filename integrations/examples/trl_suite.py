@@ -133,17 +133,25 @@ def family_chat_template(model_class: str) -> str:
     return CHATML
 
 
-def standin_tokenizer():
-    """Byte-level BPE without merges (any text round-trips: 256 byte symbols) and ChatML's special tokens."""
+def byte_level_core(special_tokens: list[str]):
+    """A byte-level BPE without merges (any text round-trips: 256 byte symbols), then `special_tokens`.
+    Returns the tokenizers.Tokenizer and its vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for token in SPECIAL_TOKENS:
+    for token in special_tokens:
         vocab[token] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    return core, vocab
+
+
+def standin_tokenizer():
+    """The byte-level tokenizer with ChatML's special tokens (Qwen's names) and a ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
+    core, _ = byte_level_core(SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=SPECIAL_TOKENS[1:])
     tokenizer.chat_template = CHATML
@@ -185,18 +193,13 @@ def zen_image(path: Path) -> None:
 
 def build_gemma3_vlm(path: Path) -> None:
     """Gemma 3 with images: a SigLIP tower (28 x 28 images, 16 patches pooled to 4 image tokens), a
-    soft-capped Gemma 3 language model whose sliding window spans every prompt (the completion sees the image), its processor (byte-level tokenizer with Gemma's image tokens)."""
+    soft-capped Gemma 3 language model whose sliding window spans every prompt (the completion sees the
+    image), its processor (the byte-level tokenizer with Gemma's turn and image tokens)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for token in GEMMA3_TOKENS:
-        vocab[token] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core, vocab = byte_level_core(GEMMA3_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<end_of_turn>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
