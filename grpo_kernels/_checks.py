@@ -96,15 +96,6 @@ def check_global_count(name: str, value, local: int, what: str) -> None:
         )
 
 
-def check_positive_normalizer(name: str, value, local: int, what: str) -> None:
-    """A normaliser of a call that holds valid tokens must be > 0 (zero would divide their sum by zero)."""
-    if value is None:
-        return
-    value = value.item() if isinstance(value, torch.Tensor) else value
-    if local > 0 and not value > 0:
-        fail(f"{name}={value} must be > 0: this call holds {local} {what}")
-
-
 def check_count(name: str, value, *, integer: bool = False, minimum: float = 1) -> None:
     if value is None:
         return

@@ -463,7 +463,9 @@ def _flatten_batch(
         # not bounded below by this call's count: an estimate of the step's count is a normaliser too (TRL
         # scales the generation batch's count by GA / steps_per_generation, which can fall below one
         # micro-batch's own count when GA < steps_per_generation)
-        chk.check_positive_normalizer("num_tokens", normalizers["num_tokens"], int(valid.sum()), "valid tokens")
+        local, tokens = int(valid.sum()), normalizers["num_tokens"]  # tokens: a number or a 1-element tensor
+        if local > 0 and not float(tokens) > 0:
+            chk.fail(f"num_tokens={tokens} must be > 0: this call holds {local} valid tokens")
     if normalizers["num_sequences"] is not None:
         nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
         chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")

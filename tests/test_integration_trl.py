@@ -77,26 +77,32 @@ NOT_COMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train
 WORDS = ["<pad>", "<eos>", "<unk>"] + [chr(ord("a") + i) for i in range(13)]
 
 
-def make_tokenizer():
+def make_tokenizer(words=WORDS, special_tokens=()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        additional_special_tokens=list(special_tokens),
     )
+
+
+def text_config(vocab_size: int) -> dict:
+    """The tiny language model's config: <pad> 0, <eos> 1, large initial weights (varied log-probs)."""
+    return dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, initializer_range=0.3,
+    )  # fmt: skip
 
 
 def make_model(kind: str):
     import transformers
 
-    common = dict(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None, initializer_range=0.3,
-    )  # fmt: skip
+    common = text_config(len(WORDS))
     torch.manual_seed(0)
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
@@ -409,7 +415,7 @@ def build(model_dir, tmp_path, **kwargs):
 # A vision-language model: LLaVA (a CLIP vision tower, a projector, a Llama language model), tiny, with a
 # processor built here. Each 28 x 28 image is 4 patches + the CLS feature ("full" selection): 5 image
 # tokens in the prompt, which are prompt positions for the loss like any other.
-VLM_WORDS = WORDS + ["<image>"]
+VLM_WORDS = WORDS + ["<image>", "user:", "assistant:"]
 VLM_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}:"
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
@@ -421,27 +427,18 @@ VLM_TEMPLATE = (
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(VLM_WORDS + ["user:", "assistant:"])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>", additional_special_tokens=["<image>"])  # fmt: skip
+    tokenizer = make_tokenizer(VLM_WORDS, special_tokens=["<image>"])
     image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 28},
                                                       crop_size={"height": 28, "width": 28})  # fmt: skip
     processor = transformers.LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=VLM_TEMPLATE, patch_size=14,
         vision_feature_select_strategy="full", image_token="<image>", num_additional_image_tokens=1,
     )  # fmt: skip
-    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-                eos_token_id=1, bos_token_id=None, initializer_range=0.3, model_type="llama")  # fmt: skip
+    text = dict(text_config(len(VLM_WORDS)), model_type="llama")
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14, model_type="clip_vision_model")  # fmt: skip
-    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=vocab["<image>"],
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=VLM_WORDS.index("<image>"),
                                       vision_feature_select_strategy="full", vision_feature_layer=-1)  # fmt: skip
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_vlm") / "llava"

@@ -8,9 +8,9 @@ TRL's tests are not part of its wheel: give the `tests/` folder of a TRL checkou
 (`trl-internal-testing/tiny-*` models and the `zen` prompt datasets) are replaced by stand-ins built here,
 in code, under `--out` (tiny models of the same classes with a byte-level tokenizer, the chat template
 of the model's family as the installed TRL ships it, else ChatML; a Gemma 3 vision-language model with
-its processor; the Zen-of-Python prompts, with an image each for `zen-image`), and the runs are offline (`HF_HUB_OFFLINE=1`). Repos without
-a stand-in (the vision-language models other than Gemma 3, remote code, a few architectures) fail the same
-way in both runs and are listed as such.
+its processor; the Zen-of-Python prompts, with an image each for `zen-image`), and the runs are offline
+(`HF_HUB_OFFLINE=1`). Repos without a stand-in (the vision-language models other than Gemma 3, remote
+code, a few architectures) fail the same way in both runs and are listed as such.
 
 The swapped run imports `GRPOKernelsTrainer as GRPOTrainer` right after the test file's own
 `from trl import ... GRPOTrainer ...` (the README's one-line change) in its default `fused` mode, and
@@ -80,8 +80,8 @@ def shim_missing_imports(source: str, available: set[str]) -> tuple[str, list[st
 # --------------------------------------------------------------------------------------------------------
 
 # 4096 embedding rows, more than the tokenizer's 263 ids (as in Qwen2.5: 151936 rows, 151665 ids). Not
-# Qwen's 151936: TRL's chunked log-prob kernel takes about an hour for its tests on CPU at that width. So
-# the one test whose mocked generation returns Qwen2.5's special-token ids (151643, 151645) fails both ways.
+# Qwen's 151936: at that width TRL's chunked log-prob kernel ran 29 of the 175 tests in 13 minutes on CPU.
+# So the tests whose mocked generations are written in Qwen2.5's token ids fail both ways.
 STANDIN_VOCAB_ROWS = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 CHATML = (
@@ -159,6 +159,7 @@ def standin_tokenizer():
 
 
 GEMMA3_VLM = "tiny-Gemma3ForConditionalGeneration"
+STANDIN_REPOS = (*STANDIN_MODELS, GEMMA3_VLM)  # what --models may name
 GEMMA3_TOKENS = ["<pad>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
                  "<image_soft_token>"]
 GEMMA3_TEMPLATE = (
@@ -170,25 +171,40 @@ GEMMA3_TEMPLATE = (
 )
 
 
-def zen_image(path: Path) -> None:
-    """`zen-image`, conversational_prompt_only: the Zen prompts, each with a 28 x 28 image of its own."""
+def write_prompt_dataset(path: Path, configs: dict) -> None:
+    """A local dataset repo: for each config name, `make(prompts) -> datasets.Dataset` of the Zen prompts'
+    train and test splits, as parquet files, with the card that names them."""
+    card = ["---", "configs:"]
+    for name, make in configs.items():
+        (path / name).mkdir(parents=True, exist_ok=True)
+        card += [f"- config_name: {name}", "  data_files:"]
+        for split, prompts in {"train": ZEN_PROMPTS[:ZEN_TRAIN_ROWS], "test": ZEN_PROMPTS[ZEN_TRAIN_ROWS:]}.items():
+            make(prompts).to_parquet(path / name / f"{split}.parquet")
+            card += [f"  - split: {split}", f"    path: {name}/{split}.parquet"]
+    (path / "README.md").write_text("\n".join(card + ["---", ""]))
+
+
+def zen_datasets(org: Path) -> None:
+    """`zen` (standard and conversational prompts) and `zen-image` (conversational, a 28 x 28 image each)."""
     import datasets
     import numpy as np
     from PIL import Image
 
+    def chat(prompt, image=False):
+        text = {"type": "text", "text": prompt}
+        return [{"role": "user", "content": [{"type": "image"}, text] if image else prompt}]
+
     rng = np.random.default_rng(0)
-    card = ["---", "configs:", "- config_name: conversational_prompt_only", "  data_files:"]
-    (path / "conversational_prompt_only").mkdir(parents=True, exist_ok=True)
-    for split, prompts in {"train": ZEN_PROMPTS[:ZEN_TRAIN_ROWS], "test": ZEN_PROMPTS[ZEN_TRAIN_ROWS:]}.items():
-        rows = {
-            "prompt": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in prompts],
-            "image": [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)) for _ in prompts],
-        }
-        features = datasets.Features({"prompt": [{"role": datasets.Value("string"), "content": [
-            {"type": datasets.Value("string"), "text": datasets.Value("string")}]}], "image": datasets.Image()})
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(path / "conversational_prompt_only" / f"{split}.parquet")
-        card += [f"  - split: {split}", f"    path: conversational_prompt_only/{split}.parquet"]
-    (path / "README.md").write_text("\n".join(card + ["---", ""]))
+    image_features = datasets.Features({"prompt": [{"role": datasets.Value("string"), "content": [
+        {"type": datasets.Value("string"), "text": datasets.Value("string")}]}], "image": datasets.Image()})
+    write_prompt_dataset(org / "zen", {
+        "standard_prompt_only": lambda ps: datasets.Dataset.from_dict({"prompt": ps}),
+        "conversational_prompt_only": lambda ps: datasets.Dataset.from_dict({"prompt": [chat(p) for p in ps]}),
+    })
+    write_prompt_dataset(org / "zen-image", {"conversational_prompt_only": lambda ps: datasets.Dataset.from_dict({
+        "prompt": [chat(p, image=True) for p in ps],
+        "image": [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)) for _ in ps],
+    }, features=image_features)})
 
 
 def build_gemma3_vlm(path: Path) -> None:
@@ -213,8 +229,9 @@ def build_gemma3_vlm(path: Path) -> None:
                 num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=512,
                 sliding_window=512, pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"],
                 eos_token_id=vocab["<end_of_turn>"])  # fmt: skip
+    # Gemma 3 reads the patch features: no pooling head (its parameters would get no gradient)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=7, vision_use_head=False)  # Gemma 3 reads the patch features, not a pooled head  # fmt: skip
+                  patch_size=7, vision_use_head=False)  # fmt: skip
     config = transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab["<start_of_image>"],
         eoi_token_index=vocab["<end_of_image>"], image_token_index=vocab["<image_soft_token>"],
@@ -225,8 +242,8 @@ def build_gemma3_vlm(path: Path) -> None:
 
 
 def build_standins(root: Path, models: list[str] | None = None, log=print) -> dict:
-    """Write `root/trl-internal-testing/<repo>` for each stand-in model (all by default) and the `zen`
-    dataset. Returns {repo: "built" | the reason it could not be built}."""
+    """Write `root/trl-internal-testing/<repo>` for each stand-in model (all by default) and the `zen` /
+    `zen-image` datasets. Returns {repo: "built" | the reason it could not be built}."""
     import datasets
     import torch
     import transformers
@@ -259,19 +276,8 @@ def build_standins(root: Path, models: list[str] | None = None, log=print) -> di
         except Exception as error:
             built[GEMMA3_VLM] = f"{type(error).__name__}: {error}"
         log(f"  stand-in {GEMMA3_VLM}: {built[GEMMA3_VLM]}")
-    zen_image(org / "zen-image")
-    zen = org / "zen"
-    configs = {"standard_prompt_only": lambda p: p, "conversational_prompt_only": lambda p: [{"role": "user", "content": p}]}
-    splits = {"train": ZEN_PROMPTS[:ZEN_TRAIN_ROWS], "test": ZEN_PROMPTS[ZEN_TRAIN_ROWS:]}
-    card = ["---", "configs:"]
-    for name, row in configs.items():
-        card += [f"- config_name: {name}", "  data_files:"]
-        for split, prompts in splits.items():
-            (zen / name).mkdir(parents=True, exist_ok=True)
-            datasets.Dataset.from_dict({"prompt": [row(p) for p in prompts]}).to_parquet(zen / name / f"{split}.parquet")
-            card += [f"  - split: {split}", f"    path: {name}/{split}.parquet"]
-    (zen / "README.md").write_text("\n".join(card + ["---", ""]))
-    built["zen"] = "built"
+    zen_datasets(org)
+    built["zen"] = built["zen-image"] = "built"
     return built
 
 
@@ -387,8 +393,10 @@ def compare(stock: dict, swapped: dict, fused_calls: dict) -> dict:
     for key, n in fused_calls.items():  # PYTEST_CURRENT_TEST: tests/test_grpo_trainer.py::Class::test[params]
         test = "::".join(key.split("::")[1:])
         calls[test] = calls.get(test, 0) + n
-    passed_both = [t for t in stock if stock[t]["outcome"] == "passed" and swapped.get(t, {}).get("outcome") == "passed"]
-    failed_both = [t for t in stock if stock[t]["outcome"] == "failed" and swapped.get(t, {}).get("outcome") == "failed"]
+    def both(outcome):
+        return [t for t in stock if stock[t]["outcome"] == outcome == swapped.get(t, {}).get("outcome")]
+
+    passed_both, failed_both = both("passed"), both("failed")
     no_standin = [t for t in failed_both if NO_STANDIN.search(stock[t].get("error", ""))]
     return dict(
         counts=counts,
@@ -422,9 +430,9 @@ def main(argv=None) -> int:
 
     if not (args.trl_tests / TEST_FILE).is_file():
         parser.error(f"{args.trl_tests / TEST_FILE} does not exist: --trl-tests must be TRL's tests/ folder")
-    unknown = [m for m in (args.models or "").split(",") if m and m not in (*STANDIN_MODELS, GEMMA3_VLM)]
+    unknown = [m for m in (args.models or "").split(",") if m and m not in STANDIN_REPOS]
     if unknown:
-        parser.error(f"no stand-in for {unknown}; known: {sorted([*STANDIN_MODELS, GEMMA3_VLM])}")
+        parser.error(f"no stand-in for {unknown}; known: {sorted(STANDIN_REPOS)}")
     try:
         swap_trainer((args.trl_tests / TEST_FILE).read_text())
     except ValueError as error:
@@ -462,17 +470,15 @@ def main(argv=None) -> int:
         print(f"a run wrote no results (exit codes {codes}):\n" + "\n".join(f"--- {n}\n{t}" for n, t in tails.items()))
         return 2
     fused_file = runs["swapped"] / "fused_calls.json"
-    result = compare(outcomes(runs["stock"] / "junit.xml"), outcomes(runs["swapped"] / "junit.xml"),
-                     json.loads(fused_file.read_text()) if fused_file.exists() else {})
+    stock, swapped = (outcomes(runs[side] / "junit.xml") for side in ("stock", "swapped"))
+    result = compare(stock, swapped, json.loads(fused_file.read_text()) if fused_file.exists() else {})
     record = dict(
         trl_tests=dict(ref=args.trl_ref or _git_sha(args.trl_tests), file=TEST_FILE, keyword=args.keyword),
         versions=dict(trl=trl.__version__, transformers=transformers.__version__, torch=torch.__version__,
                       python=sys.version.split()[0], grpo_kernels=grpo_kernels.__version__),
         grpo_kernels_git_sha=_git_sha(Path(__file__).resolve().parent),
         cuda=torch.cuda.is_available(), liger_hidden=hide_liger, shimmed_helpers=shimmed,
-        standins={k: v for k, v in standins.items()}, seconds=seconds,
-        **result,
-        stock=outcomes(runs["stock"] / "junit.xml"), swapped=outcomes(runs["swapped"] / "junit.xml"),
+        standins=standins, seconds=seconds, **result, stock=stock, swapped=swapped,
     )
     (out / "trl_suite.json").write_text(json.dumps(record, indent=1) + "\n")
     c = result["counts"]
