@@ -15,12 +15,14 @@ EMBEDDED_MODEL = dict(
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
+    # 2 heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80, ... (not 16), so the embedded model
+    # can be served by a vLLM engine as it is (`--rollout-engine vllm`); the parameter count is unchanged
+    num_attention_heads=2,
+    num_key_value_heads=2,
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
-EMBEDDED_NAME = "embedded tiny Llama (2 layers, hidden 64, vocab 16)"
+EMBEDDED_NAME = "embedded tiny Llama (2 layers, hidden 64, 2 heads of 32, vocab 16)"
 
 
 
