@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import PolicyLossConfig
+from . import oracle
 from .shapes import BenchShape
 
 LM_HEAD_MAX_TOKENS = 65536  # the LM-head ops' token range (the sweep's top); loss_head has none
@@ -145,8 +146,6 @@ def _randn(shape, generator, device, std=1.0, dtype=torch.float32):
 def build_inputs(op: OpSpec, shape: BenchShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """Random inputs of one op at one shape. old / ref log-probs of the LM-head loss are drawn around
     the fp32 reference log-probs of these very hidden states (so ratios are near 1, as in training)."""
-    from . import oracle
-
     g = torch.Generator(device=device).manual_seed(seed)
     n, hid, vocab, b, t = shape.tokens, shape.hidden, shape.vocab, shape.batch, shape.seq_len
     inp = BenchInputs(op=op, shape=shape, dtype=dtype, device=device)

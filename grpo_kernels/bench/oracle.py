@@ -18,13 +18,16 @@ outputs are left out, so gradients are compared like for like.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..ops.lm_head import chunked
 from ..ops.lm_head.reference import lm_head_logits_grad_reference, lm_head_stats_reference
 from ..ops.loss_head.reference import policy_loss_reference
-from .ops import BenchInputs
+
+if TYPE_CHECKING:  # annotations only: ops.py imports this module (inputs are built around the truth)
+    from .ops import BenchInputs
 
 MATERIALISE_LIMIT = 1 << 24  # N * V elements: 64 MiB of fp32 logits
 BASELINE_BLOCK = 4096  # tokens per block of the same-dtype baseline ([4096, 152k] bf16 logits: 1.2 GiB)
