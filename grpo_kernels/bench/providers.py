@@ -169,7 +169,8 @@ def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False, f
 
 
 def _tp_group(device: torch.device):
-    """(the process group the benchmark runs in, its size): torchrun's world, or a 1-rank group made here."""
+    """(the process group the benchmark runs in, its size, this rank): torchrun's world, or a 1-rank group
+    made here on a local file store."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -178,10 +179,11 @@ def _tp_group(device: torch.device):
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend)
-        else:
-            from ..testing.distributed import free_port
+        else:  # one process: a 1-rank group on a file store (no socket, no port: GPU machines have no network)
+            import tempfile
 
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="grpo_kernels_tp_"), "store"), 1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 
 
