@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench.cli import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog="grpo-kernels bench")
     if args.command == "info":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

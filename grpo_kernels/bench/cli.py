@@ -1,4 +1,4 @@
-"""`python -m benchmarks` / `grpo-kernels bench`: every op against every peer in one run.
+"""`python -m benchmarks` / `grpo-kernels bench` (the same CLI): every op against every peer in one run.
 
   python -m benchmarks                                  # tiny shapes on CPU, the full GPU run on CUDA
   python -m benchmarks --op fused_grpo --shapes qwen3-8b --providers grpo_kernels,trl,liger-chunked
@@ -29,12 +29,10 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     from .providers import REGISTRY
 
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", default="all", help=f"comma-separated ops or 'all': {', '.join(OPS)}")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shape presets; default 'tiny' off CUDA, 'full' on CUDA. "
@@ -70,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-readme", metavar="README", help="with --readme-table: replace the table block in README"
     )
     p.add_argument("--allow-cpu", action="store_true", help="with --write-readme: accept a CPU results file")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print grpo_kernels' DEBUG log (the path each call took: schedule, backend)")  # fmt: skip
     return p
 
 
@@ -125,8 +125,14 @@ def _readme(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    """`prog`: how the user invoked it (`grpo-kernels bench` from the console script), for the usage line."""
+    args = build_parser(prog).parse_args(argv)
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("grpo_kernels").setLevel(logging.DEBUG)
     if args.readme_table:
         return _readme(args)
     if args.write_readme:

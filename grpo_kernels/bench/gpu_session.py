@@ -55,6 +55,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .plots import empty_panel, line_style, offset
 from .session_worker import (
     FLOOR,
     HEADLINE_OPS,
@@ -311,6 +312,8 @@ class Session:
                 self.save()
                 continue
             self.say(f"[{part.name}] {part.what} (limit {limit:.0f} s)")
+            entry.update(status="running", limit_s=round(limit))  # what a killed session.json shows
+            self.save()
             t0 = time.monotonic()
             {"wheels": self._wheels, "tests": self._tests, "rows": self._rows}[part.kind](part, entry, limit)
             entry["seconds"] = round(time.monotonic() - t0, 1)
@@ -624,17 +627,6 @@ def verdict(out: Path) -> dict | None:
 # ------------------------------------------------------------------------------------------------
 # plots
 # ------------------------------------------------------------------------------------------------
-# Lines that can lie on one another (two providers on one code path) stay distinguishable: each
-# provider its own colour, marker and dash pattern, drawn with a small horizontal offset.
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
-_DASHES = ("-", "--", "-.", ":")
-
-
-def line_style(index: int) -> dict:
-    return {"marker": _MARKERS[index % len(_MARKERS)], "linestyle": _DASHES[index % len(_DASHES)],
-            "color": f"C{index % 10}", "markersize": 6, "markerfacecolor": "none" if index % 2 else None}  # fmt: skip
-
-
 def caption_lines(report: dict) -> str:
     """Two short lines (a one-line caption of every field is cut at both ends of the figure)."""
     v, git = report["versions"], report["git"]
@@ -708,7 +700,7 @@ def sweep_plot(report: dict, path: Path) -> Path:
         if not pts:
             continue
         style = dict(color="black", linestyle="--", marker="x") if provider == FLOOR else line_style(i)
-        shift = 1 + 0.015 * (i - len(providers) / 2)  # a small offset along log N: coinciding lines both show
+        shift = 1.0 if provider == FLOOR else offset(i, len(providers))  # coinciding lines both show
         ax_t.plot([n * shift for n, _ in pts], [r["time"]["median_ms"] for _, r in pts], label=provider, **style)
         mem = [(n, r["memory"]["beyond_grads_bytes"] / 2**30) for n, r in pts if r.get("memory")]
         if mem and provider != FLOOR:
@@ -717,13 +709,9 @@ def sweep_plot(report: dict, path: Path) -> Path:
     ax_m.set(xscale="log", xlabel="tokens N", ylabel="GiB beyond inputs and gradients", title="fused_grpo: extra memory")
     if ax_m.lines:
         ax_m.axhline(TARGETS["fused_grpo"]["extra_gib"], color="green", linestyle=":", label="target")
-    else:  # an empty panel says why, with no meaningless axes
-        ax_m.set_xscale("linear")
-        ax_m.set_xticks([])
-        ax_m.set_yticks([])
-        why = "no memory row: peak memory is measured on CUDA only" if report["device"].get("type") != "cuda" \
-            else "no memory row (every row failed or was lost: see session.json)"  # fmt: skip
-        ax_m.text(0.5, 0.5, why, ha="center", va="center", transform=ax_m.transAxes, fontsize=10, wrap=True)
+    else:
+        empty_panel(ax_m, "no memory figures: peak memory is measured on CUDA only" if report["device"].get("type")
+                    != "cuda" else "no memory figures (every row failed or was lost: see session.json)")  # fmt: skip
     for ax in (ax_t, ax_m):
         ax.grid(True, which="both", alpha=0.3)
         if ax.lines:

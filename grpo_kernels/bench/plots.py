@@ -1,4 +1,9 @@
-"""PNG plots: time and peak extra memory against tokens, one line per provider, per op and LM head."""
+"""PNG plots: time and peak extra memory against tokens, one line per provider, per op and LM head.
+
+Readable as drawn: the caption is two short lines (one line of every field was cut at both ends);
+lines that coincide (two providers on one code path) stay distinguishable, each provider with its own
+colour, marker and dash pattern and a small offset along N; a panel with nothing to draw (memory off
+CUDA) says why in place of empty axes."""
 
 from __future__ import annotations
 
@@ -8,6 +13,29 @@ from pathlib import Path
 
 from .ops import OPS
 from .runner import FLOOR
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def line_style(index: int) -> dict:
+    """The style of the index-th provider's line: colour, marker (hollow every other one) and dashes."""
+    return {"marker": _MARKERS[index % len(_MARKERS)], "linestyle": _DASHES[index % len(_DASHES)],
+            "color": f"C{index % 10}", "markersize": 6, "markerfacecolor": "none" if index % 2 else None}  # fmt: skip
+
+
+def offset(index: int, count: int, spread: float = 0.03) -> float:
+    """A factor on N (a log axis) that fans `count` lines apart by `spread` in all: coinciding lines both show."""
+    return 1.0 + spread * ((index - (count - 1) / 2) / max(1, count - 1))
+
+
+def empty_panel(ax, why: str) -> None:
+    """Say why a panel has no data instead of leaving blank axes."""
+    ax.set_xscale("linear")
+    ax.set_yscale("linear")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, fontsize=10, wrap=True)
 
 
 def _family(row: dict) -> str:
@@ -28,18 +56,19 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         groups[(r["op"], _family(r))].append(r)
     cpu = report["device"]["type"] != "cuda"
     for (op, family), rows in groups.items():
-        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 5))
         lines: dict[str, list[tuple[int, dict]]] = defaultdict(list)
         for r in rows:
             if r["status"] == "ok" and r["time"]:
                 lines[r["provider"]].append((r["shape"]["tokens"], r))
-        for provider, points in lines.items():
+        for index, (provider, points) in enumerate(lines.items()):
             points.sort(key=lambda p: p[0])
-            tokens = [n for n, _ in points]
-            style = dict(color="black", linestyle="--") if provider == FLOOR else dict(marker="o")
+            shift = 1.0 if provider == FLOOR else offset(index, len(lines))
+            tokens = [n * shift for n, _ in points]
+            style = dict(color="black", linestyle="--", marker="x") if provider == FLOOR else line_style(index)
             label = OPS[op].floor_label if provider == FLOOR else provider
             ax_time.plot(tokens, [r["time"]["median_ms"] for _, r in points], label=label, **style)
-            memory = [(n, r["memory"]["beyond_grads_bytes"] / 2**20) for n, r in points if r["memory"]]
+            memory = [(n * shift, r["memory"]["beyond_grads_bytes"] / 2**20) for n, r in points if r["memory"]]
             if memory and provider != FLOOR:
                 ax_mem.plot([n for n, _ in memory], [m for _, m in memory], label=label, **style)
         device = report["device"]["name"]
@@ -47,19 +76,18 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
                     title=f"{op}: time ({report['settings']['dtype']})")  # fmt: skip
         ax_mem.set(xscale="log", xlabel="tokens N", ylabel="peak MiB beyond inputs and gradients",
                    title=f"{op}: extra memory")  # fmt: skip
-        if cpu or not ax_mem.lines:
-            ax_mem.text(0.5, 0.5, "memory is measured on CUDA only", ha="center", va="center",
-                        transform=ax_mem.transAxes)  # fmt: skip
+        if not ax_mem.lines:
+            empty_panel(ax_mem, "no memory figures: peak memory is measured on CUDA only\n(torch.cuda's allocator "
+                        "statistics); this run is on " + report["device"]["type"].upper() if cpu else
+                        "no memory figures: no row measured its peak memory")  # fmt: skip
         for ax in (ax_time, ax_mem):
             ax.grid(True, which="both", alpha=0.3)
             if ax.lines:
-                ax.legend(fontsize=8)
+                ax.legend(fontsize=7, ncol=2 if len(ax.lines) > 6 else 1)
         v, sha = report["versions"], (report["git"]["sha"] or "unknown")[:10]
-        caption = (f"{family} | {device} | torch {v['torch']}, triton {v['triton']} | grpo_kernels {sha} | "
-                   f"{report['date'][:10]}")  # fmt: skip
-        if cpu:
-            caption += " | CPU: not the product's numbers"
-        fig.suptitle(caption)
+        caption = f"{family} | {device} | {report['date'][:10]}" + (" | CPU: not the product's numbers" if cpu else "")
+        caption += f"\ntorch {v['torch']}, triton {v['triton']} | grpo_kernels {sha}"
+        fig.suptitle(caption, fontsize=9)
         fig.tight_layout()
         slug = re.sub(r"[^A-Za-z0-9]+", "-", family).strip("-")
         path = out_dir / f"{report['stem']}_{op}_{slug}.png"

@@ -159,9 +159,13 @@ def record_paths(row: dict):
     slower fallback it warned about (those warnings are recorded here, not printed)."""
     logger = logging.getLogger("grpo_kernels")
     recorder = _PathRecorder()
-    old_level = logger.level
+    old_level, old_propagate = logger.level, logger.propagate
+    # DEBUG records reach the root logger's handlers only if the user asked for them (`--verbose`, or
+    # their own logging set to DEBUG): a peer's import may have configured the root logger
+    asked = logger.getEffectiveLevel() <= logging.DEBUG
     logger.addHandler(recorder)
     logger.setLevel(logging.DEBUG)
+    logger.propagate = old_propagate and asked
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SlowPathWarning)
@@ -169,6 +173,7 @@ def record_paths(row: dict):
     finally:
         logger.removeHandler(recorder)
         logger.setLevel(old_level)
+        logger.propagate = old_propagate
     paths = {"schedule": recorder.messages}
     slow = [str(w.message) for w in caught if issubclass(w.category, SlowPathWarning)]
     if slow:
@@ -294,7 +299,7 @@ def _run_ops(report: dict, ops: list[str], shapes: list[BenchShape], provider_na
                 rows.append(run_provider(provider, ctx, settings))
                 r = rows[-1]
                 shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
-                _log(f"    {provider.name:<20} {shown}")
+                _log(f"    {provider.name:<28} {shown}")
             add_ratios(rows, ctx.inputs)
             report["results"] += rows
             del ctx
