@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_kernels.bench import cli as bench_cli
+from grpo_kernels.bench import plots
 from grpo_kernels.bench import report as bench_report
 from grpo_kernels.bench.ops import OPS
 from grpo_kernels.bench.providers import REGISTRY, Forward, Provider, RunSettings
@@ -80,6 +82,9 @@ def test_tiny_cli_run_prints_one_table_per_op(tiny_run):
     for provider in ("grpo_kernels", "torch-eager", "trl", "liger-chunked", "verl-torch"):
         assert f"  {provider} " in table, f"{provider} missing from the fused_grpo table:\n{table}"
     assert f"wrote {tiny_run['json_path']}" in stdout
+    # quiet unless asked: the DEBUG lines of the path each call took stay out (a peer's import may have
+    # configured the root logger); --verbose shows them
+    assert "DEBUG" not in stdout + tiny_run["proc"].stderr
 
 
 @pytest.mark.slow
@@ -253,6 +258,40 @@ def test_bench_subcommand_lists_providers(capsys):
         assert name in out
     for preset in ("tiny", "qwen2.5-7b", "llama3-8b", "qwen3-8b", "sweep", "full"):
         assert preset in out
+
+
+def test_bench_usage_names_the_command_it_was_invoked_as(capsys):
+    from grpo_kernels.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--bogus"])
+    assert capsys.readouterr().err.startswith("usage: grpo-kernels bench ")
+    with pytest.raises(SystemExit):
+        bench_cli.main(["--bogus"])
+    assert capsys.readouterr().err.startswith("usage: python -m benchmarks ")
+
+
+def test_plot_caption_fits_and_coinciding_lines_stay_distinguishable():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = {"versions": {"torch": "2.11.0+cu130", "triton": "3.6.0"}, "git": {"sha": "0123456789abcdef" * 2},
+              "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}, "date": "2026-11-24T23:00:00+00:00"}
+    for device in ("cuda", "cpu"):
+        report["device"]["type"] = device
+        fig = plt.figure(figsize=plots.FIGSIZE)
+        title = fig.suptitle(plots.caption(report, "Qwen3-8B H=4096 V=151936"), fontsize=plots.CAPTION_FONTSIZE)
+        fig.canvas.draw()
+        box = title.get_window_extent()
+        plt.close(fig)
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, fig.bbox)  # not cut at either end
+    styles = [plots.line_style(i) for i in range(10)]
+    assert len({(s["marker"], s["linestyle"], s["color"]) for s in styles}) == 10
+    assert len({s["marker"] for s in styles}) == 10  # two lines on one path: different markers at least
+    factors = [plots.offset(i, 4) for i in range(4)]
+    assert factors == sorted(factors) and len(set(factors)) == 4 and 0.98 < factors[0] < factors[-1] < 1.02
 
 
 def test_pytest_does_not_collect_the_benchmarks_by_default():

@@ -43,6 +43,19 @@ def _family(row: dict) -> str:
     return f"{s['model']} H={s['hidden']} V={s['vocab']}"
 
 
+CAPTION_FONTSIZE = 9
+FIGSIZE = (12, 5)  # inches: time | memory
+
+
+def caption(report: dict, family: str) -> str:
+    """Two lines: what and where, then the software (one line of it all was cut at both ends)."""
+    v, sha = report["versions"], (report["git"]["sha"] or "unknown")[:10]
+    cpu = report["device"]["type"] != "cuda"
+    first = f"{family} | {report['device']['name']} | {report['date'][:10]}"
+    return first + (" | CPU: not the product's numbers" if cpu else "") + (
+        f"\ntorch {v['torch']}, triton {v['triton']} | grpo_kernels {sha}")
+
+
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -56,7 +69,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         groups[(r["op"], _family(r))].append(r)
     cpu = report["device"]["type"] != "cuda"
     for (op, family), rows in groups.items():
-        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 5))
+        fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=FIGSIZE)
         lines: dict[str, list[tuple[int, dict]]] = defaultdict(list)
         for r in rows:
             if r["status"] == "ok" and r["time"]:
@@ -71,7 +84,6 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             memory = [(n * shift, r["memory"]["beyond_grads_bytes"] / 2**20) for n, r in points if r["memory"]]
             if memory and provider != FLOOR:
                 ax_mem.plot([n for n, _ in memory], [m for _, m in memory], label=label, **style)
-        device = report["device"]["name"]
         ax_time.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="median time (ms)",
                     title=f"{op}: time ({report['settings']['dtype']})")  # fmt: skip
         ax_mem.set(xscale="log", xlabel="tokens N", ylabel="peak MiB beyond inputs and gradients",
@@ -84,10 +96,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             ax.grid(True, which="both", alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7, ncol=2 if len(ax.lines) > 6 else 1)
-        v, sha = report["versions"], (report["git"]["sha"] or "unknown")[:10]
-        caption = f"{family} | {device} | {report['date'][:10]}" + (" | CPU: not the product's numbers" if cpu else "")
-        caption += f"\ntorch {v['torch']}, triton {v['triton']} | grpo_kernels {sha}"
-        fig.suptitle(caption, fontsize=9)
+        fig.suptitle(caption(report, family), fontsize=CAPTION_FONTSIZE)
         fig.tight_layout()
         slug = re.sub(r"[^A-Za-z0-9]+", "-", family).strip("-")
         path = out_dir / f"{report['stem']}_{op}_{slug}.png"
