@@ -275,9 +275,7 @@ class Session:
             "budget_s": budget_s,
             "source": self.source,
             "environment": _environment(),
-            "plan": [{"name": p.name, "what": p.what, "budget_s": p.budget_s,
-                      "jobs": [{"label": j.label, "rows": len(j.keys), "row_limit_s": j.row_limit_s} for j in p.jobs]}
-                     for p in self.parts],  # fmt: skip
+            "plan": [_planned(p) for p in self.parts],
             "files": file_list(call),
             "parts": [],
             "lost_rows": [],
@@ -485,7 +483,7 @@ class Session:
         rows = read_rows(self.results)
         try:
             if stem is None:  # the microbenchmark parts: one plot of every micro row so far
-                if kernels_plot(rows, self.out / "kernels.png", self.record["environment"]):
+                if kernels_plot(rows, self.out / "kernels.png", self.record["environment"], self.source):
                     entry["files"] = ["kernels.png"]
                 return
             report = assemble(rows, ("headline", "sweep") if stem == "headline" else ("opt-in",))
@@ -502,6 +500,11 @@ class Session:
                 entry["files"].append(name)
         except Exception as exc:  # noqa: BLE001 - a plot must not stop the session
             entry["plot_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _planned(part: Part) -> dict:
+    jobs = [{"label": j.label, "rows": len(j.keys), "row_limit_s": j.row_limit_s} for j in part.jobs]
+    return {"name": part.name, "what": part.what, "budget_s": part.budget_s, "jobs": jobs}
 
 
 def _exit_text(code: int | None) -> str:
@@ -699,7 +702,7 @@ def sweep_plot(report: dict, path: Path) -> Path:
         pts = sorted((r["shape"]["tokens"], r) for r in results if r["provider"] == provider and r.get("time"))
         if not pts:
             continue
-        style = dict(color="black", linestyle="--", marker="x") if provider == FLOOR else line_style(i)
+        style = {"color": "black", "linestyle": "--", "marker": "x"} if provider == FLOOR else line_style(i)
         shift = 1.0 if provider == FLOOR else offset(i, len(providers))  # coinciding lines both show
         ax_t.plot([n * shift for n, _ in pts], [r["time"]["median_ms"] for _, r in pts], label=provider, **style)
         mem = [(n, r["memory"]["beyond_grads_bytes"] / 2**30) for n, r in pts if r.get("memory")]
@@ -723,7 +726,7 @@ def sweep_plot(report: dict, path: Path) -> Path:
     return path
 
 
-def kernels_plot(rows: list[dict], path: Path, environment: dict) -> Path | None:
+def kernels_plot(rows: list[dict], path: Path, environment: dict, source: dict | None = None) -> Path | None:
     """The microbenchmarks: each case's achieved share of the measured ceiling (TF/s, or GB/s for
     bandwidth cases), and of the datasheet peak where the device is known."""
     micro = [r for r in rows if r.get("kind") == "micro"]
@@ -740,7 +743,7 @@ def kernels_plot(rows: list[dict], path: Path, environment: dict) -> Path | None
         if r.get("status") != "ok":
             notes.append(r.get("status", "?"))
         elif r.get("median_ms") is not None:
-            rate = f"{r['tflops']:.0f} TF/s" if tf else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else ""
+            rate = f"{r['tflops']:.3g} TF/s" if tf else f"{r['gbps']:.3g} GB/s" if r.get("gbps") else ""
             notes.append(f"{r['median_ms']:.3g} ms {rate}")
         else:
             notes.append("")
@@ -758,8 +761,11 @@ def kernels_plot(rows: list[dict], path: Path, environment: dict) -> Path | None
         ax.text(55, len(micro) / 2, "no rates: not a GPU run (a rehearsal times the flow only)", ha="center",
                 fontsize=10, color="gray")  # fmt: skip
     gpu = environment.get("gpu") or "no GPU"
-    ax.set_title(f"per-kernel microbenchmarks | {gpu} | torch {environment.get('torch')}, "
-                 f"triton {environment.get('triton')}", fontsize=9)  # fmt: skip
+    sha = ((source or {}).get("sha") or "unknown")[:10] + ("+dirty" if (source or {}).get("dirty") else "")
+    driver = f", driver {environment['driver']}" if environment.get("driver") else ""
+    ax.set_title(f"per-kernel microbenchmarks | {gpu}{driver}\n"
+                 f"torch {environment.get('torch')}, triton {environment.get('triton')} | grpo_kernels {sha}",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

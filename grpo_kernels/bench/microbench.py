@@ -214,7 +214,7 @@ def _loss_head(t: Tensors):
     from .shapes import BenchShape
 
     n = t.head.loss_tokens
-    seq = 1024 if n >= 1024 else n
+    seq = min(1024, n)
     b = n // seq
     g = torch.Generator(device=t.device).manual_seed(1)
     logprobs = (-torch.rand(b, seq, generator=g, device=t.device) * 4).requires_grad_(True)

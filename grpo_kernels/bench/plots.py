@@ -78,7 +78,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             points.sort(key=lambda p: p[0])
             shift = 1.0 if provider == FLOOR else offset(index, len(lines))
             tokens = [n * shift for n, _ in points]
-            style = dict(color="black", linestyle="--", marker="x") if provider == FLOOR else line_style(index)
+            style = {"color": "black", "linestyle": "--", "marker": "x"} if provider == FLOOR else line_style(index)
             label = OPS[op].floor_label if provider == FLOOR else provider
             ax_time.plot(tokens, [r["time"]["median_ms"] for _, r in points], label=label, **style)
             memory = [(n * shift, r["memory"]["beyond_grads_bytes"] / 2**20) for n, r in points if r["memory"]]
