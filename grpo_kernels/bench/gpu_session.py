@@ -261,7 +261,6 @@ class Session:
             [str(ROOT), str(self.site), *([self.env["PYTHONPATH"]] if self.env.get("PYTHONPATH") else [])]
         )
         self.env["PYTHONUNBUFFERED"] = "1"
-        self.env["PYTHONWARNINGS"] = "ignore::UserWarning"  # the backend-fallback notes; the rows say the path
         self.source = _source_info()
         if self.source.get("sha"):
             self.env["GRPO_KERNELS_GIT_SHA"] = self.source["sha"]
@@ -333,15 +332,16 @@ class Session:
         return 1 if failed else 0
 
     def _on_gpu(self) -> bool:
-        rows = [r for r in read_rows(self.results) if r.get("kind") == "preflight"]
-        return bool(rows and rows[-1].get("cuda_available"))
+        """False only when the preflight saw no CUDA device (a lost preflight row stops nothing)."""
+        rows = [r for r in read_rows(self.results) if r.get("kind") == "preflight" and r.get("status") == "ok"]
+        return not rows or bool(rows[-1].get("cuda_available"))
 
     # -- child processes --------------------------------------------------------------------------
 
-    def watch(self, command: list[str], row_limit: float, deadline: float):
-        """Run a worker, echoing its output; kill its process group when a row outlasts row_limit, when
-        it starts no row for STARTUP_LIMIT_S, or at the deadline. Returns (exit code or None if killed,
-        the key in flight, why it was killed, its last lines)."""
+    def watch(self, command: list[str], row_limit: float, deadline: float, rows: bool = True):
+        """Run a command, echoing its output; kill its process group at the deadline and, for a worker
+        (`rows`), when a row outlasts row_limit or no row starts for STARTUP_LIMIT_S. Returns (exit code
+        or None if killed, the key in flight, why it was killed, its last lines)."""
         proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)  # fmt: skip
         state = {"key": None, "since": time.monotonic(), "tail": collections.deque(maxlen=15)}
@@ -365,7 +365,7 @@ class Session:
             now = time.monotonic()
             if state["key"] is not None and now - state["since"] > row_limit:
                 why = f"timeout: the row ran past its limit of {row_limit:.0f} s"
-            elif state["key"] is None and now - state["since"] > STARTUP_LIMIT_S:
+            elif rows and state["key"] is None and now - state["since"] > STARTUP_LIMIT_S:
                 why = f"timeout: no row started within {STARTUP_LIMIT_S} s"
             elif now > deadline:
                 why = "timeout: the part's time limit"
@@ -456,13 +456,13 @@ class Session:
             return
         command = [_python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--no-cache-dir", "--upgrade", "--target", str(self.site), *map(str, wheels)]  # fmt: skip
-        code, _, why, _ = self.watch(command, limit, time.monotonic() + limit)
+        code, _, why, _ = self.watch(command, limit, time.monotonic() + limit, rows=False)
         entry.update(wheels=[w.name for w in wheels], status="ok" if code == 0 else ("timeout" if why else "failed"))
 
     def _tests(self, part: Part, entry: dict, limit: float) -> None:
         junit = Path(tempfile.gettempdir()) / f"grpo_kernels_gpu_tests_{os.getpid()}.xml"
         junit.unlink(missing_ok=True)
-        code, _, why, _ = self.watch(part.command + [f"--junitxml={junit}"], limit + 1, time.monotonic() + limit)
+        code, _, why, _ = self.watch(part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False)
         entry["tests"] = _junit_summary(junit)
         if why:
             entry["status"] = "timeout"
