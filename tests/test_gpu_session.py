@@ -174,3 +174,19 @@ def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as exc:
         gpu_session.main(argv)
     assert exc.value.code == 2
+
+
+def test_device_peaks_by_name_and_the_shares_of_them():
+    from grpo_kernels.bench.microbench import device_peaks, rates
+
+    assert device_peaks("NVIDIA H100 80GB HBM3")["part"] == "H100 SXM 80 GB"
+    assert device_peaks("NVIDIA H200")["hbm_tbps"] == 4.8
+    assert device_peaks("NVIDIA H100 PCIe")["bf16_tflops"] == 756.0
+    assert device_peaks("NVIDIA A100-SXM4-80GB") is None  # unknown: no share of a datasheet is claimed
+    peaks = device_peaks("NVIDIA H100 80GB HBM3")
+    # 1 ms for 494.5 GFLOP and 1.675 GB: half the datasheet's 989 TF/s and 3.35 TB/s
+    r = rates(1e-3, 494.5e9, 1.675e9, peaks, {"tflops": 791.2, "gbps": 3000.0})
+    assert r["tflops"] == pytest.approx(494.5) and r["gbps"] == pytest.approx(1675.0)
+    assert r["pct_datasheet_tflops"] == pytest.approx(50.0) and r["pct_datasheet_gbps"] == pytest.approx(50.0)
+    assert r["pct_measured_tflops"] == pytest.approx(62.5) and r["pct_measured_gbps"] == pytest.approx(55.83, abs=0.01)
+    assert "pct_datasheet_tflops" not in rates(1e-3, 1e9, 0, None, {})
