@@ -30,7 +30,9 @@ def _env(**extra):
 
 
 def run_sh(*args, timeout=600, **env):
-    return subprocess.run(["bash", str(RUN), *args], capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    return subprocess.run(
+        ["bash", str(RUN), *args], capture_output=True, text=True, timeout=timeout, env=_env(**env)
+    )
 
 
 def test_dry_run_prints_both_calls_within_twenty_minutes_of_device_time(tmp_path):
@@ -38,7 +40,16 @@ def test_dry_run_prints_both_calls_within_twenty_minutes_of_device_time(tmp_path
     assert out.returncode == 0, out.stderr
     text = out.stdout
     call1, call2 = text.split("\ncall 2:")
-    order = ["[wheels]", "[preflight]", "[smoke]", "[micro]", "[headline]", "[sweep]", "[gpu-tests]", "[opt-in-kernels]"]
+    order = [
+        "[wheels]",
+        "[preflight]",
+        "[smoke]",
+        "[micro]",
+        "[headline]",
+        "[sweep]",
+        "[gpu-tests]",
+        "[opt-in-kernels]",
+    ]
     assert [call1.index(p) for p in order] == sorted(call1.index(p) for p in order), call1
     for part in ("[smoke-opt-in]", "[opt-in]", "[profile]", "grpo_kernels-one-pass-dz", "grpo_kernels-tma"):
         assert part in call2, call2
@@ -46,7 +57,10 @@ def test_dry_run_prints_both_calls_within_twenty_minutes_of_device_time(tmp_path
     total = int(text.split("machine start = ")[1].split(" s")[0])
     assert total <= gpu_session.DEVICE_TIME_S == 1200, text
     for call in (1, 2):
-        assert sum(p.budget_s for p in gpu_session.plan(call, False)) + gpu_session.RESERVE_S <= gpu_session.CALL_BUDGET_S[call]
+        assert (
+            sum(p.budget_s for p in gpu_session.plan(call, False)) + gpu_session.RESERVE_S
+            <= gpu_session.CALL_BUDGET_S[call]
+        )
         assert len(gpu_session.file_list(call)) <= gpu_session.MAX_FILES
     assert gpu_session.CALL_BUDGET_S[1] < 600  # the GPU machine's 10-minute command limit
     assert not (tmp_path / "s").exists(), "a dry run wrote files"
@@ -92,7 +106,9 @@ def test_rehearsal_a_crash_and_a_hang_cost_one_row_each(tmp_path):
     # every other row of the two faulty providers was measured by a fresh process
     rows = read_rows(out_dir / "results.jsonl")
     bench = {r["key"]: r for r in rows if r["kind"] == "bench"}
-    expected = {k for job in gpu_session.plan(1, True) for j in job.jobs if j.argv[0] == "bench" for k in j.keys}
+    expected = {
+        k for job in gpu_session.plan(1, True) for j in job.jobs if j.argv[0] == "bench" for k in j.keys
+    }
     assert set(bench) == expected
     ok = {k for k, r in bench.items() if r["status"] == "ok"}
     assert ok == expected - set(lost)
@@ -110,7 +126,9 @@ def test_rehearsal_a_crash_and_a_hang_cost_one_row_each(tmp_path):
     assert ours and all(r["paths"]["schedule"] for r in ours), ours  # the schedule chosen is recorded
     assert all(r.get("x_floor") for r in report["results"] if r["status"] == "ok")
     smoke = [r for r in rows if r["kind"] == "smoke"]
-    assert len(smoke) == 2 * (3 + len(gpu_session.REHEARSAL_SCHEDULES)) and all(r["status"] == "ok" for r in smoke)
+    assert len(smoke) == 2 * (3 + len(gpu_session.REHEARSAL_SCHEDULES)) and all(
+        r["status"] == "ok" for r in smoke
+    )
     micro = {r["case"]: r["status"] for r in rows if r["kind"] == "micro"}
     assert micro["ceiling-gemm"] == micro["cublas-logits"] == "ok" and micro["kernel-a-tma"] == "skipped"
     for png in ("headline.png", "sweep.png", "kernels.png"):
@@ -154,7 +172,9 @@ def test_call_two_rehearsal_runs_the_opt_in_providers_and_the_profile(tmp_path):
 
 
 def test_a_part_past_its_limit_is_killed_and_earlier_results_stay(tmp_path):
-    slow = gpu_session.Part("gpu-tests", "sleeps", 3, "tests", command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    slow = gpu_session.Part(
+        "gpu-tests", "sleeps", 3, "tests", command=[sys.executable, "-c", "import time; time.sleep(60)"]
+    )
     session = gpu_session.Session(tmp_path, budget_s=60, rehearsal=True, parts=[slow])
     start = time.monotonic()
     gpu_session.MIN_PART_S, saved = 1, gpu_session.MIN_PART_S
@@ -188,5 +208,7 @@ def test_device_peaks_by_name_and_the_shares_of_them():
     r = rates(1e-3, 494.5e9, 1.675e9, peaks, {"tflops": 791.2, "gbps": 3000.0})
     assert r["tflops"] == pytest.approx(494.5) and r["gbps"] == pytest.approx(1675.0)
     assert r["pct_datasheet_tflops"] == pytest.approx(50.0) and r["pct_datasheet_gbps"] == pytest.approx(50.0)
-    assert r["pct_measured_tflops"] == pytest.approx(62.5) and r["pct_measured_gbps"] == pytest.approx(55.83, abs=0.01)
+    assert r["pct_measured_tflops"] == pytest.approx(62.5) and r["pct_measured_gbps"] == pytest.approx(
+        55.83, abs=0.01
+    )
     assert "pct_datasheet_tflops" not in rates(1e-3, 1e9, 0, None, {})

@@ -149,5 +149,7 @@ def test_no_import_cycle_in_the_package_beyond_the_known_ones():
     components = {frozenset(c) for c in found}
     unexpected = [c for c in found if frozenset(c) not in KNOWN_CYCLES]
     gone = [sorted(k) for k in KNOWN_CYCLES if k not in components]
-    assert not unexpected, "import cycles (each module imports the next, the last the first):\n" + _show(unexpected)
+    assert not unexpected, "import cycles (each module imports the next, the last the first):\n" + _show(
+        unexpected
+    )
     assert not gone, f"these known cycles are gone: remove them from KNOWN_CYCLES: {gone}"

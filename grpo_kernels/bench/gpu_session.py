@@ -73,12 +73,16 @@ SCHEMA = "grpo_kernels.gpu_session/2"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (a copy of it on the GPU machine)
 CALL_BUDGET_S = {1: 570, 2: 400}  # each inside the 10-minute command limit
 DEVICE_TIME_S = 20 * 60  # what both calls may spend together, the machine starts included
-MACHINE_START_S = 90  # a fresh machine's start and the tree's transfer, per call (the device notes: "a minute or more")
+MACHINE_START_S = (
+    90  # a fresh machine's start and the tree's transfer, per call (the device notes: "a minute or more")
+)
 RESERVE_S = 15  # kept back for writing session.json and the plots
 MIN_PART_S = 20  # a part with less time than this left is skipped, not started
 MAX_FILES = 8
 WHEEL_LIMIT_BYTES = 48 * 2**20  # the tree travels too, under 64 MiB in all
-ROW_LIMIT_S = 60  # one row (gate + timing + memory) at the target shape; the first compile of a kernel included
+ROW_LIMIT_S = (
+    60  # one row (gate + timing + memory) at the target shape; the first compile of a kernel included
+)
 ROW_LIMITS = {"liger-chunked": 120, "torch-compile": 150}  # torch.compile inside the row
 SMOKE_ROW_LIMIT_S = 90  # a smoke row compiles the kernels it runs first
 STARTUP_LIMIT_S = 90  # a child that starts no row within this is stuck (imports, CUDA context)
@@ -170,7 +174,9 @@ def _bench_job(part: str, provider: str, ops: tuple[str, ...], preset: str, comm
     lost = {k: {"op": op, "provider": provider, "shape": shape.as_dict(), "shape_label": shape.label,
                 "impl": "", "parity": None, "time": None, "memory": None} for k, op, shape in keys}  # fmt: skip
     argv = ["bench", "--provider", provider, "--ops", ",".join(ops), "--shapes", preset, *common]
-    return Job(provider, argv, [k for k, _, _ in keys], row_limit or ROW_LIMITS.get(provider, ROW_LIMIT_S), lost)
+    return Job(
+        provider, argv, [k for k, _, _ in keys], row_limit or ROW_LIMITS.get(provider, ROW_LIMIT_S), lost
+    )
 
 
 def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Part]:
@@ -188,8 +194,12 @@ def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Par
         return Part(name, what, budget, "rows", jobs)
 
     wheels = Part("wheels", "install the carried peer wheels (.whl/) into a private folder", 20, "wheels")
-    preflight = rows("preflight", "versions, GPU and peaks, peers importable, profilers", 30,
-                     [Job("preflight", ["preflight", *common("preflight")], ["preflight|preflight"], 60)])
+    preflight = rows(
+        "preflight",
+        "versions, GPU and peaks, peers importable, profilers",
+        30,
+        [Job("preflight", ["preflight", *common("preflight")], ["preflight|preflight"], 60)],
+    )
     if call == 1:
         schedules = REHEARSAL_SCHEDULES if rehearsal else core_schedules()
         providers = REHEARSAL_CALL1 if rehearsal else CALL1_PROVIDERS
@@ -235,7 +245,11 @@ def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Par
 
 def file_list(call: int) -> list[str]:
     files = ["session.json", "log.txt", "results.jsonl"]
-    files += ["headline.json", "headline.png", "sweep.png", "kernels.png"] if call == 1 else ["optin.json", "optin.png"]
+    files += (
+        ["headline.json", "headline.png", "sweep.png", "kernels.png"]
+        if call == 1
+        else ["optin.json", "optin.png"]
+    )
     assert len(files) <= MAX_FILES, files
     return files
 
@@ -296,7 +310,9 @@ class Session:
         tmp.replace(self.out / "session.json")
 
     def run(self) -> int:
-        self.say(f"grpo_kernels GPU session, call {self.call}: budget {self.budget_s:.0f} s, results in {self.out}")
+        self.say(
+            f"grpo_kernels GPU session, call {self.call}: budget {self.budget_s:.0f} s, results in {self.out}"
+        )
         self.save()
         stop_reason = None
         for part in self.parts:
@@ -326,14 +342,18 @@ class Session:
         if self.record["verdict"]:
             self.say(json.dumps(self.record["verdict"], indent=1))
         if self.record["lost_rows"]:
-            self.say("lost rows: " + ", ".join(f"{r['key']} ({r['status']})" for r in self.record["lost_rows"]))
+            self.say(
+                "lost rows: " + ", ".join(f"{r['key']} ({r['status']})" for r in self.record["lost_rows"])
+            )
         self.log.close()
         failed = [p["name"] for p in self.record["parts"] if p["status"] not in ("ok", "skipped")]
         return 1 if failed else 0
 
     def _on_gpu(self) -> bool:
         """False only when the preflight saw no CUDA device (a lost preflight row stops nothing)."""
-        rows = [r for r in read_rows(self.results) if r.get("kind") == "preflight" and r.get("status") == "ok"]
+        rows = [
+            r for r in read_rows(self.results) if r.get("kind") == "preflight" and r.get("status") == "ok"
+        ]
         return not rows or bool(rows[-1].get("cuda_available"))
 
     # -- child processes --------------------------------------------------------------------------
@@ -457,12 +477,16 @@ class Session:
         command = [_python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--no-cache-dir", "--upgrade", "--target", str(self.site), *map(str, wheels)]  # fmt: skip
         code, _, why, _ = self.watch(command, limit, time.monotonic() + limit, rows=False)
-        entry.update(wheels=[w.name for w in wheels], status="ok" if code == 0 else ("timeout" if why else "failed"))
+        entry.update(
+            wheels=[w.name for w in wheels], status="ok" if code == 0 else ("timeout" if why else "failed")
+        )
 
     def _tests(self, part: Part, entry: dict, limit: float) -> None:
         junit = Path(tempfile.gettempdir()) / f"grpo_kernels_gpu_tests_{os.getpid()}.xml"
         junit.unlink(missing_ok=True)
-        code, _, why, _ = self.watch(part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False)
+        code, _, why, _ = self.watch(
+            part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False
+        )
         entry["tests"] = _junit_summary(junit)
         if why:
             entry["status"] = "timeout"
@@ -545,7 +569,9 @@ def assemble(rows: list[dict], parts: tuple[str, ...]) -> dict | None:
             shape = BenchShape(**{k: v for k, v in r["shape"].items() if k != "batch"})
             seconds = r["time"]["median_ms"] * 1e-3
             r["x_floor"] = r["time"]["median_ms"] / floor["time"]["median_ms"] if floor else None
-            r["ours_speedup"] = r["time"]["median_ms"] / ours["time"]["median_ms"] if ours and r is not floor else None
+            r["ours_speedup"] = (
+                r["time"]["median_ms"] / ours["time"]["median_ms"] if ours and r is not floor else None
+            )
             if OPS[op].gemm_units:
                 r["tflops"] = op_flops(OPS[op], shape) / seconds / 1e12
             else:
@@ -603,7 +629,11 @@ def verdict(out: Path) -> dict | None:
     if not on_gpu:  # a rehearsal: the values show the flow works; no target is judged off a GPU
         result["why"] = "not a GPU run: the targets are judged on H100 / H200 only, every 'met' is null"
     for op, goals in TARGETS.items():
-        rows = {r["provider"]: r for r in report["results"] if r["op"] == op and r.get("part", "headline") == "headline"}
+        rows = {
+            r["provider"]: r
+            for r in report["results"]
+            if r["op"] == op and r.get("part", "headline") == "headline"
+        }
         ours = rows.get("grpo_kernels")
         if ours is None or not ours.get("time"):
             result["checks"].append({"op": op, "check": "grpo_kernels ran", "met": False,
@@ -699,17 +729,26 @@ def sweep_plot(report: dict, path: Path) -> Path:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5))
     providers = list(dict.fromkeys(r["provider"] for r in results))
     for i, provider in enumerate(providers):
-        pts = sorted((r["shape"]["tokens"], r) for r in results if r["provider"] == provider and r.get("time"))
+        pts = sorted(
+            (r["shape"]["tokens"], r) for r in results if r["provider"] == provider and r.get("time")
+        )
         if not pts:
             continue
         style = {"color": "black", "linestyle": "--", "marker": "x"} if provider == FLOOR else line_style(i)
         shift = 1.0 if provider == FLOOR else offset(i, len(providers))  # coinciding lines both show
-        ax_t.plot([n * shift for n, _ in pts], [r["time"]["median_ms"] for _, r in pts], label=provider, **style)
+        ax_t.plot(
+            [n * shift for n, _ in pts], [r["time"]["median_ms"] for _, r in pts], label=provider, **style
+        )
         mem = [(n, r["memory"]["beyond_grads_bytes"] / 2**30) for n, r in pts if r.get("memory")]
         if mem and provider != FLOOR:
             ax_m.plot([n * shift for n, _ in mem], [g for _, g in mem], label=provider, **style)
     ax_t.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="median ms", title="fused_grpo: time")
-    ax_m.set(xscale="log", xlabel="tokens N", ylabel="GiB beyond inputs and gradients", title="fused_grpo: extra memory")
+    ax_m.set(
+        xscale="log",
+        xlabel="tokens N",
+        ylabel="GiB beyond inputs and gradients",
+        title="fused_grpo: extra memory",
+    )
     if ax_m.lines:
         ax_m.axhline(TARGETS["fused_grpo"]["extra_gib"], color="green", linestyle=":", label="target")
     else:
@@ -818,7 +857,11 @@ def _source_info() -> dict:
     make-wheels next to the wheels, so it travels with them), else unknown."""
     sha = _git("rev-parse", "HEAD")
     if sha:
-        return {"sha": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "from": "git"}
+        return {
+            "sha": sha,
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "from": "git",
+        }
     recorded = ROOT / ".whl" / "SOURCE.json"
     if recorded.exists():
         data = json.loads(recorded.read_text())
@@ -832,7 +875,9 @@ def make_wheels(dest: Path, dry_run: bool) -> int:
                *PEER_WHEELS]  # fmt: skip
     print("make-wheels: the peers' cp312 wheels for a GPU machine without network")
     print("  " + " ".join(command))
-    print(f"  then: SOURCE.json (git sha) into {dest}/, total checked against {WHEEL_LIMIT_BYTES / 2**20:.0f} MiB")
+    print(
+        f"  then: SOURCE.json (git sha) into {dest}/, total checked against {WHEEL_LIMIT_BYTES / 2**20:.0f} MiB"
+    )
     if dry_run:
         return 0
     dest.mkdir(parents=True, exist_ok=True)
@@ -847,7 +892,10 @@ def make_wheels(dest: Path, dry_run: bool) -> int:
     total = sum(p.stat().st_size for p in dest.glob("*"))
     print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {dest}")
     if total > WHEEL_LIMIT_BYTES:
-        print(f"too large to carry: {total / 2**20:.1f} MiB > {WHEEL_LIMIT_BYTES / 2**20:.0f} MiB", file=sys.stderr)
+        print(
+            f"too large to carry: {total / 2**20:.1f} MiB > {WHEEL_LIMIT_BYTES / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -881,12 +929,26 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="the session (default)")
-    run.add_argument("--call", type=int, choices=(1, 2), default=1, help="1: the core verdict; 2: opt-in, peers, profile")
-    run.add_argument("--out", default=None, help="output folder (default: $OUT if set, else benchmarks/results/gpu_session)")
-    run.add_argument("--budget", type=float, default=None, help="seconds for all parts together (default: the call's)")
-    run.add_argument("--row-limit", type=float, default=None, help="seconds one row may take (default: per part)")
-    run.add_argument("--parts", default=None, help="comma-separated: run only these parts of the call (default: all)")
-    run.add_argument("--dry-run", action="store_true", help="print the plan of both calls and the files, run nothing")
+    run.add_argument(
+        "--call", type=int, choices=(1, 2), default=1, help="1: the core verdict; 2: opt-in, peers, profile"
+    )
+    run.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: $OUT if set, else benchmarks/results/gpu_session)",
+    )
+    run.add_argument(
+        "--budget", type=float, default=None, help="seconds for all parts together (default: the call's)"
+    )
+    run.add_argument(
+        "--row-limit", type=float, default=None, help="seconds one row may take (default: per part)"
+    )
+    run.add_argument(
+        "--parts", default=None, help="comma-separated: run only these parts of the call (default: all)"
+    )
+    run.add_argument(
+        "--dry-run", action="store_true", help="print the plan of both calls and the files, run nothing"
+    )
     run.add_argument("--rehearsal", action="store_true", help="tiny CPU shapes: the flow, not the numbers")
     wheels = sub.add_parser("make-wheels", help="download the peers' cp312 wheels to carry")
     wheels.add_argument("--dest", default=str(ROOT / ".whl"))
@@ -909,7 +971,9 @@ def main(argv: list[str] | None = None) -> int:
         names = [n.strip() for n in args.parts.split(",") if n.strip()]
         unknown = sorted(set(names) - {p.name for p in parts})
         if unknown:
-            parser.error(f"--parts: no part {', '.join(unknown)} in call {args.call} ({', '.join(p.name for p in parts)})")
+            parser.error(
+                f"--parts: no part {', '.join(unknown)} in call {args.call} ({', '.join(p.name for p in parts)})"
+            )
         parts = [p for p in parts if p.name in names]
     return Session(out, budget, args.rehearsal, args.call, args.row_limit, parts).run()
 

@@ -98,7 +98,9 @@ class Tensors:
 
 
 def _b(*tensors_or_counts) -> int:
-    return sum(x.numel() * x.element_size() if isinstance(x, torch.Tensor) else int(x) for x in tensors_or_counts)
+    return sum(
+        x.numel() * x.element_size() if isinstance(x, torch.Tensor) else int(x) for x in tensors_or_counts
+    )
 
 
 # -- cases ---------------------------------------------------------------------------------------------
@@ -125,7 +127,12 @@ def _cublas_logits(t: Tensors):
 def _cublas_logits_fp32(t: Tensors):
     x, w = t.hidden[: t.chunk], t.weight
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
-    return (lambda: torch.mm(x, w.t(), out_dtype=torch.float32)), flops, _b(x, w, 4 * x.shape[0] * w.shape[0]), {}
+    return (
+        (lambda: torch.mm(x, w.t(), out_dtype=torch.float32)),
+        flops,
+        _b(x, w, 4 * x.shape[0] * w.shape[0]),
+        {},
+    )
 
 
 def _dz(t: Tensors, rows: int):
@@ -135,14 +142,24 @@ def _dz(t: Tensors, rows: int):
 def _cublas_grad_hidden(t: Tensors):
     dz, w = _dz(t, t.chunk), t.weight
     flops = 2 * dz.shape[0] * dz.shape[1] * w.shape[1]
-    return (lambda: torch.mm(dz, w, out_dtype=torch.float32)), flops, _b(dz, w, 4 * dz.shape[0] * w.shape[1]), {}
+    return (
+        (lambda: torch.mm(dz, w, out_dtype=torch.float32)),
+        flops,
+        _b(dz, w, 4 * dz.shape[0] * w.shape[1]),
+        {},
+    )
 
 
 def _cublas_grad_weight(t: Tensors):
     dz, x = _dz(t, t.chunk), t.hidden[: t.chunk]
     acc = torch.zeros(t.weight.shape, dtype=torch.float32, device=t.device)  # [V, H] fp32
     flops = 2 * dz.shape[0] * dz.shape[1] * x.shape[1]
-    return (lambda: torch.addmm(acc, dz.t(), x, out_dtype=torch.float32, out=acc)), flops, _b(dz, x, acc, acc), {}
+    return (
+        (lambda: torch.addmm(acc, dz.t(), x, out_dtype=torch.float32, out=acc)),
+        flops,
+        _b(dz, x, acc, acc),
+        {},
+    )
 
 
 def _kernel_a(stored: bool, kernel: str):
@@ -269,7 +286,10 @@ def cases(opt_in: bool) -> list[Case]:
 
 def rates(seconds: float, flops: int, moved: int, peaks: dict | None, ceilings: dict) -> dict:
     """TFLOP/s and GB/s of one timing, and their shares of the datasheet and measured ceilings."""
-    out: dict = {"tflops": flops / seconds / 1e12 if flops else None, "gbps": moved / seconds / 1e9 if moved else None}
+    out: dict = {
+        "tflops": flops / seconds / 1e12 if flops else None,
+        "gbps": moved / seconds / 1e9 if moved else None,
+    }
     if peaks and out["tflops"] is not None:
         out["pct_datasheet_tflops"] = 100 * out["tflops"] / peaks["bf16_tflops"]
     if peaks and out["gbps"] is not None:

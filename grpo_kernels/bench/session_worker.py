@@ -82,7 +82,9 @@ def _start(key: str, keys: list[str]) -> None:
     print(f"@@start {key}", flush=True)
     spec = os.environ.get(FAULT_ENV, "")
     names = {item.partition(":")[2] for item in spec.split(",") if item.strip()}
-    first = any(name in key.split("|") and key == next(k for k in keys if name in k.split("|")) for name in names)
+    first = any(
+        name in key.split("|") and key == next(k for k in keys if name in k.split("|")) for name in names
+    )
     _fault(key, first)
 
 
@@ -174,8 +176,12 @@ def job_preflight(args) -> int:
     """Versions, the GPU, whether each peer imports, which profilers exist: one record."""
     import platform
 
-    record: dict = {"kind": "preflight", "key": f"{args.part}|preflight", "status": "ok",
-                    "python": platform.python_version()}
+    record: dict = {
+        "kind": "preflight",
+        "key": f"{args.part}|preflight",
+        "status": "ok",
+        "python": platform.python_version(),
+    }
     try:
         import torch
 
@@ -196,13 +202,17 @@ def job_preflight(args) -> int:
             import importlib.util
 
             found = importlib.util.find_spec(module) is not None
-            record.setdefault("imports", {})[module] = "found (not imported: rehearsal)" if found else "not installed"
+            record.setdefault("imports", {})[module] = (
+                "found (not imported: rehearsal)" if found else "not installed"
+            )
             continue
         try:
             mod = __import__(module)
             record.setdefault("imports", {})[module] = getattr(mod, "__version__", "imported")
         except Exception as exc:  # noqa: BLE001 - a peer that does not import is skipped later, with this reason
-            record.setdefault("imports", {})[module] = f"not importable: {type(exc).__name__}: {str(exc)[:160]}"
+            record.setdefault("imports", {})[module] = (
+                f"not importable: {type(exc).__name__}: {str(exc)[:160]}"
+            )
     record["profilers"] = {"torch.profiler": True, "ncu": shutil.which("ncu"), "nsys": shutil.which("nsys")}
     append(args.jsonl, record)
     print(json.dumps(record, indent=1))
@@ -213,7 +223,9 @@ def _candidate_setup(op: str, spec: dict, rehearsal: bool):
     from .providers import _ours
 
     backend = "auto" if rehearsal else "triton"  # the rehearsal: the PyTorch backend stands in
-    return _ours(backend, spec.get("schedule", "auto"), forward_kernel=spec.get("forward_kernel", "cp.async"))[op]
+    return _ours(
+        backend, spec.get("schedule", "auto"), forward_kernel=spec.get("forward_kernel", "cp.async")
+    )[op]
 
 
 def job_smoke(args) -> int:
@@ -239,7 +251,14 @@ def job_smoke(args) -> int:
                 continue
             _start(key, keys)
             t0 = time.perf_counter()
-            row = {"kind": "smoke", "part": args.part, "key": key, "check": name, "op": op, "shape": shape.as_dict()}
+            row = {
+                "kind": "smoke",
+                "part": args.part,
+                "key": key,
+                "check": name,
+                "op": op,
+                "shape": shape.as_dict(),
+            }
             try:
                 if (op, label) not in cache:  # inputs, the PyTorch backend's result, plain bf16 PyTorch's
                     if len(cache) >= 2:  # the small and the target shape of one op at most
@@ -251,7 +270,9 @@ def job_smoke(args) -> int:
                     reset_grads(inp)
                     cache[(op, label)] = (inp, truth, oracle.same_dtype(inp, ("logprobs", "entropy")))
                 inp, truth, yardstick = cache[(op, label)]
-                call = make_call(inp, _candidate_setup(op, spec, args.rehearsal)(inp, settings).fn, ("logprobs", "entropy"))
+                call = make_call(
+                    inp, _candidate_setup(op, spec, args.rehearsal)(inp, settings).fn, ("logprobs", "entropy")
+                )
                 reset_grads(inp)
                 result = call()
                 dtype = torch.float32 if op == "loss_head" else settings.dtype
@@ -340,7 +361,9 @@ def job_bench(args) -> int:
     only = set(args.only.split(",")) if args.only else None
     ops = tuple(args.ops.split(","))
     meta = environment.describe(settings, list(ops), [provider], [args.shapes])
-    append(args.jsonl, {"kind": "meta", "part": args.part, "key": f"{args.part}|meta|{provider}", "report": meta})
+    append(
+        args.jsonl, {"kind": "meta", "part": args.part, "key": f"{args.part}|meta|{provider}", "report": meta}
+    )
     warnings.simplefilter("ignore", BackendFallbackWarning)
     keys = [k for k, _, _ in bench_keys(args.part, provider, ops, args.shapes)]
     for key, op, shape in bench_keys(args.part, provider, ops, args.shapes):
@@ -358,10 +381,14 @@ def job_bench(args) -> int:
                 try:
                     row = run_provider(p, prepare_shape(op, shape, settings), settings)
                 except Exception as exc:  # noqa: BLE001 - e.g. building the inputs ran out of memory
-                    row = _row(op, shape, provider, status="error", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+                    row = _row(
+                        op, shape, provider, status="error", reason=f"{type(exc).__name__}: {str(exc)[:300]}"
+                    )
         append(args.jsonl, {"kind": "bench", "part": args.part, "key": key, **row})
         _end(key)
-        shown = f"{row['time']['median_ms']:.3f} ms" if row.get("time") else f"{row['status']} {row['reason']}"
+        shown = (
+            f"{row['time']['median_ms']:.3f} ms" if row.get("time") else f"{row['status']} {row['reason']}"
+        )
         print(f"  {op:<10} {shape.tokens:>6} {provider:<28} {shown}", flush=True)
         if _poisoned(row.get("reason", "")):
             return RESTART
@@ -377,7 +404,9 @@ def _profiled_call(args):
     settings = _settings(args)
     shape = PRESETS["tiny" if args.rehearsal else "qwen3-8b"][-1]
     inp = prepare_shape("fused_grpo", shape, settings).inputs
-    call = make_call(inp, REGISTRY.providers["grpo_kernels"].setups["fused_grpo"](inp, settings).fn, ("logprobs",))
+    call = make_call(
+        inp, REGISTRY.providers["grpo_kernels"].setups["fused_grpo"](inp, settings).fn, ("logprobs",)
+    )
 
     def run():
         reset_grads(inp)
@@ -453,7 +482,11 @@ def job_profile(args) -> int:
             names = [n.split("(")[0].split("<")[0].strip().split(" ")[-1][:60] for n in hottest if n.strip()]
             command = [exe, "--clock-control", "none", "--section", "SpeedOfLight", "--csv", "-k",
                        "regex:" + "|".join(names), "--launch-count", "6", *target]  # fmt: skip
-            row.update(status="ok", kernels=names, **_tool_output(command, "the three hottest kernels", args.tool_timeout))
+            row.update(
+                status="ok",
+                kernels=names,
+                **_tool_output(command, "the three hottest kernels", args.tool_timeout),
+            )
         else:
             command = [exe, "profile", "--stats=true", "--force-overwrite=true", "-o", "/tmp/grpo_kernels_nsys",
                        *target]  # fmt: skip
@@ -470,7 +503,12 @@ def _tool_output(command: list[str], what: str, timeout: float) -> dict:
         return {"what": what, "command": " ".join(command), "returncode": out.returncode,
                 "output": (out.stdout + out.stderr)[-6000:]}  # fmt: skip
     except subprocess.TimeoutExpired:
-        return {"what": what, "command": " ".join(command), "returncode": None, "output": f"timed out after {timeout} s"}
+        return {
+            "what": what,
+            "command": " ".join(command),
+            "returncode": None,
+            "output": f"timed out after {timeout} s",
+        }
 
 
 JOBS = {"preflight": job_preflight, "smoke": job_smoke, "micro": job_micro, "bench": job_bench,
@@ -484,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl", required=True, help="the results file rows are appended to")
     parser.add_argument("--part", default="part")
     parser.add_argument("--only", default="", help="comma-separated keys: run only these rows")
-    parser.add_argument("--rehearsal", action="store_true", help="tiny shapes (CPU): the flow, not the numbers")
+    parser.add_argument(
+        "--rehearsal", action="store_true", help="tiny shapes (CPU): the flow, not the numbers"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--provider", default=FLOOR, help="bench: the provider, or 'floor'")
@@ -492,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="qwen3-8b", help="bench: a shape preset")
     parser.add_argument("--schedules", default="", help="smoke: comma-separated schedules of the fused loss")
     parser.add_argument("--opt-in", action="store_true", help="smoke / micro: the opt-in kernels")
-    parser.add_argument("--tool-timeout", type=float, default=90.0, help="profile: seconds per ncu / nsys run")
+    parser.add_argument(
+        "--tool-timeout", type=float, default=90.0, help="profile: seconds per ncu / nsys run"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from .._backend import BackendFallbackWarning
