@@ -8,6 +8,9 @@ parity.py     the correctness gate every provider passes before it is timed
 timing.py     CUDA-event (or perf_counter) timing, peak memory
 runner.py     one run: every op x shape x provider
 report.py     console tables, JSON, README table; plots.py: PNGs
+gpu_session.py  the two-call GPU session (benchmarks/gpu/run.sh): plan, child processes, lost rows, files
+session_worker.py  the session's child processes (preflight, smoke, micro, one provider's rows, profile)
+microbench.py  per-kernel microbenchmarks and the devices' datasheet peaks
 """
 
 from .cli import main
