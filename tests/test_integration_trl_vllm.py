@@ -5,16 +5,18 @@ vLLM importance-sampling correction on (marker `vllm`: runs in the vLLM environm
 Approach. One vLLM CPU engine (fp32, eager) serves every trainer of this module: TRL builds its engine with
 `vllm.LLM(...)` inside `VLLMGeneration`; the module patches that name with a factory that builds the engine
 once, with TRL's own arguments plus what the CPU needs (fp32: vLLM would serve an fp32 checkpoint in bf16;
-eager: no compilation), and hands the same engine to every later trainer. Each trainer trains on the tiny
-Qwen2 model of tests/test_integration_trl.py, resized to head size 32 (vLLM's CPU attention takes 32, 64,
-80, ... 512) and saved to a folder (vLLM loads from a path), for four optimizer steps of two accumulated
-micro-batches with num_iterations=2: two generation rounds, the second from the weights of step 2, each
-trained on twice (the second pass with ratios far from 1: SGD with a large learning rate).
+eager: no compilation), and hands the same engine to every later trainer (one engine start, ~5 s). Each
+trainer trains the tiny Qwen2 model of tests/test_integration_trl.py, resized to head size 32 (vLLM's CPU
+attention takes 32, 64, 80, ... 512) and saved to a folder (vLLM loads from a path), for two optimizer
+steps of two accumulated micro-batches, one generation round per step: the second round samples from the
+weights of step 1, synced to the engine. Compared, per mode and IS setting, against TRL's GRPOTrainer on
+the same engine: the completions, every logged value, every gradient before each optimizer step and the
+parameters after training (test_integration_trl.compare).
 
 The weight sync. TRL 1.16's colocate sync (`VLLMGeneration.sync_weights`) calls the model's
 `load_weights` through private attributes of the engine, which fails on the CPU engine (`AttributeError:
 'Parameter' object has no attribute 'weight_loader'`: the CPU backend prepacks its linear weights). It is
-replaced, in both trainers alike (the class both use), by vLLM's worker call that works on every engine,
+replaced, in both trainers alike (the class both use), by vLLM's public worker call that works there,
 `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, fed by TRL's own parameter walk
 (`_iter_named_params`), followed by TRL's prefix-cache reset. Each round checks that the engine then
 samples from the trainer's current weights (below), so a sync that silently did nothing fails the test.
@@ -22,22 +24,22 @@ samples from the trainer's current weights (below), so a sync that silently did 
 The same completions on both sides. The engine samples with the process's torch generator (it runs in
 the trainer's process); each run reseeds it before `train()`, and both trainers consume it identically,
 so they draw the same tokens; the test asserts it (completion ids equal) before comparing anything else.
-Round 1 starts from identical weights; round 2 from weights that differ by the fp32 rounding of two
-steps, which moves the engine's probabilities by ~1e-7: a different token would need a uniform draw
-within that distance of a boundary (never seen; the assertion would say so). An fp32 engine is what
-makes this exact: a bf16 engine would round weights that differ in the last fp32 bit to different bf16
-values.
+The first round starts from identical weights: its log-probs are equal bit for bit (asserted). The second
+samples from weights that differ by the fp32 rounding of one step, which moves the engine's log-probs by
+measured 5e-6 .. 7e-6: a different token would need a uniform draw within that
+distance of a boundary (never seen; the assertion would say so). An fp32 engine is what makes this
+exact: a bf16 engine would round weights that differ in the last fp32 bit to different bf16 values.
 
 A real mismatch on an fp32 engine. TRL's sampler returns vLLM's "processed" log-probs (after temperature
 and top-k, `logprobs_mode="processed_logprobs"`), while the trainer scores the full distribution: with
-top_k=4 of 16 tokens the sampler's log-probs exceed the trainer's by -log(top-4 mass), ~0.1-1 per token,
+top_k=4 of 16 tokens the sampler's log-probs exceed the trainer's by -log(top-4 mass) at every token,
 so the IS ratios are far from 1 and the correction's clipping / masking binds (asserted). The sync check
 uses the same relation: the engine's log-probs equal the log-softmax of the synced weights' top-4 logits.
 
 Tolerances. Between the trainers: tests/test_integration_trl.py's `compare` (fp32 summation orders; the
-gradient tolerance grows with the steps as there) — the engine adds nothing of its own, its inputs
-differ only by those parameter differences. The engine's completions: equal ids; log-probs within the
-same value tolerance. Engine vs the synced weights: ENGINE_TOL (two implementations of the same fp32
+second step's gradient tolerance grows as there) — the engine adds nothing of its own: its second
+round's inputs differ only by those parameter differences, and each run's log-probs are tied to its own
+weights by the sync check. Engine vs the synced weights: ENGINE_TOL (two implementations of the same fp32
 network, see its comment).
 """
 
@@ -50,6 +52,8 @@ from importlib import metadata
 import pytest
 import torch
 from vllm_support import require_vllm
+
+from grpo_kernels.integrations.trl import MODES  # importing the adapter does not import TRL
 
 pytestmark = pytest.mark.vllm
 
@@ -69,9 +73,13 @@ SERVABLE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
 SCHEDULE = dict(max_steps=2, gradient_accumulation_steps=2, num_iterations=1)
 IS_SETTINGS = {
     # TRL's default mode; sequences whose ratio falls under 0.4 are masked (ratio 0), the others kept
-    "sequence_mask": dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.4),
+    "sequence_mask": dict(
+        vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.4
+    ),
     # per-token ratios truncated into [0.8, 3]
-    "token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.8),
+    "token_truncate": dict(
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.8
+    ),
 }
 
 
@@ -107,7 +115,7 @@ class SharedEngine:
         self.trl_sync_weights = None  # TRL's own VLLMGeneration.sync_weights (replaced while the module runs)
 
     def build(self, **trl_kwargs):
-        """Stands in for `vllm.LLM` in trl.generation.vllm_generation: TRL's arguments, plus fp32 and eager."""
+        """Stands in for `vllm.LLM` in trl.generation.vllm_generation: TRL's arguments, + fp32 and eager."""
         if self.llm is None:
             import vllm
 
@@ -144,7 +152,8 @@ def engine(harness, tmp_path_factory):
     shared = SharedEngine()
     shared.trl_sync_weights = trl_vllm.VLLMGeneration.sync_weights
     threads = torch.get_num_threads()
-    saved_env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env_keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved_env = {k: os.environ.get(k) for k in env_keys}
     patch = pytest.MonkeyPatch()
     patch.setattr(trl_vllm, "LLM", shared.build)
     patch.setattr(trl_vllm.VLLMGeneration, "sync_weights", lambda generation: shared.sync_weights(generation))
@@ -238,12 +247,11 @@ def check_engine_served_synced_weights(model_dir, syncs, rounds):
     for i, (weights, (prompts, completions, sampled)) in enumerate(zip(syncs, rounds, strict=True)):
         expected = engine_logprobs_of(model_dir, weights, prompts, completions)
         err = max(float((torch.tensor(s) - e).abs().max()) for s, e in zip(sampled, expected, strict=True))
-        assert err <= ENGINE_TOL, f"round {i}: the engine's log-probs differ from the synced weights' by {err:.3e}"
+        assert err <= ENGINE_TOL, f"round {i}: engine log-probs differ from the synced weights' by {err:.3e}"
         if i:
             stale = engine_logprobs_of(model_dir, syncs[i - 1], prompts, completions)
             moved = max(float((s - e).abs().max()) for s, e in zip(stale, expected, strict=True))
             assert moved >= 100 * ENGINE_TOL, f"round {i}: the weights barely moved ({moved:.3e}): weak check"
-    return err
 
 
 def compare_rounds(ctx, theirs, ours, first_step_gap):
@@ -256,15 +264,15 @@ def compare_rounds(ctx, theirs, ours, first_step_gap):
         assert p_o == p_t, f"{ctx} round {i}: different prompts"
         assert c_o == c_t, (
             f"{ctx} round {i}: the engine sampled different completions: ours {c_o}, TRL {c_t} (the first "
-            f"optimizer step's gradients differ by {first_step_gap:.2e} of their largest element; measured <= 4e-7 "
-            "when the trainers agree)"
+            f"optimizer step's gradients differ by {first_step_gap:.2e} of their largest element; measured "
+            "<= 4e-7 when the trainers agree)"
         )
         if i == 0:
-            assert l_o == l_t, f"{ctx} round 0: same weights, same tokens, other log-probs: ours {l_o}, TRL {l_t}"
+            assert l_o == l_t, f"{ctx} round 0: same weights and tokens, log-probs differ: {l_o}, TRL {l_t}"
 
 
 @pytest.mark.parametrize("is_setting", list(IS_SETTINGS))
-@pytest.mark.parametrize("mode", ["fused", "logprobs"])
+@pytest.mark.parametrize("mode", MODES)
 def test_vllm_colocate_training_matches_trl(mode, is_setting, harness, engine, model_dir, tmp_path):
     from grpo_kernels.integrations.trl import GRPOKernelsTrainer
 
