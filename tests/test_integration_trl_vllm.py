@@ -146,13 +146,17 @@ class SharedEngine:
 
 
 @pytest.fixture(scope="module")
-def engine(harness, tmp_path_factory):
+def engine(harness):
     import trl.generation.vllm_generation as trl_vllm
 
     shared = SharedEngine()
     shared.trl_sync_weights = trl_vllm.VLLMGeneration.sync_weights
     threads = torch.get_num_threads()
-    env_keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # TRL's colocate mode sets the first five for vLLM; vLLM's external launcher sets the last (in-process
+    # engines): restored afterwards, so that the next module's engines start as they would alone
+    env_keys = (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING"
+    )  # fmt: skip
     saved_env = {k: os.environ.get(k) for k in env_keys}
     patch = pytest.MonkeyPatch()
     patch.setattr(trl_vllm, "LLM", shared.build)
@@ -163,7 +167,7 @@ def engine(harness, tmp_path_factory):
     finally:
         patch.undo()
         torch.set_num_threads(threads)
-        for key, value in saved_env.items():  # TRL's colocate mode sets them for vLLM
+        for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
