@@ -10,8 +10,9 @@ from 1 (SGD with a large learning rate), which exercises the clipping regimes. C
 and mode, against TRL's own trainer on the same seed: every value TRL logs (loss, grad_norm, kl,
 entropy, clip_ratio/*, cispo_clip_ratio, vespo/phi_seq_mean, policy_loss, entropy_coef, aux_loss,
 rewards...), the gradients of every parameter before each optimizer step (a callback), and the
-parameters after training. vLLM importance sampling is emulated (no vLLM on CPU): the sampler's
-log-probs are the old log-probs plus noise, and TRL's IS-ratio lines fill the inputs, on both sides.
+parameters after training. vLLM importance sampling is emulated here (this environment has no vLLM):
+the sampler's log-probs are the old log-probs plus noise, and TRL's IS-ratio lines fill the inputs, on
+both sides; tests/test_integration_trl_vllm.py trains both modes against TRL on a real vLLM CPU engine.
 
 Tolerances: both sides compute in fp32 with different summation orders (tiled online logsumexp vs
 TRL's chunked kernel, the fused loss head vs TRL's loss lines). Logged values agree to
