@@ -164,7 +164,10 @@ def fused_linear_logprobs(
             full head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), ``targets`` are
             global ids and hidden / targets / mask are the same on every rank. Results are those of the
             full head, identical on every rank; grad_hidden is the full gradient (all-reduced inside);
-            grad_weight / grad_bias are the local block's. Communication is O(tokens).
+            grad_weight / grad_bias are the local block's. Communication is O(tokens). The ranks check
+            in the call's first collective that they agree (fingerprints of the inputs, distinct blocks)
+            and raise the same error on every rank when they do not, or when one rank's inputs fail a
+            check (README "Scaling out"; GRPO_KERNELS_CHECK_AGREEMENT=0 turns the fingerprints off).
         batch_invariant: each token's log-prob and entropy bitwise the same whatever else is in the batch
             (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
             (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
@@ -653,6 +656,10 @@ def _refuse_group_in_compile(entropy_group) -> None:
 def _entropy_agreement(entropy_group, function: str) -> _agreement.Agreement | None:
     """What this rank brings to entropy_group's first collective (the loss head's gather of the entropy
     counts): its config, normalizers and options must equal the other data-parallel ranks'."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(entropy_group, dist.ProcessGroup)):
+        return None  # None, or not a group: refused by _check_entropy_group on this rank (no group to tell)
     group = _check_group("entropy_group", entropy_group)
     return None if group is None else _agreement.Agreement(group, "entropy_group", "the top-entropy quantile")
 
@@ -782,7 +789,9 @@ def fused_linear_grpo_loss(
             metrics, log-probs and entropy are identical on every rank.
         entropy_group: with ``top_entropy_quantile < 1``, the data-parallel processes whose valid tokens the
             entropy quantile is taken over (TRL's ``get_high_entropy_mask`` gathers every process's);
-            None: this call's tokens only. A collective: every rank of the group calls the function.
+            None: this call's tokens only. A collective: every rank of the group calls the function; the
+            ranks check in its first all-gather that they agree on the config and the normalizers, and a
+            rank whose inputs fail a check makes every rank raise its error.
         batch_invariant: as in ``fused_linear_logprobs``: each token's log-prob and entropy (so its ratio
             and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
             aggregated loss depends on the batch by definition.

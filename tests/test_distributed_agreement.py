@@ -134,3 +134,8 @@ def test_fingerprint_is_the_same_integer_on_the_cuda_path(monkeypatch):
     expected = _fp(x)
     monkeypatch.setattr(_agreement, "_dot", lambda a, b: (a * b).sum())
     assert _fp(x) == expected
+
+
+def test_readme_names_the_probes_size():
+    readme = " ".join((HERE.parent / "README.md").read_text().split())
+    assert f"A probe of {len(probe.catalogue())} cases per run" in readme
