@@ -22,7 +22,8 @@ weights (one per position) and summed with int64 wrap-around, plus a hash of the
 sums do not depend on the order of the reduction, so ranks whose inputs agree bitwise always agree; a single
 changed element always changes the sum (it changes one word, its weight is odd, so the product is not 0 mod
 2^64); several changes collide with probability ~2^-64. Cost: one read of each input and O(bytes / 8) integer
-multiply-adds, chunked so the temporaries stay within CHUNK_ELEMENTS x 8 bytes. ``GRPO_KERNELS_CHECK_AGREEMENT=0`` turns the fingerprints off (the error code and the sizes still
+multiply-adds, chunked so the temporaries stay within CHUNK_ELEMENTS x 8 bytes.
+``GRPO_KERNELS_CHECK_AGREEMENT=0`` turns the fingerprints off (the error code and the sizes still
 travel, so failures stay collective); every rank must set it alike (a mix is refused).
 """
 
@@ -238,7 +239,8 @@ class Agreement:
             first = failing[0]
             kind, text = messages[first] or ("RuntimeError", "(no message)")
             others = f" (also rank(s) {failing[1:]})" if len(failing) > 1 else ""
-            message = f"{text} [rank {first} of {where} refused its inputs{others}; every rank of the group raises this error]"
+            message = (f"{text} [rank {first} of {where} refused its inputs{others}; every rank of the group raises "
+                       "this error]")  # fmt: skip
             error = ValueError(message) if kind == "ValueError" else RuntimeError(f"{kind}: {message}")
             if self.failure is not None:
                 raise error from self.failure

@@ -82,7 +82,8 @@ def fingerprint_cost(repeats: int = 7) -> dict:
 
 def payload_bytes() -> dict:
     """Bytes per rank in the call's first all-gather, and what the check adds (every rank receives world x it)."""
-    return {"row_bytes": _agreement.WIDTH * 8, "row_bytes_before": 8, "added_bytes_per_rank": (_agreement.WIDTH - 1) * 8}
+    width = _agreement.WIDTH
+    return {"row_bytes": width * 8, "row_bytes_before": 8, "added_bytes_per_rank": (width - 1) * 8}
 
 
 def _end_to_end_worker(rank, world, settings):
