@@ -219,26 +219,39 @@ def _tp_call(call, rank, world, group, backend, d, kw):
     weight = d["weight"][start:end].clone()
     if kw.get("nan_block"):
         weight[0, 0] = float("nan")
+    weight.requires_grad_()
     bias = d["bias"][start:end]
+    hidden = d["hidden"].clone().requires_grad_()
     softcap = kw.get("softcap", kw.get("softcap_all"))
     valid = d["mask"]
     temperature = kw.get("temperature", 0.9)
-    lp64, ent64 = stats64(d["hidden"], d["weight"], d["bias"], d["targets"].long(), valid, 0.9, kw.get("softcap_all"))
+    # the float64 yardstick, differentiable: its gradients are the ones every rank must return
+    hidden64 = d["hidden"].double().requires_grad_()
+    weight64 = d["weight"].double().requires_grad_()
+    lp64, ent64 = stats64(hidden64, weight64, d["bias"], d["targets"].long(), valid, 0.9, kw.get("softcap_all"))
     if call == "tp_logprobs":
-        out = gk.fused_linear_logprobs(d["hidden"], weight, d["targets"], bias, temperature, mask=d["mask"],
+        out = gk.fused_linear_logprobs(hidden, weight, d["targets"], bias, temperature, mask=d["mask"],
                                        softcap=softcap, logit_scale=kw.get("logit_scale", 1.0), backend=backend,
                                        tp_group=group)  # fmt: skip
-        return {"logprobs": worst(out.logprobs, lp64), "entropy": worst(out.entropy, ent64)}
-    cfg = kw["config"].replace(temperature=temperature)
-    out = gk.fused_linear_grpo_loss(d["hidden"], weight, d["targets"], d["adv"], d["mask"], d["old"], bias=bias,
-                                    config=cfg, softcap=softcap, logit_scale=kw.get("logit_scale", 1.0),
-                                    backend=backend, schedule=kw.get("schedule", "auto"), tp_group=group,
-                                    num_tokens=kw.get("num_tokens"))  # fmt: skip
-    ref = gk.grpo_loss(lp64, d["adv"], d["mask"], d["old"], entropy=ent64, config=kw["config"], backend="torch")
-    report = {"loss": worst(out.loss, ref.loss), "logprobs": worst(out.logprobs, lp64),
-              "entropy": worst(out.entropy, ent64)}  # fmt: skip
-    for key, value in ref.metrics.items():
-        report[f"metric/{key}"] = worst(out.metrics[key], value)
+        noise = torch.linspace(-1.0, 1.0, valid.numel()).reshape(valid.shape)
+        (out.logprobs * noise + out.entropy * noise.flip(0)).sum().backward()
+        (lp64 * noise + ent64 * noise.flip(0)).sum().backward()
+        report = {"logprobs": worst(out.logprobs, lp64), "entropy": worst(out.entropy, ent64)}
+    else:
+        cfg = kw["config"].replace(temperature=temperature)
+        out = gk.fused_linear_grpo_loss(hidden, weight, d["targets"], d["adv"], d["mask"], d["old"], bias=bias,
+                                        config=cfg, softcap=softcap, logit_scale=kw.get("logit_scale", 1.0),
+                                        backend=backend, schedule=kw.get("schedule", "auto"), tp_group=group,
+                                        num_tokens=kw.get("num_tokens"))  # fmt: skip
+        out.loss.backward()
+        ref = gk.grpo_loss(lp64, d["adv"], d["mask"], d["old"], entropy=ent64, config=kw["config"], backend="torch")
+        ref.loss.backward()
+        report = {"loss": worst(out.loss, ref.loss), "logprobs": worst(out.logprobs, lp64),
+                  "entropy": worst(out.entropy, ent64)}  # fmt: skip
+        for key, value in ref.metrics.items():
+            report[f"metric/{key}"] = worst(out.metrics[key], value)
+    report["grad_hidden"] = worst(hidden.grad, hidden64.grad)
+    report["grad_weight_block"] = worst(weight.grad, weight64.grad[start:end])
     return report
 
 

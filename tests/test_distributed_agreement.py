@@ -9,10 +9,11 @@ vocabulary; every rank all-masked, one rank all-masked, masks differing by one t
 rank only; the fingerprint switch set on one rank only; under entropy_group (data-parallel ranks with the
 top-entropy quantile): config, num_tokens, num_sequences, dp_size differing, a bad input on one rank,
 a rank without the quantile, a rank without valid tokens. Verdicts: "clear" (every rank raised the same
-message, naming the cause), "exact" (equal to float64 on one process, to fp32 rounding as in
+message, naming the cause), "exact" (loss, metrics, log-probs, entropy, grad_hidden and the rank's block
+of grad_weight equal to float64 autograd on one process, to fp32 rounding as in
 tests/test_distributed_tp.py), "wrong" (a silent wrong result, a refused valid input, an unclear or
-differing error) and "hang" (a collective timed out). The counts are printed (`pytest -s`) and written
-with the command that reproduces them.
+differing error) and "hang" (a collective timed out). The counts are printed (`pytest -s`); the same
+run from the command line: `python tests/_rank_agreement_probe.py --world 2 [--backend triton]`.
 
 The fingerprint itself (grpo_kernels/_agreement.py) is tested on one process: bitwise-equal inputs always
 agree (whatever the thread count or chunking), any one changed element or a permutation disagrees.
