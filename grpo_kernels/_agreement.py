@@ -170,6 +170,7 @@ class Agreement:
         self.values: dict[str, object] = {}  # Python values that must be equal on every rank
         self.block = None  # this rank's weight block: must differ from every other rank's
         self.targets = None  # (targets, valid): their min / max travel, checked against the total vocabulary
+        self.exchanged = False  # the collective was made (a later failure no longer needs to join it)
 
     def failed(self, exc: BaseException) -> None:
         self.failure = exc
@@ -215,6 +216,7 @@ class Agreement:
         world = dist.get_world_size(self.group)
         device = comm_device(self.group)
         mine = self._payload(size, device)
+        self.exchanged = True
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine, group=self.group)
         table = [dict(zip(HEADER + SLOTS, row.tolist())) for row in rows]

@@ -893,10 +893,15 @@ def fused_linear_grpo_loss(
             _agreement.join_failed(entropy_agreement, exc)
         raise
     _warn_local_normalizers(cfg, normalizers, tp_group)
-    loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg,
-        _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_agreement), resolved, schedule,
-    )  # fmt: skip
+    try:
+        loss, metrics, logprobs, entropy = run_fused(
+            flat_hidden, weight, bias, flat_targets, batch, cfg,
+            _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
+            lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_agreement), resolved, schedule,
+        )  # fmt: skip
+    except Exception as exc:  # e.g. a schedule refused on this rank only: its data-parallel peers still wait
+        if entropy_agreement is not None and not entropy_agreement.exchanged:
+            _agreement.join_failed(entropy_agreement, exc)
+        raise
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

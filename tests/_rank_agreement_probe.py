@@ -189,6 +189,11 @@ ENTROPY_CASES = {  # data-parallel ranks (their own sequences) with entropy_grou
 }
 
 
+DP_FUSED_ONLY_CASES = {  # refused by the schedule planner, after the checks, on one rank only
+    "dp_one_pass_on_one_rank": (("error", "one_pass", "rank"), _set_kw("schedule", "one_pass")),
+}
+
+
 def catalogue():
     """Every case name -> (call, expectation, change)."""
     out = {}
@@ -200,6 +205,8 @@ def catalogue():
     for call in ("dp_grpo_loss", "dp_fused_loss"):
         for name, (expect, change) in ENTROPY_CASES.items():
             out[f"{call}/{name}"] = (call, expect, change)
+    for name, (expect, change) in DP_FUSED_ONLY_CASES.items():
+        out[f"dp_fused_loss/{name}"] = ("dp_fused_loss", expect, change)
     return out
 
 
@@ -285,7 +292,8 @@ def _dp_call(call, rank, world, group, backend, change):
                            **common)  # fmt: skip
     else:
         out = gk.fused_linear_grpo_loss(hidden[mine], d["weight"], targets[mine], local["adv"], local["mask"],
-                                        old[mine], bias=d["bias"], **common)  # fmt: skip
+                                        old[mine], bias=d["bias"], schedule=kw.get("schedule", "auto"),
+                                        **common)  # fmt: skip
     total = out.loss.detach().clone()
     dist.all_reduce(total, group=group)  # what DDP's gradient average makes of the ranks' losses
     ref = gk.grpo_loss(lp64, adv, whole_mask, old, entropy=ent64, config=kw["config"], backend="torch",
