@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _agreement
 from . import _checks as chk
 from . import _custom_ops
 from ._backend import resolve_backend
@@ -163,7 +164,10 @@ def fused_linear_logprobs(
             full head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), ``targets`` are
             global ids and hidden / targets / mask are the same on every rank. Results are those of the
             full head, identical on every rank; grad_hidden is the full gradient (all-reduced inside);
-            grad_weight / grad_bias are the local block's. Communication is O(tokens).
+            grad_weight / grad_bias are the local block's. Communication is O(tokens). The ranks check
+            in the call's first collective that they agree (fingerprints of the inputs, distinct blocks)
+            and raise the same error on every rank when they do not, or when one rank's inputs fail a
+            check (README "Scaling out"; GRPO_KERNELS_CHECK_AGREEMENT=0 turns the fingerprints off).
         batch_invariant: each token's log-prob and entropy bitwise the same whatever else is in the batch
             (size, other sequences, padding, packing): fixed reduction orders on both backends, at a cost
             (grpo_kernels/ops/lm_head/README.md, "Batch-invariant mode"); gradients are deterministic.
@@ -185,30 +189,49 @@ def fused_linear_logprobs(
         return _custom_ops.compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index,
                                              compute_entropy, check_finite, tp_group, batch_invariant, softcap,
                                              logit_scale, backend)  # fmt: skip
-    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
-    bias = gather_lm_head_param("bias", bias, tp_group)
-    vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
-    _check_temperature(temperature)
-    device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
-    layout = _vocab_layout(tp_group, vocab, device)
-    vocab = layout.vocab_total if layout is not None else vocab
-    if targets.numel() == 0:
-        chk.fail("targets is empty: nothing to compute")
-    valid = targets != ignore_index
-    if mask is not None:
-        chk.check_tensor("mask", mask)
-        chk.check_shape("mask", mask, targets.shape, "targets")
-        valid = valid & chk.check_mask("mask", mask)
-    chk.check_targets("targets", targets, vocab, valid)
-    if check_finite:
-        chk.check_finite("hidden", hidden, valid[..., None])
-        chk.check_finite("weight", weight)
-        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
-            chk.check_finite("bias", bias, allow_neg_inf=True)
-    _check_flag("batch_invariant", batch_invariant)
-    _check_transform(softcap, logit_scale)
-    impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant,
-                    softcap, logit_scale)  # fmt: skip
+    group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
+    agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_logprobs")
+    try:  # with tp_group a failure here is carried by the first collective: every rank raises it
+        weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+        bias = gather_lm_head_param("bias", bias, tp_group)
+        vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
+        _check_temperature(temperature)
+        device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
+        if targets.numel() == 0:
+            chk.fail("targets is empty: nothing to compute")
+        valid = targets != ignore_index
+        if mask is not None:
+            chk.check_tensor("mask", mask)
+            chk.check_shape("mask", mask, targets.shape, "targets")
+            valid = valid & chk.check_mask("mask", mask)
+        if group is None:
+            chk.check_targets("targets", targets, vocab, valid)
+        else:  # against the whole vocabulary, after the exchange; the dtype now
+            chk.check_targets("targets", targets[:0], 0, valid[:0])
+        if check_finite:
+            chk.check_finite("hidden", hidden, valid[..., None])
+            chk.check_finite("weight", weight)
+            if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+                chk.check_finite("bias", bias, allow_neg_inf=True)
+        _check_flag("batch_invariant", batch_invariant)
+        _check_transform(softcap, logit_scale)
+        resolved = resolve_backend(backend, device, "fused_linear_logprobs")
+        if agreement is not None:
+            agreement.tensors.update(hidden=hidden, targets=targets, mask=valid)
+            agreement.values.update(temperature=float(temperature), softcap=softcap, logit_scale=logit_scale,
+                                    ignore_index=ignore_index, compute_entropy=compute_entropy,
+                                    check_finite=check_finite, batch_invariant=batch_invariant, backend=resolved,
+                                    bias_present=bias is not None)  # fmt: skip
+            agreement.block, agreement.targets = weight, (targets, valid)
+    except Exception as exc:
+        if agreement is None:
+            raise
+        agreement.failed(exc)
+    layout = _vocab_layout(agreement, 0 if agreement is None or agreement.failure else weight.shape[0])
+    if layout is not None:
+        vocab = layout.vocab_total
+        layout.check_targets(lambda: chk.check_targets("targets", targets, vocab, valid))
+    impl = _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale)
 
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
@@ -234,30 +257,48 @@ def fused_linear_logprobs(
 @dataclass
 class _VocabLayout:
     group: object
-    sizes: list
+    sizes: list  # every rank's block size, in group order
     rank: int
+    agreement: _agreement.Agreement
+    rows: list  # every rank's row of the exchange (grpo_kernels/_agreement.py)
 
     @property
     def vocab_total(self) -> int:
         return sum(self.sizes)
 
+    def check_targets(self, check) -> None:
+        """Target ids against the whole vocabulary, known only after the exchange: every rank sees every
+        rank's smallest and largest id, so all raise together (the first failing rank's message)."""
+        total = self.vocab_total
+        if any(row["target_min"] < 0 or row["target_max"] >= total for row in self.rows):
+            self.agreement.fail_together(check)
 
-def _vocab_layout(tp_group, local_vocab: int, device) -> _VocabLayout | None:
-    """None without vocabulary parallelism (also for a 1-rank group); else every rank's block size."""
-    if tp_group is None:
+
+def _check_group(name: str, group):
+    """A process group argument: None, or a ProcessGroup of an initialised torch.distributed; returns None
+    for a 1-rank group (the same as none)."""
+    if group is None:
         return None
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        chk.fail("tp_group was given but torch.distributed is not initialised (init_process_group first)")
-    if not isinstance(tp_group, dist.ProcessGroup):
-        chk.fail(f"tp_group must be a torch.distributed ProcessGroup (or None), got {type(tp_group).__name__}")
-    if dist.get_world_size(tp_group) == 1:
-        return None
-    from .ops.lm_head.vocab_parallel import group_layout
+        chk.fail(f"{name} was given but torch.distributed is not initialised (init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        chk.fail(f"{name} must be a torch.distributed ProcessGroup (or None), got {type(group).__name__}")
+    return None if dist.get_world_size(group) == 1 else group
 
-    sizes, rank = group_layout(tp_group, local_vocab, device)
-    return _VocabLayout(tp_group, sizes, rank)
+
+def _vocab_layout(agreement: _agreement.Agreement | None, local_vocab: int) -> _VocabLayout | None:
+    """None without vocabulary parallelism (also for a 1-rank group); else every rank's block size from
+    the call's first collective, which also carries the ranks' agreement (raises the same error on every
+    rank when a rank failed its checks or the ranks disagree)."""
+    if agreement is None:
+        return None
+    import torch.distributed as dist
+
+    rows = agreement.exchange(local_vocab)
+    sizes = [row["size"] for row in rows]
+    return _VocabLayout(agreement.group, sizes, dist.get_rank(agreement.group), agreement, rows)
 
 
 def _check_flag(name: str, value) -> None:
@@ -554,33 +595,41 @@ def grpo_loss(
                                               rollout_logprobs, entropy, _check_config(config), cu_seqlens,
                                               is_weights, token_weights, num_tokens, num_sequences, dp_size,
                                               grad_accum_steps, check_finite, backend)  # fmt: skip
-    cfg = _check_config(config)
-    chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
-    device = chk.check_same_device(
-        logprobs=logprobs, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, entropy=entropy,
-        cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
-    )  # fmt: skip
-    if cfg.needs_entropy and entropy is None:
-        chk.fail(
-            "this config needs the per-token entropy (entropy_coef != 0 or top_entropy_quantile < 1); pass entropy="
-        )
-    per_token = dict(
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-        entropy=entropy, is_weights=is_weights, token_weights=token_weights,
-    )  # fmt: skip
-    normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
-                       grad_accum_steps=grad_accum_steps)  # fmt: skip
-    batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                           check_finite, device)  # fmt: skip
+    entropy_agreement = _entropy_agreement(entropy_group, "grpo_loss")
+    try:  # with entropy_group a failure here is carried by its first collective: every rank raises it
+        cfg = _check_config(config)
+        chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
+        device = chk.check_same_device(
+            logprobs=logprobs, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, entropy=entropy,
+            cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
+        )  # fmt: skip
+        if cfg.needs_entropy and entropy is None:
+            chk.fail(
+                "this config needs the per-token entropy (entropy_coef != 0 or top_entropy_quantile < 1); pass entropy="
+            )
+        per_token = dict(
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+            entropy=entropy, is_weights=is_weights, token_weights=token_weights,
+        )  # fmt: skip
+        normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
+                           grad_accum_steps=grad_accum_steps)  # fmt: skip
+        batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
+                               check_finite, device)  # fmt: skip
+        flat_lp = logprobs.reshape(-1)
+        if check_finite:
+            chk.check_finite("logprobs", flat_lp, batch.valid)
+        flat_entropy = None if entropy is None else entropy.reshape(-1)
+        resolved = _loss_head_backend(cfg, backend, device, resolve_backend(backend, device, "grpo_loss"))
+        _check_entropy_group(entropy_group, cfg)
+        if entropy_agreement is not None:
+            entropy_agreement.values.update(config=cfg, **_normalizer_values(normalizers))
+    except Exception as exc:
+        if entropy_agreement is None:
+            raise
+        _agreement.join_failed(entropy_agreement, exc)
     _warn_local_normalizers(cfg, normalizers, None)
-    flat_lp = logprobs.reshape(-1)
-    if check_finite:
-        chk.check_finite("logprobs", flat_lp, batch.valid)
-    flat_entropy = None if entropy is None else entropy.reshape(-1)
-    resolved = _loss_head_backend(cfg, backend, device, resolve_backend(backend, device, "grpo_loss"))
-    _check_entropy_group(entropy_group, cfg)
-    out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved, entropy_group)
+    out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved, entropy_agreement)
     return GRPOLossOutput(
         loss=out.loss,
         metrics=out.metrics,
@@ -602,6 +651,22 @@ def _refuse_group_in_compile(entropy_group) -> None:
     if entropy_group is not None:
         chk.fail("entropy_group is not supported inside torch.compile (a process group is not an op argument): "
                  "call this function outside the compiled region")  # fmt: skip
+
+
+def _entropy_agreement(entropy_group, function: str) -> _agreement.Agreement | None:
+    """What this rank brings to entropy_group's first collective (the loss head's gather of the entropy
+    counts): its config, normalizers and options must equal the other data-parallel ranks'."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(entropy_group, dist.ProcessGroup)):
+        return None  # None, or not a group: refused by _check_entropy_group on this rank (no group to tell)
+    group = _check_group("entropy_group", entropy_group)
+    return None if group is None else _agreement.Agreement(group, "entropy_group", "the top-entropy quantile")
+
+
+def _normalizer_values(normalizers: dict) -> dict:
+    """The normalizers as plain numbers (a 1-element tensor is a number here): they must agree across ranks."""
+    return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in normalizers.items()}
 
 
 def _check_entropy_group(entropy_group, cfg: PolicyLossConfig) -> None:
@@ -724,7 +789,9 @@ def fused_linear_grpo_loss(
             metrics, log-probs and entropy are identical on every rank.
         entropy_group: with ``top_entropy_quantile < 1``, the data-parallel processes whose valid tokens the
             entropy quantile is taken over (TRL's ``get_high_entropy_mask`` gathers every process's);
-            None: this call's tokens only. A collective: every rank of the group calls the function.
+            None: this call's tokens only. A collective: every rank of the group calls the function; the
+            ranks check in its first all-gather that they agree on the config and the normalizers, and a
+            rank whose inputs fail a check makes every rank raise its error.
         batch_invariant: as in ``fused_linear_logprobs``: each token's log-prob and entropy (so its ratio
             and per-token loss terms) bitwise independent of the rest of the batch and of the chunking; the
             aggregated loss depends on the batch by definition.
@@ -758,49 +825,83 @@ def fused_linear_grpo_loss(
                                                softcap, logit_scale, backend, schedule)  # fmt: skip
     from .ops.fused.function import SCHEDULES, run_fused
 
-    if schedule not in SCHEDULES:
-        chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-
-    cfg = _check_config(config)
-    weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
-    bias = gather_lm_head_param("bias", bias, tp_group)
-    vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
-    device = chk.check_same_device(
-        hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, bias=bias,
-        cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
-    )  # fmt: skip
-    per_token = dict(
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-        is_weights=is_weights, token_weights=token_weights,
-    )  # fmt: skip
-    normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
-                       grad_accum_steps=grad_accum_steps)  # fmt: skip
-    batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                           check_finite, device)  # fmt: skip
-    if tp_group is not None and schedule == "low_memory":
-        chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
-                 "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
-    layout = _vocab_layout(tp_group, vocab, device)
-    vocab = layout.vocab_total if layout is not None else vocab
+    group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
+    agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_grpo_loss")
+    entropy_agreement = _entropy_agreement(entropy_group, "fused_linear_grpo_loss")
+    try:  # with a group a failure here is carried by the first collective: every rank raises it
+        if schedule not in SCHEDULES:
+            chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        cfg = _check_config(config)
+        weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
+        bias = gather_lm_head_param("bias", bias, tp_group)
+        vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
+        device = chk.check_same_device(
+            hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, bias=bias,
+            cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
+        )  # fmt: skip
+        per_token = dict(
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+            is_weights=is_weights, token_weights=token_weights,
+        )  # fmt: skip
+        normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
+                           grad_accum_steps=grad_accum_steps)  # fmt: skip
+        batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
+                               check_finite, device)  # fmt: skip
+        if tp_group is not None and schedule == "low_memory":
+            chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
+                     "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
+        flat_targets = targets.reshape(-1)
+        # with tp_group: the ids against the whole vocabulary after the exchange; the dtype now
+        chk.check_targets("targets", flat_targets if group is None else flat_targets[:0],
+                          vocab if group is None else 0, batch.valid if group is None else batch.valid[:0])  # fmt: skip
+        flat_hidden = hidden.reshape(-1, hidden_size)
+        if check_finite:
+            chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
+            chk.check_finite("weight", weight)
+            if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
+                chk.check_finite("bias", bias, allow_neg_inf=True)
+        resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
+        _check_flag("batch_invariant", batch_invariant)
+        _check_transform(softcap, logit_scale)
+        head_backend = _loss_head_backend(cfg, backend, device, resolved)
+        _check_entropy_group(entropy_group, cfg)
+        scalars = dict(config=cfg, temperature=cfg.temperature, softcap=softcap, logit_scale=logit_scale,
+                       check_finite=check_finite, batch_invariant=batch_invariant, backend=resolved,
+                       schedule=schedule, **_normalizer_values(normalizers))  # fmt: skip
+        if agreement is not None:
+            agreement.tensors.update(hidden=hidden, targets=targets, mask=batch.valid, advantages=advantages,
+                                     cu_seqlens=cu_seqlens, **per_token)  # fmt: skip
+            agreement.values.update(bias_present=bias is not None, **scalars)
+            agreement.block, agreement.targets = weight, (flat_targets, batch.valid)
+        if entropy_agreement is not None:  # data-parallel ranks: the same model and step, their own tokens
+            entropy_agreement.values.update(config=cfg, softcap=softcap, logit_scale=logit_scale,
+                                            **_normalizer_values(normalizers))  # fmt: skip
+    except Exception as exc:
+        if agreement is None and entropy_agreement is None:
+            raise
+        if agreement is None:
+            _agreement.join_failed(entropy_agreement, exc)
+        agreement.failed(exc)
+    try:
+        layout = _vocab_layout(agreement, 0 if agreement is None or agreement.failure else weight.shape[0])
+        if layout is not None:
+            vocab = layout.vocab_total
+            layout.check_targets(lambda: chk.check_targets("targets", flat_targets, vocab, batch.valid))
+    except Exception as exc:  # the tp group failed together; data-parallel peers in entropy_group join it
+        if entropy_agreement is not None:
+            _agreement.join_failed(entropy_agreement, exc)
+        raise
     _warn_local_normalizers(cfg, normalizers, tp_group)
-    flat_targets = targets.reshape(-1)
-    chk.check_targets("targets", flat_targets, vocab, batch.valid)
-    flat_hidden = hidden.reshape(-1, hidden_size)
-    if check_finite:
-        chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
-        chk.check_finite("weight", weight)
-        if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
-            chk.check_finite("bias", bias, allow_neg_inf=True)
-    resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
-    _check_flag("batch_invariant", batch_invariant)
-    _check_transform(softcap, logit_scale)
-    head_backend = _loss_head_backend(cfg, backend, device, resolved)
-    _check_entropy_group(entropy_group, cfg)
-    loss, metrics, logprobs, entropy = run_fused(
-        flat_hidden, weight, bias, flat_targets, batch, cfg,
-        _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
-        lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_group), resolved, schedule,
-    )  # fmt: skip
+    try:
+        loss, metrics, logprobs, entropy = run_fused(
+            flat_hidden, weight, bias, flat_targets, batch, cfg,
+            _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
+            lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_agreement), resolved, schedule,
+        )  # fmt: skip
+    except Exception as exc:  # e.g. a schedule refused on this rank only: its data-parallel peers still wait
+        if entropy_agreement is not None and not entropy_agreement.exchanged:
+            _agreement.join_failed(entropy_agreement, exc)
+        raise
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))

@@ -66,3 +66,15 @@ def test_trl_suite_figures_come_from_the_record():
     assert record["counts"]["stock"] == record["counts"]["swapped"] and not record["differ"], (
         "the recorded run must give every test the same outcome both ways"
     )
+
+
+def test_agreement_check_cost_comes_from_the_record():
+    record = json.loads((RECORDS / "agreement_cost.json").read_text())
+    fp, size, e2e = record["fingerprints"], record["bytes"], record["end_to_end"]
+    text = readme_text()
+    for expected in (
+        f"{size['row_bytes']} bytes per rank in that all-gather instead of {size['row_bytes_before']}",
+        f"the fingerprints take {fp['on_ms']} ms per call",
+        f"{e2e['on_ms']} ms with the check, {e2e['off_ms']} ms without",
+    ):
+        assert expected in text, f"README agreement-check figures differ from the record; expected:\n{expected}"

@@ -187,11 +187,30 @@ def _tp_group(device: torch.device):
     return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 
 
-def _ours_tp() -> dict:
+def _ours_tp(check_agreement: bool = True) -> dict:
     """The vocabulary-parallel path: each rank holds its block of the head's rows (tp_group). Under
     torchrun with K ranks the weight gradient's blocks are summed over ranks (a hook), so the parity
-    gate sees the whole gradient; on one process it is TP = 1 (the report says so)."""
+    gate sees the whole gradient; on one process it is TP = 1 (the report says so). check_agreement=False:
+    the ranks' fingerprints off (GRPO_KERNELS_CHECK_AGREEMENT=0 around each call), to measure their cost."""
     import grpo_kernels as gk
+    from .. import _agreement
+
+    def switched(call):
+        if check_agreement:
+            return call
+
+        def fn():
+            before = os.environ.get(_agreement.ENV_SWITCH)
+            os.environ[_agreement.ENV_SWITCH] = "0"
+            try:
+                return call()
+            finally:
+                if before is None:
+                    del os.environ[_agreement.ENV_SWITCH]
+                else:
+                    os.environ[_agreement.ENV_SWITCH] = before
+
+        return fn
 
     def setup(inp):
         group, world, rank = _tp_group(inp.device)
@@ -210,6 +229,7 @@ def _ours_tp() -> dict:
             inp.weight.register_hook(all_blocks)
             inp.weight._gk_tp_hook = True
         impl = f"tp_group of {world} rank(s)" + (" (TP = 1: one process; torchrun for K > 1)" if world == 1 else "")
+        impl += "" if check_agreement else f", {_agreement.ENV_SWITCH}=0"
         return group, slice(start, stop), impl
 
     def logprobs(inp, s):
@@ -219,7 +239,7 @@ def _ours_tp() -> dict:
             out = gk.fused_linear_logprobs(inp.hidden, inp.weight[block], inp.targets, tp_group=group)
             return out.logprobs, out.entropy
 
-        return Forward(fn, impl)
+        return Forward(switched(fn), impl)
 
     def fused(inp, s):
         group, block, impl = setup(inp)
@@ -231,7 +251,7 @@ def _ours_tp() -> dict:
                 inp.old_logprobs, inp.ref_logprobs, config=inp.config, tp_group=group,
             ).loss  # fmt: skip
 
-        return Forward(fn, impl)
+        return Forward(switched(fn), impl)
 
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
 
@@ -246,6 +266,14 @@ def _schedule_needs_triton(why: str):
         return None
 
     return check
+
+
+def _needs_several_ranks(settings: RunSettings) -> str | None:
+    """A provider check: skipped on one process, where a 1-rank tp_group makes no collective to check in."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return ("the ranks' agreement check runs with K > 1 ranks only (torchrun --nproc_per_node=K); on one "
+                "process grpo_kernels-tp is the same call")  # fmt: skip
+    return None
 
 
 def _same_as_auto(settings: RunSettings) -> str | None:
@@ -635,6 +663,15 @@ REGISTRY.add(
         "grpo_kernels-tp",
         "grpo_kernels vocabulary-parallel (tp_group): each rank 1/K of the head; TP = 1 on one process",
         _ours_tp(),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-tp-no-check",
+        "grpo_kernels-tp with the ranks' agreement fingerprints off (GRPO_KERNELS_CHECK_AGREEMENT=0): the "
+        "difference to grpo_kernels-tp is the check's cost (on one process TP = 1: no check either way)",
+        _ours_tp(check_agreement=False),
+        extra_check=_needs_several_ranks,
     )
 )
 REGISTRY.add(

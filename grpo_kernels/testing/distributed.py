@@ -5,10 +5,16 @@ process group on 127.0.0.1 with a free port, runs `worker(rank, world_size, *arg
 module-level function: spawn pickles it by name) and returns the list of what each rank returned
 (JSON-serialisable values), or raises with the failing rank's traceback. One torch thread per process:
 the machines these run on have two cores.
+
+Two time limits, so a hang fails in bounded time instead of waiting: `timeout` (seconds, the harness's
+watchdog) kills every rank and raises; `collective_timeout` (seconds, given to `init_process_group`)
+makes a gloo collective that a peer never joins raise on the waiting rank instead of blocking for
+gloo's default 30 minutes (the default group's and every `new_group`'s).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -24,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict, worker, args) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict, worker, args,
+           collective_timeout: float | None = None) -> None:  # fmt: skip
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -34,7 +41,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict, worke
     torch.set_num_threads(1)
     path = Path(out_dir) / f"rank{rank}.json"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        extra = {} if collective_timeout is None else {"timeout": datetime.timedelta(seconds=collective_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)
         result = worker(rank, world_size, *args)
         path.write_text(json.dumps({"ok": result}))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -45,13 +53,16 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict, worke
             dist.destroy_process_group()
 
 
-def run_group(worker, world_size: int, *args, env: dict | None = None, timeout: float = 300) -> list:
-    """Run `worker(rank, world_size, *args)` on `world_size` spawned gloo ranks; their results in rank order."""
+def run_group(worker, world_size: int, *args, env: dict | None = None, timeout: float = 300,
+              collective_timeout: float | None = None) -> list:  # fmt: skip
+    """Run `worker(rank, world_size, *args)` on `world_size` spawned gloo ranks; their results in rank order.
+    `timeout`: the whole run's limit (every rank killed past it); `collective_timeout`: each collective's."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(world_size, free_port(), out_dir, dict(env or {}), worker, args), nprocs=world_size,
+            _entry, args=(world_size, free_port(), out_dir, dict(env or {}), worker, args, collective_timeout),
+            nprocs=world_size,
             join=False, start_method="spawn",
         )  # fmt: skip
         errors = []

@@ -52,14 +52,21 @@ class VocabParallel:
     @torch.no_grad()
     def lm_head_forward(self, hidden, weight, bias, targets, temperature, **kwargs) -> LMHeadStats:
         local = self.local_targets(targets)
-        stats = self.inner.lm_head_forward(hidden, weight, bias, local, temperature, **kwargs)
+        if self.local_vocab == 0:  # an empty block: no mass (lse_r = -inf), owns no target; joins the collectives
+            zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            stats = LMHeadStats(zeros, zeros, torch.full_like(zeros, float("-inf")), zeros)
+        else:
+            stats = self.inner.lm_head_forward(hidden, weight, bias, local, temperature, **kwargs)
         owned = local != NOT_HERE
         # z_y where this rank holds y; 0 elsewhere (where: the backend's value there may be NaN)
         target_logit = torch.where(owned, stats.logprobs + stats.lse, torch.zeros_like(stats.lse))
         global_max = stats.lse.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=self.group)
-        weight_r = torch.exp(stats.lse - global_max)  # in (0, 1]: exp(lse_r - M)
-        sums = torch.stack([weight_r, weight_r * stats.expected_logit, target_logit])  # [3, N]
+        weight_r = torch.exp(stats.lse - global_max)  # in [0, 1]: exp(lse_r - M)
+        # a block with no probability mass (no rows, or every logit -inf) has lse_r = -inf and E_r[z]
+        # undefined (NaN): it adds exactly nothing, not 0 x NaN
+        weighted_logit = torch.where(weight_r > 0, weight_r * stats.expected_logit, torch.zeros_like(weight_r))
+        sums = torch.stack([weight_r, weighted_logit, target_logit])  # [3, N]
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         lse = global_max + torch.log(sums[0])
         expected_logit = sums[1] / sums[0]
@@ -72,11 +79,17 @@ class VocabParallel:
         partial = None
         if need_grad_hidden:  # this block's share of grad_hidden, in fp32 so the sum is rounded once
             partial = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        _, grad_weight_acc, grad_bias_acc = self.inner.lm_head_backward(
-            hidden, weight, bias, self.local_targets(targets), temperature, lse, expected_logit, grad_logprobs,
-            grad_entropy, need_grad_hidden, need_grad_weight, need_grad_bias, grad_weight_acc, grad_bias_acc,
-            grad_hidden_acc=partial, **kwargs,
-        )  # fmt: skip
+        if self.local_vocab == 0:  # an empty block: empty gradients, no share of grad_hidden
+            if need_grad_weight and grad_weight_acc is None:
+                grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if need_grad_bias and grad_bias_acc is None:
+                grad_bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        else:
+            _, grad_weight_acc, grad_bias_acc = self.inner.lm_head_backward(
+                hidden, weight, bias, self.local_targets(targets), temperature, lse, expected_logit, grad_logprobs,
+                grad_entropy, need_grad_hidden, need_grad_weight, need_grad_bias, grad_weight_acc, grad_bias_acc,
+                grad_hidden_acc=partial, **kwargs,
+            )  # fmt: skip
         grad_hidden = None
         if need_grad_hidden:
             dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group)
@@ -86,16 +99,3 @@ class VocabParallel:
             else:
                 grad_hidden = partial.to(hidden.dtype)
         return grad_hidden, grad_weight_acc, grad_bias_acc
-
-
-def group_layout(group, local_vocab: int, device: torch.device) -> tuple[list[int], int]:
-    """(every rank's block size in group order, this rank's index): one all-gather of one integer."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    # the collective runs on the group's backend device (gloo: CPU; NCCL: the current CUDA device)
-    backend = dist.get_backend(group)
-    comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([local_vocab], dtype=torch.int64, device=comm_device)
-    sizes = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=group)
-    return [int(s.item()) for s in sizes], rank

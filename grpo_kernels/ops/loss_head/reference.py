@@ -534,20 +534,24 @@ def top_entropy_selection(ent, valid, quantile, group=None):
 
 
 def _gather_variable(x, group):
-    """The 1-D tensors `x` of every rank of `group`, concatenated in rank order (lengths may differ)."""
+    """The 1-D tensors `x` of every rank of `group`, concatenated in rank order (lengths may differ).
+
+    `group`: a process group, or the functional layer's Agreement for it (grpo_kernels/_agreement.py): the
+    first all-gather (of the lengths) then also carries the ranks' agreement on the config and the global
+    normalizers, and a peer's failed input checks, so every rank raises the same error."""
     import torch.distributed as dist
 
-    world = dist.get_world_size(group)
+    from ..._agreement import Agreement
+
+    agreement = group if isinstance(group, Agreement) else Agreement(group, "entropy_group", "the top-entropy quantile")
+    world = dist.get_world_size(agreement.group)
     if world == 1:
         return x
-    counts = torch.tensor([x.numel()], dtype=torch.long, device=x.device)
-    all_counts = [torch.zeros_like(counts) for _ in range(world)]
-    dist.all_gather(all_counts, counts, group=group)
-    sizes = [int(c) for c in all_counts]
+    sizes = [row["size"] for row in agreement.exchange(x.numel())]
     padded = torch.zeros(max(sizes), dtype=x.dtype, device=x.device)
     padded[: x.numel()] = x
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    dist.all_gather(parts, padded, group=agreement.group)
     return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
 
