@@ -46,11 +46,13 @@ def _is_batch_invariant(lm_impl) -> bool:
     return "(batch-invariant)" in lm_impl.__name__
 
 
-def resolve_auto(cfg, batch, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int, element_size: int, *,
-                 bias: bool, masked: bool, goal: int, chunk_tokens: int, cublas_ok: bool = True,
-                 transform_writes: bool = False):  # fmt: skip
-    """"auto" with a weight gradient (module docstring): (schedule, chunks or None, reason)."""
-    base, base_chunks, base_reason = choose_schedule("auto", "triton", cfg, batch, chunk_tokens)
+def resolve_auto(plan, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int, element_size: int, *, bias: bool,
+                 masked: bool, goal: int, chunk_tokens: int, cublas_ok: bool = True, transform_writes: bool = False,
+                 base_reason: str = ""):  # fmt: skip
+    """"auto" with a weight gradient (module docstring): (schedule, chunks or None, reason). `plan(rows)`: the
+    one-pass chunks of at most `rows` valid tokens, or None where one pass is not valid for the call."""
+    base_chunks = plan(chunk_tokens)
+    base = "one_pass" if base_chunks is not None else "two_pass"
     options = {}  # schedule -> (chunks, chunk rows)
     if base == "one_pass":
         options["one_pass"] = (base_chunks, chunk_tokens)
@@ -63,8 +65,8 @@ def resolve_auto(cfg, batch, dtype: torch.dtype, n_valid: int, hidden: int, voca
             rows = memory.inplace_chunk_rows(n_valid, hidden, vocab, element_size, goal, bias=bias, schedule=name)
             if rows <= 0 or limit == 0:
                 continue
-            chosen, chunks, _ = choose_schedule("auto", "triton", cfg, batch, rows)
-            if chosen != "one_pass" or (limit is not None and len(chunks) > limit):
+            chunks = plan(rows)
+            if chunks is None or (limit is not None and len(chunks) > limit):
                 continue
             options[name] = (chunks, rows)
     else:
@@ -94,7 +96,7 @@ def resolve_auto(cfg, batch, dtype: torch.dtype, n_valid: int, hidden: int, voca
         return best, chunks, reason
     best = min(options, key=lambda name: peaks[name])
     reason = (f"no schedule fits the {goal / 2**30:.2f} GiB extra-memory goal at {where}: the smallest modelled "
-              f"peak ({peaks[best] / 2**30:.2f} GiB; {base} would hold {peaks[base] / 2**30:.2f} GiB: {base_reason})")  # fmt: skip
+              f"peak ({peaks[best] / 2**30:.2f} GiB; {base} would hold {peaks[base] / 2**30:.2f} GiB{': ' + base_reason if base_reason else ''})")  # fmt: skip
     return best, options[best][0], reason
 
 
@@ -119,10 +121,15 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
             and weight.requires_grad and torch.is_grad_enabled()):  # fmt: skip
         n_valid = int(batch.valid.sum())  # one host read per call (the chunk plan has made one already)
         transform = "softcap" in lm_impl.__name__ and "softcap None" not in lm_impl.__name__
+        def plan(rows):
+            one, planned, _ = choose_schedule("auto", "triton", cfg, batch, rows)
+            return planned if one == "one_pass" else None
+
         chosen, chunks, reason = resolve_auto(
-            cfg, batch, weight.dtype, n_valid, weight.shape[1], vocab, element_size, bias=bias_grad,
+            plan, weight.dtype, n_valid, weight.shape[1], vocab, element_size, bias=bias_grad,
             masked=n_valid < batch.valid.shape[0], goal=goal, chunk_tokens=chunk_tokens,
             cublas_ok=not _is_batch_invariant(lm_impl), transform_writes=bias is not None or transform,
+            base_reason=reason,
         )  # fmt: skip
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
     # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
@@ -133,3 +140,20 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
                                                chunks, variant=chosen)  # fmt: skip
         return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
                                   low_memory=chosen == "low_memory")  # fmt: skip
+
+
+def auto_schedule_at(n_valid: int, hidden: int, vocab: int, dtype: torch.dtype = torch.bfloat16, *,
+                     goal: int | None = None, masked: bool = False, bias: bool = False,
+                     one_pass_valid: bool = True) -> tuple[str, str]:  # fmt: skip
+    """What "auto" runs (with a weight gradient, a token-local objective where `one_pass_valid`) for
+    `n_valid` valid tokens of a head: (schedule, reason). For the README, the tests and the benchmarks."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    chunk_tokens = one_pass_capacity(vocab)
+
+    def plan(rows):
+        return [None] * -(-n_valid // rows) if one_pass_valid and rows > 0 else None
+
+    chosen, _, reason = resolve_auto(plan, dtype, n_valid, hidden, vocab, element_size, bias=bias, masked=masked,
+                                     goal=memory.EXTRA_MEMORY_GOAL if goal is None else goal,
+                                     chunk_tokens=chunk_tokens)  # fmt: skip
+    return chosen, reason
