@@ -163,6 +163,37 @@ def simulate(n_tokens: int, chunks: list[int], rows_top: int, rows_sampled: int,
     }
 
 
+def readme_table(record: dict) -> str:
+    """The README's error table, from a record (tests/test_readme_records.py compares the two)."""
+    runs = record["runs"]
+    head = "| grad_weight, relative L2 error against float64 | " + " | ".join(
+        f"N = {r['n_tokens']}" for r in runs) + " |"  # fmt: skip
+    lines = [head, "|---|" + "---|" * len(runs)]
+    labels = {
+        "bf16 floor": "float64 result rounded once to bf16 (the floor)",
+        "PyTorch bf16": "plain PyTorch bf16 autograd (bf16 logits, the usual TRL path)",
+    }
+    fp32_done = False
+    for key in runs[0]["rel_l2"]:
+        if key in labels:
+            label = labels[key]
+        elif key.startswith("fp32 acc"):  # the same to 3 digits for every chunking simulated: one row
+            if fp32_done:
+                first = next(k for k in runs[0]["rel_l2"] if k.startswith("fp32 acc"))
+                if any(f"{r['rel_l2'][key]:.2e}" != f"{r['rel_l2'][first]:.2e}" for r in runs):
+                    raise ValueError(f"{key} differs from {first}: the table's one fp32 row would hide it")
+                continue
+            fp32_done = True
+            label = "fp32 accumulator, cast once (one_pass, one_pass_cublas; any chunking)"
+        else:
+            kind, chunk = key.split(", ")
+            chunk = chunk.split("-")[0]
+            counts = " / ".join(str(r["chunks"][chunk]) for r in runs)
+            label = f"in place in bf16 (one_pass_inplace, one_pass_cublas_inplace), {chunk}-token chunks ({counts} chunks)"
+        lines.append(f"| {label} | " + " | ".join(f"{r['rel_l2'][key]:.2e}" for r in runs) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
@@ -174,7 +205,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="N = 2048 only, no record written")
     parser.add_argument("--out", type=Path, default=RECORD)
+    parser.add_argument("--readme", action="store_true", help="print the README table of the record and exit")
     args = parser.parse_args(argv)
+    if args.readme:
+        print(readme_table(json.loads(args.out.read_text())))
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokens = [2048] if args.quick else args.tokens
     chunks = [256, 512] if args.quick else args.chunks

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import function
 from .function import (
     LOW_MEMORY_DZ_ROWS,
-    ONE_PASS_CHUNK_TOKENS,
     ONE_PASS_LOGITS_BYTES,
     ONE_PASS_VARIANTS,
     one_pass_capacity,
@@ -25,8 +25,8 @@ from .function import (
 )
 
 GIB = 2**30
-# The extra-memory goal of the fused loss (beyond inputs and gradients): "auto" leaves a schedule whose
-# modelled peak exceeds it for the low-memory schedule when that one fits better (prefer_low_memory).
+# The extra-memory goal of the fused loss (beyond inputs and gradients) that "auto" plans with (dispatch.py)
+# unless the call passes max_extra_memory=.
 EXTRA_MEMORY_GOAL = 3 * GIB // 2
 # per valid token, the O(N) vectors the fused path keeps alive at once (fp32 / int64 per-token values:
 # logprobs, entropy, leaves, g_lp, g_ent, row indices, statistics, loss-head inputs): an upper bound
@@ -49,9 +49,10 @@ class ScheduleMemory:
 
 def validation_bytes(n_tokens: int, element_size: int = 2) -> int:
     """What the functional layer's finite checks hold at once (grpo_kernels/_checks.py check_finite): the
-    hidden states' per-row minimum and maximum ([N] each, input dtype) and the [N] bool of bad rows; the
-    weight and bias by whole-tensor minimum / maximum (O(1)); per-token vectors elementwise ([N] bools)."""
-    return n_tokens * (2 * element_size + 2)
+    hidden states' per-row minimum and maximum ([N] each, input dtype) and three [N] bools (finite minimum,
+    finite maximum, their combination); the weight and bias by whole-tensor minimum / maximum (O(1));
+    per-token vectors elementwise ([N] bools). Measured equal by tests/test_fused_memory.py."""
+    return n_tokens * (2 * element_size + 3)
 
 
 def _build(schedule: str, buffers: dict[str, int], n_tokens: int, element_size: int) -> ScheduleMemory:
@@ -121,7 +122,7 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
 def inplace_chunk_rows(n_valid: int, hidden: int, vocab: int, element_size: int, goal: int, *, bias: bool = False,
                        schedule: str = "one_pass_inplace") -> int:  # fmt: skip
     """Valid tokens per chunk of an in-place schedule: the most (whole 64-token tiles, at most
-    ONE_PASS_CHUNK_TOKENS) whose modelled peak fits `goal`; 0 where not even 64 do. Bigger chunks mean
+    function.ONE_PASS_CHUNK_TOKENS) whose modelled peak fits `goal`; 0 where not even 64 do. Bigger chunks mean
     fewer roundings of grad_weight (accuracy.py) and fewer re-reads of W and the gradient buffer."""
     stride = vocab if schedule == "one_pass_cublas_inplace" else stored_logits_row_stride(vocab)
 
@@ -130,29 +131,11 @@ def inplace_chunk_rows(n_valid: int, hidden: int, vocab: int, element_size: int,
                             logits_bytes=4 * rows * stride)  # fmt: skip
         return m.peak_extra <= goal
 
-    if ONE_PASS_CHUNK_TOKENS < 64:  # (tests set tiny chunks)
-        return ONE_PASS_CHUNK_TOKENS if fits(ONE_PASS_CHUNK_TOKENS) else 0
-    lo, hi = 0, ONE_PASS_CHUNK_TOKENS // 64  # in tiles; fits() is monotone in the rows
+    cap = function.ONE_PASS_CHUNK_TOKENS  # read at call time (tests set tiny chunks)
+    if cap < 64:
+        return cap if fits(cap) else 0
+    lo, hi = 0, cap // 64  # in tiles; fits() is monotone in the rows
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(64 * mid) else (lo, mid - 1)
     return 64 * lo
-
-
-def prefer_low_memory(chosen: str, n_valid: int, hidden: int, vocab: int, element_size: int, *, bias: bool,
-                      masked: bool, goal: int = EXTRA_MEMORY_GOAL) -> bool:  # fmt: skip
-    """Whether "auto" takes the low-memory schedule instead of `chosen` ("one_pass" or "two_pass"): the
-    chosen schedule's modelled peak extra exceeds `goal` and the low-memory one's is smaller.
-
-    Why memory decides (README.md beside ops/lm_head, "Memory and bytes moved per schedule"): where the
-    fp32 [V, H] accumulator breaks the goal (V x H large), the one-pass schedule's saved GEMM unit and the
-    V x H traffic the accumulator costs per chunk are about the same time by the bandwidth / FLOP model
-    (Qwen3-8B head: ~26 ms against ~25 ms at 16k tokens, ~103 against ~104 at 64k), while the peak is 5x
-    smaller. Below the goal (small heads, frozen heads) nothing changes."""
-    if chosen not in ("one_pass", "two_pass"):
-        return False
-    current = schedule_memory(chosen, n_valid, hidden, vocab, element_size, bias=bias, masked=masked)
-    if current.peak_extra <= goal:
-        return False
-    low = schedule_memory("low_memory", n_valid, hidden, vocab, element_size, bias=bias, masked=masked)
-    return low.peak_extra < current.peak_extra

@@ -1211,7 +1211,7 @@ def _forward_cublas(hidden, weight, bias, targets, temperature, logits_out, soft
         + ("None" if logits_out is None else f"{logits_out.dtype} {tuple(logits_out.shape)} strides {logits_out.stride()}"),
     )  # fmt: skip
     _check_device(logits_out, device, "logits_out")
-    tile = STREAM_TILES["gpu" if device.type == "cuda" else "interpreter"]
+    tile = STREAM_TILES["interpreter" if device.type == "cpu" else "gpu"]  # meta: AOT planning of a GPU launch
     if num_sms is None:
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else DEFAULT_NUM_SMS  # fmt: skip
