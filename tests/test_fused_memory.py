@@ -88,8 +88,12 @@ def test_max_extra_memory_moves_the_goal():
     chosen, reason = auto_schedule_at(16384, TARGET["hidden"], TARGET["vocab"], goal=4 * GIB)
     assert "within the 4.00 GiB extra-memory goal" in reason and "'one_pass'" in reason, reason
     assert inplace_chunk_rows(16384, TARGET["hidden"], TARGET["vocab"], 2, 4 * GIB) == 5120
-    # 0.5 GiB: only the low-memory schedule fits at 16k tokens (0.63 GiB unmasked: nothing; it is the smallest)
+    # 0.5 GiB: the in-place schedules in 512-token chunks (32 chunks, within the error bound)
     chosen, reason = auto_schedule_at(16384, TARGET["hidden"], TARGET["vocab"], goal=GIB // 2)
+    assert chosen.endswith("_inplace") and "32 chunk(s) of at most 512" in reason, reason
+    # 128 MiB: in-place chunks of 128 tokens would be 128 roundings (over the bound), low_memory holds
+    # 0.63 GiB: nothing fits, the smallest modelled peak runs
+    chosen, reason = auto_schedule_at(16384, TARGET["hidden"], TARGET["vocab"], goal=2**27)
     assert chosen == "low_memory" and "no schedule fits" in reason, reason
 
 
