@@ -3,8 +3,9 @@
 Three stages (docs/design.md §1) on the valid rows (masked tokens are never multiplied):
   A  LM-head statistics (log-prob, entropy, lse, E_p[z]; no logits kept)
   B  the loss head -> loss, metrics, g_lp = dL/dlogp, g_H = dL/dH per token
-  C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32, cast once
-Two schedules give the same result:
+  C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32 and cast once (in the
+     weight's dtype, once per chunk, in the in-place schedules)
+The schedules give the same result (the in-place ones up to their per-chunk rounding):
   two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
             variant, including those whose loss needs statistics of the whole batch (top-entropy
             quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
