@@ -44,18 +44,68 @@ def check_shape(name: str, x: torch.Tensor, shape: tuple, ref_name: str) -> None
         fail(f"{name} must have the shape of {ref_name} {tuple(shape)}, got {tuple(x.shape)}")
 
 
+def _bad_of_minmax(lo: torch.Tensor, hi: torch.Tensor, allow_neg_inf: bool) -> torch.Tensor:
+    """Non-finite from a minimum and maximum (NaN propagates into both): NaN or +inf, or -inf unless allowed."""
+    if allow_neg_inf:
+        return torch.isnan(lo) | torch.isnan(hi) | (hi == float("inf"))
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _bad_elements(x: torch.Tensor, allow_neg_inf: bool) -> torch.Tensor:
+    return torch.isnan(x) | (x == float("inf")) if allow_neg_inf else ~torch.isfinite(x)
+
+
 def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None, allow_neg_inf: bool = False) -> None:
     """NaN / inf anywhere `where` is true (default: everywhere) is an error showing the first offender.
-    allow_neg_inf: -inf is allowed (a bias that forbids tokens: p = 0 for them)."""
-    bad = torch.isnan(x) | (x == float("inf")) if allow_neg_inf else ~torch.isfinite(x)
-    if where is not None:
-        bad = bad & where
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        fail(
-            f"{name} has {int(bad.sum())} non-finite value(s) at trained positions; first at index {idx}: "
-            f"{x[idx].item()} (pass check_finite=False to skip this check)"
-        )
+    allow_neg_inf: -inf is allowed (a bias that forbids tokens: p = 0 for them).
+
+    Memory: a float tensor of 2+ dims is checked by its minimum and maximum (NaN propagates into both):
+    the whole tensor at once without `where` (O(1) extra: no weight-sized temporary), per row with a row
+    mask (`where` of shape [..., 1]: O(rows)). Other shapes (per-token vectors) elementwise. Only a failing
+    check looks further, one row at a time, for the count and the first offender. One host sync."""
+    if x.numel() == 0:
+        return
+    rowwise = x.dim() >= 2 and x.is_floating_point() and (where is None or (where.dim() == x.dim() and where.shape[-1] == 1))
+    if not rowwise:
+        bad = _bad_elements(x, allow_neg_inf)
+        if where is not None:
+            bad = bad & where
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            _fail_finite(name, x, int(bad.sum()), idx)
+        return
+    if where is None:
+        lo, hi = torch.aminmax(x)
+        if not bool(_bad_of_minmax(lo, hi, allow_neg_inf)):
+            return
+        rows_where = None
+    else:
+        lo, hi = torch.aminmax(x, dim=-1)  # [...] per row
+        bad_rows = _bad_of_minmax(lo, hi, allow_neg_inf) & where[..., 0]
+        if not bool(bad_rows.any()):
+            return
+        rows_where = where[..., 0]
+    # failing: find the bad rows by their min / max (O(rows)), then count within those rows only
+    flat = x.reshape(-1, x.shape[-1])
+    row_lo, row_hi = torch.aminmax(flat, dim=-1)
+    bad_rows = _bad_of_minmax(row_lo, row_hi, allow_neg_inf)
+    if rows_where is not None:
+        bad_rows = bad_rows & rows_where.reshape(-1)
+    count, first = 0, None
+    for r in bad_rows.nonzero().squeeze(-1).tolist():
+        bad = _bad_elements(flat[r], allow_neg_inf)
+        if first is None:
+            first = r * flat.shape[1] + int(bad.nonzero()[0])
+        count += int(bad.sum())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), x.shape))
+    _fail_finite(name, x, count, idx)
+
+
+def _fail_finite(name: str, x: torch.Tensor, count: int, idx: tuple) -> None:
+    fail(
+        f"{name} has {count} non-finite value(s) at trained positions; first at index {idx}: "
+        f"{x[idx].item()} (pass check_finite=False to skip this check)"
+    )
 
 
 def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,7 @@ def fused_loss_op(
     token_weights: Optional[Tensor], config: str, num_tokens: Optional[float], num_sequences: Optional[float],
     dp_size: int, grad_accum_steps: int, check_finite: bool, batch_invariant: bool, softcap: Optional[float],
     logit_scale: float, backend: str, schedule: str, need_hidden: bool, need_weight: bool, need_bias: bool,
+    max_extra_memory: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     from .functional import fused_linear_grpo_loss
     from .ops.loss_head.reference import metric_names
@@ -246,7 +247,8 @@ def fused_loss_op(
                                      token_weights=token_weights, num_tokens=num_tokens,
                                      num_sequences=num_sequences, dp_size=dp_size, grad_accum_steps=grad_accum_steps,
                                      check_finite=check_finite, batch_invariant=batch_invariant, softcap=softcap,
-                                     logit_scale=logit_scale, backend=backend, schedule=schedule)  # fmt: skip
+                                     logit_scale=logit_scale, backend=backend, schedule=schedule,
+                                     max_extra_memory=max_extra_memory)  # fmt: skip
         wanted = [x for x in (h, w, b) if x is not None and x.requires_grad]
         found = iter(torch.autograd.grad(out.loss, wanted, allow_unused=True) if wanted else [])
     grads = []
@@ -262,7 +264,8 @@ def fused_loss_op(
 @fused_loss_op.register_fake
 def _(hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, bias, cu_seqlens,
       is_weights, token_weights, config, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite,
-      batch_invariant, softcap, logit_scale, backend, schedule, need_hidden, need_weight, need_bias):  # fmt: skip
+      batch_invariant, softcap, logit_scale, backend, schedule, need_hidden, need_weight, need_bias,
+      max_extra_memory=None):  # fmt: skip
     from .ops.loss_head.reference import metric_names
 
     names = metric_names(config_from_json(config), has_ref=ref_logprobs is not None, has_entropy=True,
@@ -286,7 +289,7 @@ def _fused_backward(ctx, grad_loss, *_unused):
     scale = grad_loss.to(grad_hidden.dtype)
     return (grad_hidden * scale if need_h else None, grad_weight * scale.to(grad_weight.dtype) if need_w else None,
             None, None, None, None, None, None, grad_bias * scale.to(grad_bias.dtype) if need_b else None,
-            *([None] * 17))  # fmt: skip
+            *([None] * 18))  # fmt: skip
 
 
 fused_loss_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -337,7 +340,7 @@ def compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, r
 def compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs,
                         bias, cfg, cu_seqlens, is_weights, token_weights, num_tokens, num_sequences, dp_size,
                         grad_accum_steps, check_finite, tp_group, batch_invariant, softcap, logit_scale, backend,
-                        schedule):  # fmt: skip
+                        schedule, max_extra_memory=None):  # fmt: skip
     from .functional import GRPOLossOutput
     from .ops.loss_head.reference import metric_names
 
@@ -348,6 +351,7 @@ def compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs,
         None if num_sequences is None else float(num_sequences), int(dp_size), int(grad_accum_steps),
         bool(check_finite), bool(batch_invariant), None if softcap is None else float(softcap), float(logit_scale),
         backend, schedule, hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad,
+        None if max_extra_memory is None else int(max_extra_memory),
     )  # fmt: skip
     names = metric_names(cfg, has_ref=ref_logprobs is not None, has_entropy=True,
                          has_is_weights=is_weights is not None)  # fmt: skip

@@ -713,6 +713,18 @@ def _loss_head(flat_logprobs, flat_entropy, batch: _FlatBatch, cfg: PolicyLossCo
     )  # fmt: skip
 
 
+def _check_max_extra_memory(max_extra_memory, schedule: str) -> None:
+    """max_extra_memory: None or an int number of bytes >= 0, with a schedule that plans with it."""
+    if max_extra_memory is None:
+        return
+    if isinstance(max_extra_memory, bool) or not isinstance(max_extra_memory, int) or max_extra_memory < 0:
+        chk.fail(f"max_extra_memory must be None or a number of bytes (an int >= 0, e.g. 3 * 2**30), got "
+                 f"{max_extra_memory!r}")  # fmt: skip
+    if schedule not in ("auto", "one_pass_inplace", "one_pass_cublas_inplace"):
+        chk.fail(f"max_extra_memory is the goal schedule='auto' plans with (and the in-place schedules size "
+                 f"their chunks to); schedule={schedule!r} does not use it")  # fmt: skip
+
+
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -740,6 +752,7 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     schedule: str = "auto",
     entropy_group: torch.distributed.ProcessGroup | None = None,
+    max_extra_memory: int | None = None,
 ) -> GRPOLossOutput:
     """From the last hidden states to the GRPO-family loss in one call, without the [tokens, V] logits.
 
@@ -799,14 +812,21 @@ def fused_linear_grpo_loss(
         logit_scale: the model's logit multiplier, as in ``fused_linear_logprobs``.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
         schedule: "auto", "one_pass" (per chunk of tokens, the logits kept between forward and
-            backward: 3 GEMM units, an fp32 [V, H] grad_weight accumulator), "two_pass" (the backward
-            recomputes the logits: 4 units), "low_memory" (two passes with the vocabulary outside in the
-            backward: no fp32 [V, H] accumulator, grad_weight written once per block) or "one_pass_dz"
-            (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab; opt-in until a GPU run
-            has compared it). "auto" takes one_pass where valid, else two_pass, and low_memory instead
-            when the weight needs a gradient and the other's modelled peak extra memory exceeds 1.5 GiB
-            (a Qwen3-8B head: 3.45 GiB one-pass, 0.75 low-memory at 16k tokens); the choice and its
-            reason are logged at DEBUG on the "grpo_kernels" logger.
+            backward: 3 GEMM units, an fp32 [V, H] grad_weight accumulator), "one_pass_inplace" (one pass,
+            grad_weight accumulated in the weight's dtype in the gradient buffer itself, chunks sized to
+            fill the memory goal), "one_pass_cublas" / "one_pass_cublas_inplace" (the same with the forward
+            GEMM by cuBLAS into the chunk's fp32 logits and the statistics by a streaming kernel),
+            "two_pass" (the backward recomputes the logits: 4 units), "low_memory" (two passes with the
+            vocabulary outside in the backward: no fp32 [V, H] accumulator, grad_weight written once per
+            block) or "one_pass_dz" (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab;
+            opt-in until a GPU run has compared it). "auto", when the weight needs a gradient on the
+            Triton backend, takes the fastest schedule by the time model among those whose modelled peak
+            extra memory fits ``max_extra_memory`` and, for the in-place ones, whose grad_weight error is
+            no worse than plain PyTorch bf16 autograd's at that chunk count (the LM-head README, "What
+            auto runs"); else one_pass where valid, else two_pass. The choice and its reason are logged
+            at DEBUG on the "grpo_kernels" logger.
+        max_extra_memory: the extra-memory goal in bytes (an int >= 0; beyond inputs and gradients) that
+            ``schedule="auto"`` plans with and the in-place schedules size their chunks to; None: 1.5 GiB.
 
     Returns:
         GRPOLossOutput: ``loss`` (0-d, differentiable), ``metrics`` (see ``GRPOLossOutput``), and the
@@ -822,8 +842,9 @@ def fused_linear_grpo_loss(
                                                ref_logprobs, rollout_logprobs, bias, _check_config(config),
                                                cu_seqlens, is_weights, token_weights, num_tokens, num_sequences,
                                                dp_size, grad_accum_steps, check_finite, tp_group, batch_invariant,
-                                               softcap, logit_scale, backend, schedule)  # fmt: skip
-    from .ops.fused.function import SCHEDULES, run_fused
+                                               softcap, logit_scale, backend, schedule,
+                                               max_extra_memory)  # fmt: skip
+    from .ops.fused.dispatch import SCHEDULES, run_fused
 
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_grpo_loss")
@@ -831,6 +852,10 @@ def fused_linear_grpo_loss(
     try:  # with a group a failure here is carried by the first collective: every rank raises it
         if schedule not in SCHEDULES:
             chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        _check_max_extra_memory(max_extra_memory, schedule)
+        if batch_invariant and "cublas" in schedule:
+            chk.fail(f"schedule={schedule!r} is not available with batch_invariant=True (cuBLAS picks its "
+                     "reduction order by shape); use 'auto', 'one_pass', 'one_pass_inplace' or 'two_pass'")  # fmt: skip
         cfg = _check_config(config)
         weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
         bias = gather_lm_head_param("bias", bias, tp_group)
@@ -868,7 +893,8 @@ def fused_linear_grpo_loss(
         _check_entropy_group(entropy_group, cfg)
         scalars = dict(config=cfg, temperature=cfg.temperature, softcap=softcap, logit_scale=logit_scale,
                        check_finite=check_finite, batch_invariant=batch_invariant, backend=resolved,
-                       schedule=schedule, **_normalizer_values(normalizers))  # fmt: skip
+                       schedule=schedule, max_extra_memory=max_extra_memory,
+                       **_normalizer_values(normalizers))  # fmt: skip
         if agreement is not None:
             agreement.tensors.update(hidden=hidden, targets=targets, mask=batch.valid, advantages=advantages,
                                      cu_seqlens=cu_seqlens, **per_token)  # fmt: skip
@@ -898,6 +924,7 @@ def fused_linear_grpo_loss(
             flat_hidden, weight, bias, flat_targets, batch, cfg,
             _lm_impl(resolved, layout, batch_invariant, softcap, logit_scale),
             lambda lp, ent: _loss_head(lp, ent, batch, cfg, head_backend, entropy_agreement), resolved, schedule,
+            max_extra_memory=max_extra_memory,
         )  # fmt: skip
     except Exception as exc:  # e.g. a schedule refused on this rank only: its data-parallel peers still wait
         if entropy_agreement is not None and not entropy_agreement.exchanged:

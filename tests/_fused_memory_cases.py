@@ -1,10 +1,12 @@
 """Run by tests/test_fused_memory.py with TRITON_INTERPRET=1: the bytes the fused Triton path allocates
-(counted by the profiler) next to the memory model of grpo_kernels/ops/fused/memory.py. Prints JSON."""
+(counted by the profiler) next to the memory model of grpo_kernels/ops/fused/memory.py, per schedule, and
+the bytes the input validation allocates next to memory.validation_bytes. Prints JSON."""
 import json
 import torch
 import grpo_kernels as gk
+import grpo_kernels._checks as chk
 import grpo_kernels.ops.fused.function as fused
-from grpo_kernels.ops.fused.memory import schedule_memory
+from grpo_kernels.ops.fused.memory import schedule_memory, validation_bytes
 from grpo_kernels.testing.memory import peak_allocated_bytes
 B, T, H, V = 4, 13, 64, 4099
 g = torch.Generator().manual_seed(0)
@@ -13,18 +15,28 @@ targets = torch.randint(0, V, (B, T), generator=g)
 lengths = torch.tensor([13, 9, 11, 7]); mask = torch.arange(T)[None] < lengths[:, None]
 adv = torch.randn(B, generator=g); old = -torch.rand(B, T, generator=g) * 8
 fused.ONE_PASS_LOGITS_BYTES = 12 * 4 * V  # 12 valid tokens per chunk: 4 chunks of the 40
+fused.ONE_PASS_CHUNK_TOKENS = 12  # the in-place schedules' chunks (sized by the goal, capped here) as well
 fused.LOW_MEMORY_SLAB_BYTES = 1024 * (40 * 4 + H * 4)  # 1024-column slabs: 5 of V = 4099
 out = {}
-for schedule in ("one_pass", "two_pass", "low_memory"):
+for schedule in ("one_pass", "two_pass", "low_memory", "one_pass_inplace", "one_pass_cublas",
+                 "one_pass_cublas_inplace"):
     x = hidden.clone().requires_grad_(); w = weight.clone().requires_grad_()
     def call():
         return gk.fused_linear_grpo_loss(x, w, targets, adv, mask, old, config=gk.PolicyLossConfig.dapo(),
                                          backend="triton", schedule=schedule)
     res, peak, end = peak_allocated_bytes(call)
-    model = schedule_memory(schedule, int(mask.sum()), H, V, 4, logits_bytes=fused.ONE_PASS_LOGITS_BYTES)
+    model = schedule_memory(schedule, int(mask.sum()), H, V, 4, logits_bytes=fused.ONE_PASS_LOGITS_BYTES,
+                            n_tokens=B * T)
     # gradients allocated inside the call: grad_hidden always; grad_weight by low_memory (written per
-    # block in its final dtype; the other schedules' fp32 accumulator IS the fp32 gradient here)
-    grads = x.numel() * 4 + (w.numel() * 4 if schedule == "low_memory" else 0)
+    # block in its final dtype) and the in-place schedules (the gradient buffer summed into); the other
+    # schedules' fp32 accumulator IS the fp32 gradient here
+    grads = x.numel() * 4 + (w.numel() * 4 if schedule == "low_memory" or schedule.endswith("_inplace") else 0)
     slab_dz = next((b for k, b in model.buffers.items() if k.startswith("slab dz")), 0)
     out[schedule] = dict(peak=peak, model=model.peak_extra, grads=grads, tokens=B * T, slab_dz=slab_dz)
+# validation alone (the checks fused_linear_grpo_loss makes on hidden and weight), against its model
+flat = hidden.reshape(-1, H)
+valid = mask.reshape(-1)
+_, peak, _ = peak_allocated_bytes(lambda: (chk.check_finite("hidden", flat, valid[:, None]),
+                                           chk.check_finite("weight", weight)))
+out["validation"] = dict(peak=peak, model=validation_bytes(B * T, 4), weight_bytes=weight.numel())
 print(json.dumps(out))

@@ -43,7 +43,8 @@ def main():
             res[backend] = (out.logprobs, out.entropy, x.grad, w.grad, bb.grad)
         for name, a, e in zip(("logprobs", "entropy", "grad_hidden", "grad_weight", "grad_bias"), res["triton"], res["torch"]):
             report[f"{key}/logprobs_fn/{name}"] = worst(a, e)
-        for schedule in ("one_pass", "two_pass", "low_memory"):
+        # one_pass_cublas: the streaming statistics kernel applies the soft-cap to the cuBLAS output and writes z back
+        for schedule in ("one_pass", "two_pass", "low_memory", "one_pass_cublas"):
             runs = {}
             for backend, sched in (("torch", "two_pass"), ("triton", schedule)):
                 x, w, bb = (z.clone().requires_grad_() for z in (hidden, weight, bias))

@@ -150,6 +150,41 @@ def test_schedule_choice_is_logged_and_validated(caplog):
                                   config=C.dapo(), backend="torch", schedule="fast")  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_extra_memory=-1), "max_extra_memory must be None or a number of bytes"),
+        (dict(max_extra_memory=1.5), "max_extra_memory must be None or a number of bytes"),
+        (dict(max_extra_memory=True), "max_extra_memory must be None or a number of bytes"),
+        (dict(max_extra_memory=2**30, schedule="one_pass"), "schedule='one_pass' does not use it"),
+        (dict(batch_invariant=True, schedule="one_pass_cublas_inplace"), "not available with batch_invariant=True"),
+    ],
+)
+def test_max_extra_memory_and_schedule_options_are_validated(kwargs, match):
+    d = inputs()
+    with pytest.raises(ValueError, match=match):
+        gk.fused_linear_grpo_loss(d["hidden"], d["weight"], d["targets"], d["adv"], d["mask"], backend="torch",
+                                  **kwargs)  # fmt: skip
+
+
+def test_finite_checks_hold_no_weight_sized_temporary():
+    """The weight is checked by its minimum and maximum (O(1) extra), the hidden states per row; a bad value
+    is still found and reported with its count and first position (grpo_kernels/_checks.py)."""
+    from grpo_kernels._checks import check_finite
+    from grpo_kernels.testing.memory import peak_allocated_bytes
+
+    w = torch.randn(1000, 64)
+    _, peak, _ = peak_allocated_bytes(lambda: check_finite("weight", w))
+    assert peak < 1024, peak  # two 0-d values and their flags, not 2 x 64000 bools
+    w[700, 3] = float("nan")
+    w[900, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"weight has 2 non-finite value\(s\) .* first at index \(700, 3\): nan"):
+        check_finite("weight", w)
+    check_finite("bias", torch.tensor([0.0, float("-inf")]), allow_neg_inf=True)
+    with pytest.raises(ValueError, match=r"bias has 1 non-finite"):
+        check_finite("bias", torch.tensor([0.0, float("inf")]), allow_neg_inf=True)
+
+
 def test_plan_chunks_keeps_sequences_whole():
     from grpo_kernels.ops.fused.function import plan_chunks
 

@@ -124,11 +124,11 @@ def test_auto_takes_the_low_memory_schedule_over_the_memory_goal(name, report):
     assert calls["stored"] == 0 and calls["recomputed"] >= 2, calls  # one backward call per vocabulary slab
 
 
-def test_auto_keeps_one_pass_within_the_memory_goal(report):
+def test_auto_within_the_memory_goal_takes_the_fastest_fitting_schedule(report):
+    """Within the goal "auto" ranks the schedules that fit by the time model (ops/fused/dispatch.py) and says so."""
     r = report["grpo-packed-auto-within-goal"]
     assert_matches_torch(r)
-    assert "one_pass schedule" in r["said"] and "extra-memory goal" not in r["said"], r["said"]
-    assert r["backward_calls"]["stored"] >= 2 and r["backward_calls"]["recomputed"] == 0, r["backward_calls"]
+    assert "fastest by the time model" in r["said"] and "within the 1.50 GiB extra-memory goal" in r["said"], r["said"]
 
 
 @pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])

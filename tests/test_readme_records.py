@@ -78,3 +78,37 @@ def test_agreement_check_cost_comes_from_the_record():
         f"{e2e['on_ms']} ms with the check, {e2e['off_ms']} ms without",
     ):
         assert expected in text, f"README agreement-check figures differ from the record; expected:\n{expected}"
+
+
+def _grad_weight_error_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grad_weight_error", CHECKOUT / "benchmarks" / "grad_weight_error.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grad_weight_error_table_comes_from_the_record():
+    """The README's grad_weight error table is the record's (benchmarks/grad_weight_error.py writes both), and
+    the chunk bound "auto" uses (ops/fused/accuracy.py) is the one the record gives."""
+    from grpo_kernels.ops.fused.accuracy import MAX_INPLACE_CHUNKS_BF16, max_chunks_from_record
+
+    record = json.loads((RECORDS / "grad_weight_error.json").read_text())
+    table = _grad_weight_error_module().readme_table(record)
+    assert " ".join(table.split()) in readme_text(), f"README error table differs from the record; expected:\n{table}"
+    k_max = max_chunks_from_record(record)
+    assert MAX_INPLACE_CHUNKS_BF16 == k_max, (MAX_INPLACE_CHUNKS_BF16, k_max)
+    assert f"at most {k_max} chunks" in readme_text()
+    # what the bound rests on: at every simulated shape and chunking, in place is within PyTorch's error
+    for run in record["runs"]:
+        for chunk, count in run["chunks"].items():
+            assert count <= k_max or run["rel_l2"][f"bf16 in place, {chunk}-token chunks"] <= run["rel_l2"]["PyTorch bf16"]
+
+
+def test_grad_weight_error_script_runs_quick():
+    """The simulation runs (N = 2048) and keeps the order the bound rests on: the float64 floor below fp32
+    accumulation, below in place, below PyTorch bf16."""
+    module = _grad_weight_error_module()
+    r = module.simulate(2048, [512], rows_top=256, rows_sampled=512, cols=32, seed=1)["rel_l2"]
+    assert r["bf16 floor"] <= r["fp32 acc, 512-token chunks"] <= r["bf16 in place, 512-token chunks"] <= r["PyTorch bf16"], r

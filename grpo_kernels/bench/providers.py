@@ -653,6 +653,33 @@ REGISTRY.add(
 )
 REGISTRY.add(
     Provider(
+        "grpo_kernels-one-pass-inplace",
+        "grpo_kernels fused loss with schedule='one_pass_inplace' (3 GEMM units, kernel A, grad_weight summed "
+        "in the weight's dtype in the gradient buffer, chunks sized to the memory goal)",
+        {"fused_grpo": _ours("auto", "one_pass_inplace")["fused_grpo"]},
+        extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-one-pass-cublas",
+        "grpo_kernels fused loss with schedule='one_pass_cublas' (forward GEMM by cuBLAS into the chunk's fp32 "
+        "logits, statistics streamed over them; fp32 [V, H] accumulator)",
+        {"fused_grpo": _ours("auto", "one_pass_cublas")["fused_grpo"]},
+        extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-one-pass-cublas-inplace",
+        "grpo_kernels fused loss with schedule='one_pass_cublas_inplace' (cuBLAS forward + streamed statistics, "
+        "grad_weight summed in place in the weight's dtype: what auto runs at the Qwen3-8B head)",
+        {"fused_grpo": _ours("auto", "one_pass_cublas_inplace")["fused_grpo"]},
+        extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
+    )
+)
+REGISTRY.add(
+    Provider(
         "grpo_kernels-low-memory",
         "grpo_kernels fused loss with schedule='low_memory' (vocabulary-outer backward, no fp32 [V, H] accumulator)",
         {"fused_grpo": _ours("auto", "low_memory")["fused_grpo"]},

@@ -38,9 +38,12 @@ KERNEL_NAMES = dict(
     # kernel A with TMA operands (use_forward_kernel("tma")); "_ws" with WARP_SPECIALIZE=True, the probe of
     # whether Triton honours warp_specialize on this kernel (same PTX digest: it does not)
     fwd_tma="lm_head_fwd_kernel_partial_tma", fwd_tma_ws="lm_head_fwd_kernel_partial_tma",
+    # schedule="one_pass_cublas*": the statistics streamed over the logits cuBLAS wrote (no GEMM, no MMA)
+    fwd_stream="lm_head_fwd_kernel_stats_from_logits",
 )
 DZ_KERNELS = ("gh_dz", "gw_dz")
 TMA_KERNELS = ("fwd_tma", "fwd_tma_ws")
+STREAM_KERNELS = ("fwd_stream",)
 
 
 def _picked(arch: int, config_arch: str) -> bool:
@@ -117,6 +120,11 @@ def cases() -> list[dict]:
                     add(kernel, "bfloat16", None, grads=grads, stored=True)
                 add(kernel, "bfloat16", None, bias=True, stored=True, softcap=True)
                 add(kernel, "float32", "tf32x3", stored=True)
+            # the cuBLAS-forward schedules' streaming statistics kernel: each of its code paths (bias added
+            # and z written back, soft-cap), bf16 and fp32 buffers are the same (it reads fp32 logits)
+            for bias, softcap in ((False, False), (True, False), (True, True)):
+                add("fwd_stream", "bfloat16", None, bias=bias, stored=True, softcap=softcap)
+            add("fwd_stream", "float32", "tf32x3", stored=True)
             if arch >= 90:  # the TMA kernel A (Hopper only): each path of the cp.async one that it replaces
                 for bias in (False, True):
                     for stored in (False, True):
@@ -161,7 +169,7 @@ def _allow_tf32(value: bool):
 
 def record_lm_head_launches(
     n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
-    stored=False, softcap=False, dz_in_gemm=False, forward_kernel="cp.async",
+    stored=False, softcap=False, dz_in_gemm=False, forward_kernel="cp.async", forward_gemm="kernel_a",
 ):  # fmt: skip
     """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
     import torch
@@ -183,7 +191,10 @@ def record_lm_head_launches(
     if dz_in_gemm:
         extra["dz_in_gemm"] = True
     with _allow_tf32(precision == "tf32"), tri.use_forward_kernel(forward_kernel), record_launches(tri) as launches:
-        stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits, softcap=cap)
+        if forward_gemm == "cublas":  # no tile configuration: the streaming kernel has its own tiles
+            stats = tri.lm_head_forward(x, w, b, y, 0.7, logits_out=logits, softcap=cap, forward_gemm="cublas")
+        else:
+            stats = tri.lm_head_forward(x, w, b, y, 0.7, config=config, logits_out=logits, softcap=cap)
         tri.lm_head_backward(
             x,
             w,
@@ -226,6 +237,7 @@ def compile_case(c: dict) -> dict:
             softcap=c.get("softcap", False),
             dz_in_gemm=c["kernel"] in DZ_KERNELS,
             forward_kernel="tma" if c["kernel"] in TMA_KERNELS else "cp.async",
+            forward_gemm="cublas" if c["kernel"] in STREAM_KERNELS else "kernel_a",
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
         if c["kernel"] == "fwd_tma_ws":

@@ -3,8 +3,9 @@
 Three stages (docs/design.md §1) on the valid rows (masked tokens are never multiplied):
   A  LM-head statistics (log-prob, entropy, lse, E_p[z]; no logits kept)
   B  the loss head -> loss, metrics, g_lp = dL/dlogp, g_H = dL/dH per token
-  C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32, cast once
-Two schedules give the same result:
+  C  LM-head gradients from (g_lp, g_H); grad_weight accumulated in fp32 and cast once (in the
+     weight's dtype, once per chunk, in the in-place schedules)
+The schedules give the same result (the in-place ones up to their per-chunk rounding):
   two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
             variant, including those whose loss needs statistics of the whole batch (top-entropy
             quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
@@ -22,14 +23,21 @@ Two schedules give the same result:
             logits inside the operand loads of two Triton GEMMs (grad_hidden, grad_weight) instead of
             writing an [n, V] dz slab for cuBLAS: the slab's write and two reads disappear. Off by default
             until a GPU run has compared it with the cuBLAS path.
+  one-pass-inplace (schedule="one_pass_inplace") the one-pass schedule with grad_weight accumulated in the
+            weight's dtype in the gradient buffer itself (cuBLAS addmm into it per chunk: the chunk's sum
+            in fp32, one rounding per chunk): no fp32 [V, H] accumulator. Its chunks are sized to fill the
+            extra-memory goal (fewer chunks, fewer roundings; memory.inplace_chunk_rows). Its error against
+            float64 is measured in docs/records/grad_weight_error.json (ops/fused/accuracy.py).
+  one-pass-cublas (schedule="one_pass_cublas", "one_pass_cublas_inplace") the one-pass schedules with A's
+            GEMM done by cuBLAS (fp32 output straight into the chunk's logits buffer) and the statistics
+            taken by a streaming Triton kernel over that buffer (one more read of the chunk's logits);
+            C as in one pass.
   low-memory  two passes with the vocabulary outside in C: per slab of columns, every token's dz,
             the slab's grad_weight block written once in its final dtype, grad_hidden summed in fp32
             [N, H]. No fp32 [V, H] accumulator (README.md beside ops/lm_head, "Memory and bytes moved
             per schedule"); 4 GEMM units.
-"auto" (run_fused) on the Triton backend: one-pass where valid, else two-pass; either is replaced by
-low-memory when the weight needs a gradient, the head is not vocabulary-parallel, and the schedule's
-modelled peak extra memory (memory.py) exceeds EXTRA_MEMORY_GOAL while low-memory's is smaller. The
-choice and its reason are logged at DEBUG on the "grpo_kernels" logger.
+What "auto" runs is decided in dispatch.py (run_fused), from the memory model (memory.py), the time model
+(cost.py) and the accumulation error bound (accuracy.py); this module imports none of them.
 """
 
 from __future__ import annotations
@@ -59,7 +67,16 @@ ONE_PASS_CHUNK_TOKENS = 8192
 # V = 152k): longer completions are cut across chunks for token-local objectives, other objectives
 # take the two-pass schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
-SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz")
+SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz", "one_pass_inplace", "one_pass_cublas",
+             "one_pass_cublas_inplace")
+# The one-pass family: (forward GEMM, grad_weight accumulated in the weight's dtype, dz inside the GEMMs)
+ONE_PASS_VARIANTS = {
+    "one_pass": ("kernel_a", False, False),
+    "one_pass_dz": ("kernel_a", False, True),
+    "one_pass_inplace": ("kernel_a", True, False),
+    "one_pass_cublas": ("cublas", False, False),
+    "one_pass_cublas_inplace": ("cublas", True, False),
+}
 # The low-memory schedule ("auto" where the others' peak exceeds the memory goal): two passes with
 # the vocabulary outside in C, so grad_weight is written once per block in its final dtype and no
 # V x H fp32 accumulator exists. Per slab of columns: a dz workspace of LOW_MEMORY_DZ_ROWS token rows
@@ -268,12 +285,12 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {requested!r}")
     if requested in ("two_pass", "low_memory"):
         return requested, None, "requested"
-    if requested == "one_pass_dz":  # one-pass with dz formed inside the backward GEMMs: same validity
+    if requested in ONE_PASS_VARIANTS and requested != "one_pass":  # same validity as one_pass
         try:
             _, chunks, reason = choose_schedule("one_pass", backend, cfg, batch, chunk_tokens)
         except ValueError as exc:
-            raise ValueError(str(exc).replace("schedule='one_pass'", "schedule='one_pass_dz'")) from None
-        return "one_pass_dz", chunks, reason + "; dz formed inside the backward GEMMs (requested)"
+            raise ValueError(str(exc).replace("schedule='one_pass'", f"schedule={requested!r}")) from None
+        return requested, chunks, reason + " (requested)"
     why_not = None
     if backend != "triton":
         why_not = "the PyTorch backend computes the loss head with the reference"
@@ -302,10 +319,13 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
 
 
 def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks,
-                                dz_in_gemm=False):  # fmt: skip
+                                variant="one_pass"):  # fmt: skip
     """A -> B -> C per chunk (Triton backend). Returns what fused_grpo_forward does. A chunk holds whole
     sequences, or, for token-local objectives, pieces of them (plan_token_chunks): the loss head then
-    gets each piece's whole-sequence length and the pieces' partial sums are merged per sequence."""
+    gets each piece's whole-sequence length and the pieces' partial sums are merged per sequence.
+    `variant` (ONE_PASS_VARIANTS): A by kernel A or by cuBLAS + the streaming statistics kernel; grad_weight
+    accumulated in fp32 (cast once) or in the weight's dtype in the gradient buffer itself; dz in the GEMMs."""
+    forward_gemm, in_place, dz_in_gemm = ONE_PASS_VARIANTS[variant]
     from ..loss_head import triton as loss_head
 
     cut = cfg.token_local  # chunks from plan_token_chunks: sequences may be cut
@@ -324,7 +344,10 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     need_w = needs_grad and weight.requires_grad
     need_b = needs_grad and bias is not None and bias.requires_grad
     grad_hidden = torch.zeros_like(flat_hidden) if need_h else None
-    grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    # in place: the gradient buffer itself, in the weight's dtype, summed into chunk by chunk; else an fp32
+    # [V, H] accumulator cast once at the end
+    acc_dtype = weight.dtype if in_place else torch.float32
+    grad_weight_acc = torch.zeros(weight.shape, dtype=acc_dtype, device=device) if need_w else None
     grad_bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_b else None
     logprobs = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     entropy = torch.zeros(n_tokens, dtype=torch.float32, device=device)
@@ -343,10 +366,12 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     edges = [t0 for _, _, t0, _ in chunks] + ([chunks[-1][3]] if chunks else [])
     row_edges = valid_before[torch.tensor(edges, dtype=torch.long, device=device)].tolist() if chunks else []
     logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
-    if needs_grad and chunks:
+    if (needs_grad or forward_gemm == "cublas") and chunks:  # cuBLAS writes its GEMM output there in any case
         capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))
-        # rows padded to 16 bytes (4 fp32), so the TMA kernel A can store into it at any V
-        logits = torch.empty((capacity, stored_logits_row_stride(vocab)), dtype=torch.float32, device=device)[:, :vocab]
+        # kernel A: rows padded to 16 bytes (4 fp32), so the TMA kernel A can store into it at any V; cuBLAS
+        # writes [n, V] row-major (its ldc = V), so each chunk's rows are contiguous
+        stride = vocab if forward_gemm == "cublas" else stored_logits_row_stride(vocab)
+        logits = torch.empty((capacity, stride), dtype=torch.float32, device=device)[:, :vocab]
     for i, (s0, s1, t0, t1) in enumerate(chunks):
         chunk_valid = valid[t0:t1]
         rows = valid_rows[row_edges[i]:row_edges[i + 1]]  # the valid rows of this chunk, flat indices
@@ -354,7 +379,8 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         chunk_hidden = hidden_d.index_select(0, rows)  # [n, H], shared by A and C
         chunk_targets = flat_targets.index_select(0, rows).long()
         stats = lm_impl.lm_head_forward(chunk_hidden, weight_d, bias_d, chunk_targets, temperature,
-                                        logits_out=chunk_logits)  # fmt: skip
+                                        logits_out=chunk_logits,
+                                        **({"forward_gemm": "cublas"} if forward_gemm == "cublas" else {}))  # fmt: skip
         logprobs[rows] = stats.logprobs
         entropy[rows] = stats.entropy
         use_ent = cfg.entropy_coef != 0
@@ -400,36 +426,3 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     saved.grad_bias = None if grad_bias_acc is None else grad_bias_acc.to(bias.dtype)
     loss = FusedLinearGRPOLossFunction.apply(flat_hidden, weight, bias, loss, saved)
     return loss, metrics, logprobs, entropy
-
-
-def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, backend, schedule,
-              chunk_tokens=None):  # fmt: skip
-    """Pick the schedule (see the module docstring), say which at DEBUG, run it."""
-    # plan from the vocabulary every rank agrees on (vocabulary-parallel: the largest block), so every
-    # rank makes the same calls in the same order
-    chunk_tokens = chunk_tokens or one_pass_capacity(getattr(lm_impl, "planning_vocab", weight.shape[0]))
-    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
-    if (schedule == "auto" and backend == "triton" and not hasattr(lm_impl, "planning_vocab")
-            and weight.requires_grad and torch.is_grad_enabled()):  # fmt: skip
-        # the fp32 [V, H] accumulator of the one- and two-pass schedules is what breaks the goal: only
-        # a weight gradient has it; vocabulary-parallel heads keep their schedules (same slabs per rank)
-        from .memory import EXTRA_MEMORY_GOAL, prefer_low_memory
-
-        n_valid = int(batch.valid.sum())  # one host read per call (the chunk plan has made one already)
-        masked = n_valid < batch.valid.shape[0]
-        if prefer_low_memory(chosen, n_valid, weight.shape[1], weight.shape[0], flat_hidden.element_size(),
-                             bias=bias is not None and bias.requires_grad, masked=masked,
-                             goal=EXTRA_MEMORY_GOAL):  # fmt: skip
-            reason = (f"the {chosen} schedule's modelled peak ({reason}) exceeds the "
-                      f"{EXTRA_MEMORY_GOAL / 2**30:.1f} GiB extra-memory goal at V = {weight.shape[0]}, "
-                      f"H = {weight.shape[1]}, {n_valid} valid tokens")  # fmt: skip
-            chosen, chunks = "low_memory", None
-    logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
-    # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
-    # round them to half precision); the loss head is fp32 O(N) work
-    with torch.autocast(flat_hidden.device.type, enabled=False):
-        if chosen in ("one_pass", "one_pass_dz"):
-            return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
-                                               chunks, dz_in_gemm=chosen == "one_pass_dz")  # fmt: skip
-        return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
-                                  low_memory=chosen == "low_memory")  # fmt: skip

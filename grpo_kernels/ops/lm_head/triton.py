@@ -189,6 +189,38 @@ def pick_config(device: torch.device, dtype: torch.dtype, aligned: bool = True) 
     return CONFIGS[(arch_class(torch.cuda.get_device_capability(device)), operands)]
 
 
+# The streaming statistics kernel of the cuBLAS-forward schedules (lm_head_fwd_kernel_stats_from_logits):
+# no GEMM, so no operand pipeline; BLOCK_M rows x BLOCK_N columns of fp32 per step (16 KiB at 16 x 256 with
+# 4 warps: 32 values per thread per live array), GROUP_M only orders the programs (nothing to share in L2).
+# Keys: "gpu" (every CUDA architecture), "interpreter" (small tiles so test shapes cross tile edges).
+STREAM_TILES: dict[str, TileConfig] = {
+    "gpu": TileConfig(16, 256, 1, 8, num_warps=4, num_stages=1),
+    "interpreter": TileConfig(8, 64, 1, 2, num_warps=4, num_stages=1),
+}
+FORWARD_GEMMS = ("kernel_a", "cublas")
+
+
+def _forward_gemm_cublas(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
+    """out[n, V] (fp32, row-major) = alpha * hidden @ weight.T: cuBLAS with an fp32 output straight into the
+    logits buffer (torch.addmm(out_dtype=float32), beta = 0), no temporary. Where torch has no out_dtype GEMM
+    for the device (CPU, torch < 2.8) the operands are upcast _UPCAST_SLAB vocabulary rows at a time (the
+    operands' products are exact in fp32 either way; the interpreter tier runs this path)."""
+    if hidden.dtype == torch.float32:  # fp32 operands: TF32 where torch allows it, as kernel A's dot does
+        torch.addmm(out, hidden, weight.T, beta=0.0, alpha=alpha, out=out)
+        return
+    if _MM_OUT_DTYPE_OK.get(hidden.device.type, True):
+        try:
+            torch.addmm(out, hidden, weight.T, beta=0.0, alpha=alpha, out_dtype=torch.float32, out=out)
+            _MM_OUT_DTYPE_OK[hidden.device.type] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK[hidden.device.type] = False
+    hidden32 = hidden.float()
+    for v0 in range(0, weight.shape[0], _UPCAST_SLAB):
+        cols = slice(v0, v0 + _UPCAST_SLAB)
+        torch.addmm(out[:, cols], hidden32, weight[cols].float().T, beta=0.0, alpha=alpha, out=out[:, cols])
+
+
 # Which kernel A runs (README.md §6, "TMA kernel A"): "cp.async" (the default until a GPU run has timed
 # the two) or "tma". GRPO_KERNELS_FORWARD_KERNEL sets it for the process, use_forward_kernel for a block.
 FORWARD_KERNELS = ("cp.async", "tma")
@@ -665,6 +697,67 @@ def lm_head_fwd_kernel_merge(
     tl.store(expected_logit_ptr + offs, run_max + mean_dev, mask=ok)
 
 
+@triton.jit(do_not_specialize=["n_tokens", "tiles_per_split", "num_splits"])
+def lm_head_fwd_kernel_stats_from_logits(
+    logits_ptr,  # [N, V] fp32 (row stride stride_logits): x = hidden @ W^T (/ T without a soft-cap) by cuBLAS
+    bias_ptr,  # [V] or None
+    targets_ptr,  # [N] int
+    part_max_ptr,  # [num_splits, N] fp32, as lm_head_fwd_kernel_partial
+    part_sum_ptr,
+    part_dev_ptr,
+    target_logit_ptr,  # [N] fp32
+    n_tokens,
+    vocab,
+    stride_logits,
+    tiles_per_split,
+    num_splits,
+    inv_temperature,
+    cap_in,
+    cap_out,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Kernel A's statistics without its GEMM (schedule="one_pass_cublas*"): cuBLAS has written the chunk's
+    fp32 GEMM output into the logits buffer; each program streams BLOCK_M rows x one vocabulary split of it,
+    forms z (the bias / T added, or the soft-cap applied, to the fp32 value, as kernel A's epilogue does)
+    and folds it into the same split partials (_fold_tile), merged by lm_head_fwd_kernel_merge. Where z
+    differs from what the buffer holds (a bias or a soft-cap), z is written back in place (same tile, no
+    other program reads it), so the backward reads z as from kernel A's stored logits."""
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
+    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_tokens
+    target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
+    row_ptrs = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits
+    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
+    first_tile = pid_split * tiles_per_split
+    split_lo = first_tile * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
+    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t in range(0, n_tiles):
+        n0 = split_lo + t * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        tile_ok = row_ok[:, None] & (cols < vocab)[None, :]
+        x = tl.load(row_ptrs + cols[None, :], mask=tile_ok, other=0.0)
+        if HAS_SOFTCAP:  # x = hidden @ W^T unscaled: z = cap_out tanh(cap_in (x + b))
+            z = _transform_logits(x, bias_ptr, cols, vocab, 1.0, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
+        else:  # x = (hidden @ W^T) / T already (cuBLAS alpha): z = x + b / T; NEG_BIG outside the vocabulary
+            z = x + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
+        if HAS_BIAS or HAS_SOFTCAP:
+            tl.store(row_ptrs + cols[None, :], z, mask=tile_ok)
+        run_max, run_sum, run_dev, target_z = _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z,
+                                                         BLOCK_N)  # fmt: skip
+    _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
+                    row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N)  # fmt: skip
+
+
 @triton.jit
 def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
                inv_temperature, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):  # fmt: skip
@@ -1013,6 +1106,7 @@ def lm_head_forward(
     logits_out: torch.Tensor | None = None,
     tiles_per_split: int | None = None,
     softcap: tuple[float, float] | None = None,
+    forward_gemm: str = "kernel_a",
 ) -> LMHeadStats:
     """Per-token logprob, entropy, lse and E_p[z] (fp32 [N]) of z = (hidden @ weight.T + bias) / temperature.
 
@@ -1022,8 +1116,12 @@ def lm_head_forward(
     used to size the vocabulary splits, `tiles_per_split` fixes the split instead. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
     logits z are also written there, for a backward that reads them instead of recomputing them (the
     fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace).
+    `forward_gemm="cublas"` (with `logits_out`, row-major [N, V]): the GEMM by cuBLAS with its fp32 output
+    straight into `logits_out`, then the statistics by lm_head_fwd_kernel_stats_from_logits streaming over it
+    (one more read of the logits; where a bias or soft-cap changes them, z is written back in place).
     """
     _check_common(hidden, weight, bias, targets, temperature)
+    _check(forward_gemm in FORWARD_GEMMS, f"forward_gemm must be one of {FORWARD_GEMMS}, got {forward_gemm!r}")
     device = hidden.device
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -1035,6 +1133,10 @@ def lm_head_forward(
     weight = _unit_stride_rows(weight)
     targets = targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if forward_gemm == "cublas":
+        _check(tiles_per_split is None and config is None,
+               "forward_gemm='cublas' has no fixed tiles or split (the batch-invariant mode needs kernel A)")  # fmt: skip
+        return _forward_cublas(hidden, weight, bias, targets, temperature, logits_out, softcap, stats, num_sms)
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     use_tma = False
     if forward_kernel() == "tma":
@@ -1092,26 +1194,74 @@ def lm_head_forward(
     with _device_ctx(device):
         launch_forward = _launch_forward_tma if use_tma else _launch_forward_cp_async
         launch_forward(hidden, weight, logits_out, plan, tile, shared)
-        _launch(
-            lm_head_fwd_kernel_merge,
-            (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
-            dict(
-                part_max_ptr=partials[0],
-                part_sum_ptr=partials[1],
-                part_dev_ptr=partials[2],
-                target_logit_ptr=target_logit,
-                logprobs_ptr=stats.logprobs,
-                entropy_ptr=stats.entropy,
-                lse_ptr=stats.lse,
-                expected_logit_ptr=stats.expected_logit,
-                n_tokens=n_tokens,
-                num_splits=plan.num_splits,
-                BLOCK_T=MERGE_BLOCK_T,
-            ),
-            4,
-            1,
-        )
+        _launch_merge(partials, target_logit, stats, n_tokens, plan.num_splits)
     return stats
+
+
+def _forward_cublas(hidden, weight, bias, targets, temperature, logits_out, softcap, stats: LMHeadStats,
+                    num_sms: int | None) -> LMHeadStats:
+    """lm_head_forward(forward_gemm="cublas"): the GEMM into logits_out by cuBLAS, then the streaming
+    statistics kernel and the split merge."""
+    device = hidden.device
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    _check(
+        logits_out is not None and logits_out.dtype == torch.float32 and logits_out.dim() == 2
+        and logits_out.shape == (n_tokens, vocab) and logits_out.stride(1) == 1 and logits_out.stride(0) == vocab,
+        f"forward_gemm='cublas' needs logits_out: fp32 [{n_tokens}, {vocab}] row-major (cuBLAS writes it), got "
+        + ("None" if logits_out is None else f"{logits_out.dtype} {tuple(logits_out.shape)} strides {logits_out.stride()}"),
+    )  # fmt: skip
+    _check_device(logits_out, device, "logits_out")
+    tile = STREAM_TILES["interpreter" if device.type == "cpu" else "gpu"]  # meta: AOT planning of a GPU launch
+    if num_sms is None:
+        num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else DEFAULT_NUM_SMS  # fmt: skip
+    plan = plan_forward(n_tokens, vocab, tile.block_m, tile.block_n, num_sms, tile.group_m)
+    inv_t = 1.0 / float(temperature)
+    # without a soft-cap cuBLAS applies 1 / T in its epilogue (alpha); the soft-cap needs the unscaled x
+    _forward_gemm_cublas(hidden, weight, logits_out, 1.0 if softcap is not None else inv_t)
+    partials = torch.empty((3, plan.num_splits, n_tokens), dtype=torch.float32, device=device)
+    target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=device)
+    with _device_ctx(device):
+        _launch(
+            lm_head_fwd_kernel_stats_from_logits,
+            (plan.num_programs,),
+            dict(
+                logits_ptr=logits_out, bias_ptr=bias, targets_ptr=targets, part_max_ptr=partials[0],
+                part_sum_ptr=partials[1], part_dev_ptr=partials[2], target_logit_ptr=target_logit,
+                n_tokens=n_tokens, vocab=vocab, stride_logits=logits_out.stride(0),
+                tiles_per_split=plan.tiles_per_split, num_splits=plan.num_splits, inv_temperature=inv_t,
+                cap_in=1.0 if softcap is None else float(softcap[0]),
+                cap_out=1.0 if softcap is None else float(softcap[1]),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
+            ),
+            tile.num_warps,
+            tile.num_stages,
+        )  # fmt: skip
+        _launch_merge(partials, target_logit, stats, n_tokens, plan.num_splits)
+    return stats
+
+
+def _launch_merge(partials, target_logit, stats: LMHeadStats, n_tokens: int, num_splits: int) -> None:
+    _launch(
+        lm_head_fwd_kernel_merge,
+        (triton.cdiv(n_tokens, MERGE_BLOCK_T),),
+        dict(
+            part_max_ptr=partials[0],
+            part_sum_ptr=partials[1],
+            part_dev_ptr=partials[2],
+            target_logit_ptr=target_logit,
+            logprobs_ptr=stats.logprobs,
+            entropy_ptr=stats.entropy,
+            lse_ptr=stats.lse,
+            expected_logit_ptr=stats.expected_logit,
+            n_tokens=n_tokens,
+            num_splits=num_splits,
+            BLOCK_T=MERGE_BLOCK_T,
+        ),
+        4,
+        1,
+    )
 
 
 def _launch_forward_cp_async(hidden, weight, logits_out, plan, tile, shared: dict):
@@ -1203,8 +1353,10 @@ def gemm_path(device_type: str = "cuda") -> str:
 
 
 def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """acc[V, H] += dlogits[n, V].T @ hidden[n, H] in fp32, never rounded to the inputs' dtype."""
-    if dlogits.dtype == torch.float32:
+    """acc[V, H] += dlogits[n, V].T @ hidden[n, H]: the GEMM sums in fp32; an fp32 acc is never rounded to
+    the inputs' dtype, an acc in the inputs' dtype (the in-place schedules' gradient buffer) is rounded
+    once per call (cuBLAS: fp32 epilogue alpha A B + beta C, one rounding to C's dtype)."""
+    if dlogits.dtype == torch.float32 or acc.dtype == dlogits.dtype:
         acc.addmm_(dlogits.T, hidden)
         return
     if _mm_out_fp32(dlogits.T, hidden, acc) is not None:
@@ -1251,7 +1403,7 @@ def lm_head_backward(
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
     need_grad_bias: bool = True,
-    grad_weight_acc: torch.Tensor | None = None,  # [V, H] fp32, accumulated into when given
+    grad_weight_acc: torch.Tensor | None = None,  # [V, H] fp32 or weight's dtype, accumulated into when given
     grad_bias_acc: torch.Tensor | None = None,  # [V] fp32, accumulated into when given
     *,
     config: LMHeadTritonConfig | None = None,
@@ -1284,12 +1436,15 @@ def lm_head_backward(
     _check_per_token(grad_entropy, n_tokens, device, "grad_entropy")
     need_grad_bias = need_grad_bias and bias is not None
     if need_grad_weight and grad_weight_acc is not None:
+        # fp32, or the weight's dtype: the gradient buffer itself, summed into once per call (in place)
         _check(
-            grad_weight_acc.shape == weight.shape and grad_weight_acc.dtype == torch.float32,
-            f"grad_weight_acc must be fp32 {tuple(weight.shape)}, got {grad_weight_acc.dtype} "
+            grad_weight_acc.shape == weight.shape and grad_weight_acc.dtype in (torch.float32, weight.dtype),
+            f"grad_weight_acc must be fp32 or {weight.dtype} {tuple(weight.shape)}, got {grad_weight_acc.dtype} "
             f"{tuple(grad_weight_acc.shape)}",
         )
         _check_device(grad_weight_acc, device, "grad_weight_acc")
+        _check(not (dz_in_gemm and grad_weight_acc.dtype != torch.float32),
+               "dz_in_gemm accumulates grad_weight in fp32: grad_weight_acc must be fp32")  # fmt: skip
     if need_grad_bias and grad_bias_acc is not None:
         _check(
             grad_bias_acc.shape == (vocab,) and grad_bias_acc.dtype == torch.float32,

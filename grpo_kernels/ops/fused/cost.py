@@ -1,0 +1,87 @@
+"""A time model of the fused schedules: GEMM FLOPs at a device's matmul rate plus bytes at its bandwidth.
+
+    time = cuBLAS FLOPs / R + Triton-GEMM FLOPs / (R / TRITON_GEMM_SLOWDOWN) + bytes moved / B
+
+summed without overlap (an upper-bound style estimate: each schedule's GEMMs are each near the roof, so
+what separates schedules is work, not overlap). FLOPs: each GEMM unit is 2 N H V; kernel A and the
+recomputing dlogits kernel are Triton GEMMs, the backward's grad_hidden / grad_weight GEMMs and the
+cuBLAS-forward schedules' forward are cuBLAS. Bytes: the traffic that scales with V x H per chunk or slab
+(W re-read, the grad_weight accumulator's read-modify-write) and with N x V (stored logits, dz slab);
+O(N x H) traffic is left out (it is the same order in every schedule). The numbers are the ones of the
+op README's table ("Memory and bytes moved per schedule"); R, B and the Triton slowdown are assumptions
+printed with every estimate (`ScheduleTime.table`), to be replaced by what the GPU session measures
+(its per-kernel microbenchmarks time kernel A against the cuBLAS GEMM of the same shape).
+
+"auto" (dispatch.py) ranks the candidate schedules that fit the memory goal and the error bound by this
+model; it needs no GPU, so the choice is the same on every machine for the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# H100 SXM, bf16 dense: cuBLAS reaches ~790 TFLOP/s on large GEMMs (989 peak); HBM3 ~3.0 TB/s achieved
+# (3.35 peak). Kernel A and the dlogits kernel (Triton, no warp specialisation) are estimated at ~1.4x the
+# cuBLAS time of the same GEMM (issue 23's estimate from the compile reports; not measured).
+MATMUL_FLOPS = 790e12
+BANDWIDTH = 3.0e12
+TRITON_GEMM_SLOWDOWN = 1.4
+
+
+@dataclass(frozen=True)
+class ScheduleTime:
+    schedule: str
+    cublas_flops: float
+    triton_flops: float
+    bytes_moved: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.cublas_flops / MATMUL_FLOPS + self.triton_flops * TRITON_GEMM_SLOWDOWN / MATMUL_FLOPS
+                + self.bytes_moved / BANDWIDTH)  # fmt: skip
+
+    def table(self) -> str:
+        return (f"{self.schedule}: {self.seconds * 1e3:.1f} ms = cuBLAS {self.cublas_flops / 1e12:.1f} TFLOP + "
+                f"Triton {self.triton_flops / 1e12:.1f} TFLOP (x{TRITON_GEMM_SLOWDOWN}) at "
+                f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + {self.bytes_moved / 1e9:.1f} GB at {BANDWIDTH / 1e12:.1f} TB/s")  # fmt: skip
+
+
+def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_size: int = 2, *,
+                  chunk_rows: int, slab_columns: int = 8192, transform_writes: bool = False) -> ScheduleTime:  # fmt: skip
+    """The modelled time of `schedule` for `n_valid` valid tokens with one-pass chunks of `chunk_rows`
+    (low_memory: vocabulary slabs of `slab_columns`). transform_writes: the cuBLAS-forward statistics
+    kernel writes z back (a bias or a soft-cap)."""
+    unit = 2.0 * n_valid * hidden * vocab
+    vh, nv, e = float(vocab * hidden), float(n_valid * vocab), element_size
+    if schedule == "low_memory":
+        slabs = math.ceil(vocab / max(slab_columns, 1))
+        # A (kernel A) and the slab recompute (dlogits kernel) are Triton, the two backward GEMMs cuBLAS;
+        # W read three times, each grad_weight block written once; dz written and read twice; the fp32
+        # grad_hidden read and written per slab
+        traffic = 3 * vh * e + vh * e + 3 * nv * e + slabs * 8.0 * n_valid * hidden
+        return ScheduleTime(schedule, 2 * unit, 2 * unit, traffic)
+    if schedule == "two_pass":
+        from ..lm_head.triton import DEFAULT_WORKSPACE_BYTES, plan_backward
+
+        chunks = plan_backward(n_valid, vocab, hidden, e, 128, DEFAULT_WORKSPACE_BYTES, store_dlogits=True,
+                               need_bias_grad=False, need_hidden_grad=True).num_chunks  # fmt: skip
+        # A reads W once; per backward chunk the recompute and the grad_hidden GEMM read W and the fp32
+        # accumulator is read and written; dz written and read twice
+        traffic = vh * e + chunks * (2 * vh * e + 8 * vh) + 3 * nv * e
+        return ScheduleTime(schedule, 2 * unit, 2 * unit, traffic)
+    cublas_forward = schedule.startswith("one_pass_cublas")
+    in_place = schedule.endswith("_inplace")
+    if schedule not in ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace"):
+        raise ValueError(f"no time model for schedule {schedule!r}")
+    chunks = math.ceil(n_valid / max(chunk_rows, 1))
+    # per chunk: W read by A and by the grad_hidden GEMM, the accumulator read and written (fp32: 8 bytes per
+    # element; in place: the gradient buffer in the weight's dtype)
+    per_chunk = 2 * vh * e + vh * (2 * e if in_place else 8)
+    # logits stored and read back (fp32), dz slab written and read twice; the streaming statistics kernel
+    # reads the logits once more (and writes z back when a bias or soft-cap changes it)
+    traffic = chunks * per_chunk + 8 * nv + 3 * nv * e
+    if cublas_forward:
+        traffic += 4 * nv * (2 if transform_writes else 1)
+    cublas = 3 * unit if cublas_forward else 2 * unit
+    return ScheduleTime(schedule, cublas, 0.0 if cublas_forward else unit, traffic)

@@ -1,0 +1,85 @@
+"""Tier 2: the one-pass schedules of issue 23 on the Triton backend under TRITON_INTERPRET=1 (the cases and
+what they compare: tests/_fused_schedules_cases.py), against the PyTorch backend in fp32 on the same inputs.
+
+Bounds, per element, with u the unit roundoff of the inputs' dtype (2^-24 fp32, 2^-11 fp16, 2^-8 bf16),
+K = 4 chunks and B = the sum over the reduction of |dz| |operand| (computed by the cases from the reference's
+dz):
+  grad_weight  dz rounded to the dtype once (u B), the gradient buffer rounded once per chunk in place
+               (<= u |partial sum| <= u B each, K of them) or once at the end: <= (K + 2) u B
+  grad_hidden  dz rounded (u B) and the fp32 result rounded once (u B): <= 2 u B
+  grad_bias    fp32 column sums of the fp32 dz, rounded once: <= u B
+plus the fp32 reassociation both backends have: 2e-5 of the gradient's largest bound (TOL, as the other
+fused interpreter tests). Loss, metrics and log-probs: the statistics come from fp32 sums of exact products
+on both sides, |diff| <= TOL (1 + |expected|).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import interpreter_runner  # noqa: E402
+from _fused_schedules_cases import DTYPES, GRID_CONFIGS, SCHEDULES  # noqa: E402
+from interpreter_runner import run_case_script  # noqa: E402
+from test_loss_head import CONFIGS  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+TOL = 2e-5
+CHUNKS = 4
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+ROUNDINGS = {"weight": CHUNKS + 2, "hidden": 2, "bias": 1}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_case_script("_fused_schedules_cases.py", timeout=1200)
+
+
+def test_every_configuration_ran(report):
+    names = {case.split("-")[0] for case in report}
+    assert names == set(CONFIGS), set(CONFIGS) ^ names
+    for name in GRID_CONFIGS:
+        for dname in DTYPES:
+            for schedule in SCHEDULES:
+                assert f"{name}-{dname}-{schedule}" in report
+
+
+def test_new_schedules_match_torch(report):
+    failures = []
+    for case, r in sorted(report.items()):
+        name, dname, schedule = case.split("-")
+        cfg = CONFIGS[name]
+        if cfg.needs_global_statistics:
+            if f"schedule='{schedule}' is not valid here" not in r.get("refused", ""):
+                failures.append(f"{case}: one pass must be refused, got {r}")
+            continue
+        if "refused" in r:
+            failures.append(f"{case}: refused: {r['refused']}")
+            continue
+        got, expected = r["loss"]
+        if not interpreter_runner.close(got, expected, TOL):
+            failures.append(f"{case}: loss {got} vs {expected}")
+        diff, scale = r["logprobs"]
+        if diff > TOL * (1 + scale):
+            failures.append(f"{case}: logprobs differ by {diff}")
+        for key, (got, expected) in r["metrics"].items():
+            if not interpreter_runner.close(got, expected, TOL):
+                failures.append(f"{case}: metric {key} {got} vs {expected}")
+        u = UNIT_ROUNDOFF[dname]
+        for label, (got, expected, index, bound, bound_max) in r["grads"].items():
+            allowed = ROUNDINGS[label] * u * bound + TOL * bound_max
+            if abs(got - expected) > allowed:
+                failures.append(f"{case}: grad_{label} worst at flat index {index}: triton {got}, torch {expected}, "
+                                f"allowed {allowed:.3g} ({ROUNDINGS[label]} u B, B = {bound:.3g})")  # fmt: skip
+        cublas = "cublas" in schedule
+        kernels = ["lm_head_fwd_kernel_merge", "lm_head_fwd_kernel_stats_from_logits" if cublas
+                   else "lm_head_fwd_kernel_partial"]  # fmt: skip
+        if r["kernels"] != sorted(kernels):
+            failures.append(f"{case}: forward kernels {r['kernels']}, expected {sorted(kernels)}")
+    assert not failures, "\n".join(failures)
