@@ -264,6 +264,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         title=f"{model_description} | task {task.name} | preset {config.preset}",
         kl_estimator=loss_config.kl_estimator if loss_config.kl_coef > 0 else None,
         dynamic_sampling=config.dynamic_sampling,
+        sampler_mismatch=config.rollout_engine == "vllm",
         random_reward=(  # built-in rewards only: a user's reward function may cost (a judge model, an API)
             _random_policy_reward(task, reward_fns[0], tokenizer, eos_ids, budget, config.seed)
             if reward_names[0] in REWARDS else None
