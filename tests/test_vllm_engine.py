@@ -17,9 +17,9 @@ import copy
 
 import pytest
 import torch
+from vllm_support import require_vllm
 
 from grpo_kernels.testing.compare import assert_no_worse_than
-from vllm_support import require_vllm
 
 EOS = 2
 # fixed token sequences over the embedded vocabulary (<bos>, then digits and symbols, then <eos>)
@@ -60,7 +60,8 @@ def engine_logprobs(sampler, sequences=SEQUENCES) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     outputs = sampler.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     return torch.tensor(
-        [[out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))] for out, s in zip(outputs, sequences)],
+        [[out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))]
+         for out, seq in zip(outputs, sequences)],  # fmt: skip
         dtype=torch.float64,
     )
 
@@ -102,12 +103,12 @@ def test_engine_follows_the_training_weights_after_optimizer_steps(engine):
     tolerance = 2.0 * (same_dtype - truth).abs().max().item() + floor
 
     stale = (engine_logprobs(engine) - truth).abs().max().item()
-    assert stale > 10 * tolerance, f"the optimizer steps should move the log-probs past the tolerance: {stale}"
+    assert stale > 10 * tolerance, f"the optimizer steps should move the log-probs past tolerance: {stale}"
 
     engine.sync_weights(policy)
     assert engine.sync_call == "reload_weights"  # the worker API call (not the older model.load_weights)
     synced = engine_logprobs(engine)
-    assert_no_worse_than(f"{engine.dtype} engine after sync", synced, same_dtype, truth, factor=2.0, floor=floor)
+    assert_no_worse_than(f"{engine.dtype} engine, synced", synced, same_dtype, truth, factor=2.0, floor=floor)
     stats = engine.take_stats()
     assert stats["vllm/sync_s"] > 0 and stats["vllm/generate_s"] == 0.0  # prompt scoring is not generate()
 
@@ -131,7 +132,7 @@ def test_sampled_logprobs_are_those_of_the_tempered_softmax(engine):
     for prompt, tokens, sampled, cut in zip(prompts, completions, logprobs, truncated):
         assert len(sampled) == len(tokens) >= 1
         assert cut == (EOS not in tokens) and (cut or tokens[-1] == EOS)  # cut after the first EOS
-        sequence, first = [prompt + tokens], len(prompt) - 1  # position `first` predicts the first sampled token
+        sequence, first = [prompt + tokens], len(prompt) - 1  # position `first` predicts the first sample
         truth = model_logprobs(policy, torch.float64, sequence, temperature)[0, first:]
         same_dtype = model_logprobs(policy, TORCH_DTYPES[engine.dtype], sequence, temperature)[0, first:]
         floor = LOG_SOFTMAX_ULPS * truth.abs().max().item()

@@ -1,6 +1,6 @@
-"""`grpo-kernels train --rollout-engine vllm`: the trainer with a real vLLM engine (marker `vllm`; .ci/run runs
-these in its vLLM environment, the CPU engine), and what a user without one meets (unmarked: the error that
-names what to install, before the run folder exists).
+"""`grpo-kernels train --rollout-engine vllm`: the trainer with a real vLLM engine (marker `vllm`; .ci/run
+runs these in its vLLM environment, the CPU engine), and what a user without one meets (unmarked: the error
+that names what to install, before the run folder exists).
 
 * The embedded default with no other option: the engine starts, every step logs the sampler-mismatch
   metrics (TRL's `sampling/sampling_logp_difference/{mean,max}`, verl's `rollout_corr/k3_kl`, the share of
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vllm_support import require_vllm
 
 pytest.importorskip("transformers")
@@ -80,7 +79,7 @@ def test_mismatch_metrics_on_hand_computed_values():
     assert got[MISMATCH_METRICS["mean_abs"]] == pytest.approx((math.log(3.0) + 0.1) / 5, rel=1e-6)
     assert got[MISMATCH_METRICS["max_abs"]] == pytest.approx(math.log(3.0), rel=1e-6)
     assert got[MISMATCH_METRICS["k3_kl"]] == pytest.approx(k3, rel=1e-5)
-    assert got[MISMATCH_METRICS["outside"]] == pytest.approx(1 / 5)  # r = 3 leaves [1/2, 2]; r = e^-0.1 does not
+    assert got[MISMATCH_METRICS["outside"]] == pytest.approx(1 / 5)  # r = 3 leaves [1/2, 2], e^-0.1 does not
     empty = sampler_mismatch(trainer, sampler, torch.zeros_like(mask))
     assert set(empty.values()) == {0.0}
 
@@ -99,7 +98,7 @@ def test_embedded_default_trains_with_vllm_and_logs_the_mismatch(tmp_path):
         assert row["vllm/sync_s"] > 0 and row["vllm/generate_s"] > 0
         assert all(key in row for key in MISMATCH_KEYS), sorted(row)
         # fp32 engine vs fp32 trainer: each log-prob is z_y - lse(z) of logits from dot products of length
-        # K <= 256 (the MLP), each within K eps |x| |y| of exact; log-probs of magnitude up to ~|log V| + a few
+        # K <= 256 (the MLP), each within K eps |x| |y| of exact; log-probs of magnitude up to |log V| + a few
         bound = 2 * 256 * torch.finfo(torch.float32).eps * 8.0
         assert row["sampling/sampling_logp_difference/max"] <= bound, row
         assert row[MISMATCH_METRICS["outside"]] == 0.0
@@ -128,7 +127,8 @@ def test_is_corrections_from_a_bf16_engine(tmp_path, case):
         assert row["sampling/sampling_logp_difference/mean"] > 1e-4, row
         assert row["rollout_corr/k3_kl"] > 0
         if case == "tis-token":  # weights clamped to [0.999, 1.001]: both bounds reached
-            assert row["is_weight/min"] == pytest.approx(0.999) and row["is_weight/max"] == pytest.approx(1.001)
+            assert row["is_weight/min"] == pytest.approx(0.999), row
+            assert row["is_weight/max"] == pytest.approx(1.001), row
         if case == "mis-token":  # tokens outside [0.999, 1.001] get weight 0
             assert row["is_weight/masked_frac"] > 0 and row["is_weight/min"] == 0.0, row
         if case == "off-policy-mask":  # sequences with A < 0 and a sampler KL above 1e-6 are dropped
@@ -155,5 +155,6 @@ def test_two_processes_each_with_an_engine_sample_the_one_process_batch(tmp_path
     one, two = torchrun(1, tmp_path / "one"), torchrun(2, tmp_path / "two")
     assert [r["processes"] for r in two] == [2, 2]
     for a, b in zip(one, two):  # the same completions: same rewards and token counts; losses to fp32 rounding
-        assert (a["reward"], a["tokens"], a["completion_length"]) == (b["reward"], b["tokens"], b["completion_length"])
+        same = ("reward", "tokens", "completion_length")
+        assert [a[k] for k in same] == [b[k] for k in same], (a, b)
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * (1 + abs(a["loss"])), (a["loss"], b["loss"])

@@ -159,9 +159,7 @@ class TrainConfig:
         )
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1 or None")
         check(self.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {ROLLOUT_ENGINES}")
-        check(
-            self.vllm_dtype in VLLM_DTYPES, f"vllm_dtype must be one of {VLLM_DTYPES}, got {self.vllm_dtype!r}"
-        )
+        check(self.vllm_dtype in VLLM_DTYPES, f"vllm_dtype must be one of {VLLM_DTYPES}, not {self.vllm_dtype!r}")
         check(
             self.vllm_dtype == "auto" or self.rollout_engine == "vllm",
             f"vllm_dtype={self.vllm_dtype!r} sets the vLLM engine's dtype: it needs --rollout-engine vllm",

@@ -4,8 +4,10 @@ transformers' generate, or a colocated vLLM engine whose per-token log-probs fee
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -241,6 +243,9 @@ def vllm_install_hint() -> str:
 
 def import_vllm():
     """The vllm module, or a ValueError naming which vLLM to install (missing, or a build that won't load)."""
+    # vLLM's INFO lines (one per weight sync, per cache reset) would interleave with the progress bar; a user
+    # who wants them sets VLLM_LOGGING_LEVEL (read when vllm is first imported)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
         from vllm import LLM  # noqa: F401 - the import that fails when vLLM's torch companions do not load
@@ -313,14 +318,21 @@ class VLLMSampler:
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         started = time.perf_counter()
-        try:
-            self.llm = LLM(**options)
+        python_rng = random.getstate()
+        try:  # the engine seeds the global generators: torch's and Python's (the trainer's) are kept
+            with torch.random.fork_rng(devices=[]):
+                self.llm = LLM(**options)
         except Exception as exc:
             raise ValueError(
                 f"the vLLM engine ({self.platform}, {self.dtype}) could not start on {model_dir}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            random.setstate(python_rng)
         self.start_seconds = time.perf_counter() - started
+        # each in-place reload warns that the rotary embedding's cos / sin cache got no checkpoint tensor: it
+        # is derived from the config, not a weight, and kept as it was
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheNotLoaded())
         self.sync_call: str | None = None  # which weight-sync call this engine took (set by the first sync)
         self._times = {"sync_s": 0.0, "generate_s": 0.0}
 
@@ -412,6 +424,11 @@ class VLLMSampler:
         return completions, truncated, logprobs
 
 
+class _RotaryCacheNotLoaded(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
 def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """The older weight sync (vLLM workers without reload_weights): the model's own load_weights."""
     worker.model_runner.model.load_weights(weights)
@@ -432,7 +449,7 @@ def sampler_mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Ten
     """How far the sampler's log-probs are from the trainer's on the same tokens, over the masked tokens.
 
     trainer_logprobs, sampler_logprobs: [B, C] fp32 (the trainer's at the weights the sampler was synced to,
-    i.e. the old policy); mask: [B, C] bool. With log r = trainer - sampler (r = pi_old / pi_sampler, the IS ratio):
+    i.e. the old policy); mask: [B, C] bool. With log r = trainer - sampler (r = pi_old / pi_sampler):
     mean and max |log r| (TRL), k3 = E[r - log r - 1] (verl, an estimate of KL(sampler || trainer)) and the
     share of tokens with r outside [1/2, 2]. An all-masked batch gives zeros."""
     log_ratio = (trainer_logprobs.float() - sampler_logprobs.float())[mask]  # [n]

@@ -1,12 +1,12 @@
-"""The vLLM-rollout figures: the main job (`grpo-kernels train`, the embedded model on `copy`, preset grpo, 200
-steps) with `--rollout-engine vllm`, once with the engine's default dtype here (fp32 on a CPU) and once with
-`--vllm-dtype bfloat16`, summarised into docs/records/vllm_rollouts.json, which the README quotes (a test
+"""The vLLM-rollout figures: the main job (`grpo-kernels train`, the embedded model on `copy`, preset grpo,
+200 steps) with `--rollout-engine vllm`, once with the engine's default dtype here (fp32 on a CPU) and once
+with `--vllm-dtype bfloat16`, summarised into docs/records/vllm_rollouts.json, which the README quotes (a test
 compares). Per run: the reward curve, the sampler-mismatch metrics over the steps, the engine's start time and
 the per-step times (whole step, weight sync, generation).
 
 Needs a vLLM engine in this environment (README, "vLLM rollouts"):
 
-    VLLM_CPU_KVCACHE_SPACE=1 python integrations/examples/vllm_rollout_record.py   # a few minutes, 2 CPU cores
+    VLLM_CPU_KVCACHE_SPACE=1 python integrations/examples/vllm_rollout_record.py  # minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def summarize(metrics: list[dict]) -> dict:
     last = metrics[-10:]
     later = metrics[1:]  # the first step also pays for the first generation's warm-up
 
-    def over_steps(key: str, reduce) -> float:
-        return reduce(m[key] for m in metrics)
+    def over_steps(key: str, reduce, digits: int | None = None) -> float:
+        value = reduce(m[key] for m in metrics)
+        return float(f"{value:.3g}") if digits is None else round(value, digits)  # 3 significant digits
 
     return {
         "steps": len(metrics),
@@ -44,12 +45,12 @@ def summarize(metrics: list[dict]) -> dict:
         "solved_first": round(metrics[0]["solved"], 2),
         "solved_last": round(metrics[-1]["solved"], 2),
         # sampler vs trainer on the sampled tokens (TRL / verl names), over the run's steps
-        "logp_diff_mean": float(f"{over_steps('sampling/sampling_logp_difference/mean', statistics.fmean):.3g}"),
-        "logp_diff_max": float(f"{over_steps('sampling/sampling_logp_difference/max', max):.3g}"),
-        "k3_kl_mean": float(f"{over_steps('rollout_corr/k3_kl', statistics.fmean):.3g}"),
-        "ratio_outside_0.5_2_max": float(f"{over_steps('sampling/ratio_outside_0.5_2', max):.3g}"),
-        "is_weight_min": round(over_steps("is_weight/min", min), 4),
-        "is_weight_max": round(over_steps("is_weight/max", max), 4),
+        "logp_diff_mean": over_steps("sampling/sampling_logp_difference/mean", statistics.fmean),
+        "logp_diff_max": over_steps("sampling/sampling_logp_difference/max", max),
+        "k3_kl_mean": over_steps("rollout_corr/k3_kl", statistics.fmean),
+        "ratio_outside_0.5_2_max": over_steps("sampling/ratio_outside_0.5_2", max),
+        "is_weight_min": over_steps("is_weight/min", min, digits=4),
+        "is_weight_max": over_steps("is_weight/max", max, digits=4),
         "engine_start_s": round(metrics[0]["vllm/engine_start_s"], 1),
         "step_s_median": round(statistics.median(m["step_time_s"] for m in later), 3),
         "sync_s_median": round(statistics.median(m["vllm/sync_s"] for m in later), 3),
