@@ -335,7 +335,8 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                     f.write(json.dumps(record) + "\n")
             shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip",
                      "sampling/sampling_logp_difference/mean": "lp_diff", "is_weight/mean": "is_w"}
-            bar.set_postfix({n: f"{record[k]:.3f}" for k, n in shown.items() if k in record}, refresh=False)
+            bar.set_postfix({n: f"{record[k]:.1e}" if n == "lp_diff" else f"{record[k]:.3f}"  # fp32: ~1e-7
+                             for k, n in shown.items() if k in record}, refresh=False)  # fmt: skip
             bar.update(1)
             if step % config.save_every == 0 or step == config.steps or stop.requested:
                 with stop.deferred():  # a checkpoint is written whole
