@@ -363,9 +363,10 @@ class VLLMSampler:
         """
         started = time.perf_counter()
         state = model.state_dict()
+        dtype = getattr(torch, self.dtype)  # cast here (as the engine's loader would), so it warns of no cast
 
         def weights():
-            return ((name, tensor.detach()) for name, tensor in state.items())
+            return ((name, tensor.detach().to(dtype)) for name, tensor in state.items())
 
         if self.sync_call is None or self.sync_call == "reload_weights":
             try:
