@@ -366,7 +366,8 @@ class VLLMSampler:
         dtype = getattr(torch, self.dtype)  # cast here (as the engine's loader would), so it warns of no cast
 
         def weights():
-            return ((name, tensor.detach().to(dtype)) for name, tensor in state.items())
+            return ((name, tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach())
+                    for name, tensor in state.items())  # fmt: skip
 
         if self.sync_call is None or self.sync_call == "reload_weights":
             try:
