@@ -154,6 +154,7 @@ def test_two_processes_each_with_an_engine_sample_the_one_process_batch(tmp_path
 
     one, two = torchrun(1, tmp_path / "one"), torchrun(2, tmp_path / "two")
     assert [r["processes"] for r in two] == [2, 2]
+    assert all(r["vllm/generate_s"] > 0 and r["sampling/sampling_logp_difference/max"] < 1e-3 for r in two)
     for a, b in zip(one, two):  # the same completions: same rewards and token counts; losses to fp32 rounding
         same = ("reward", "tokens", "completion_length")
         assert [a[k] for k in same] == [b[k] for k in same], (a, b)

@@ -384,8 +384,9 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
         config, task, tokenizer, sampler, hook, hook_context, prompt_generator
     )
-    if hasattr(sampler, "take_stats"):  # the vLLM engine: seconds in weight sync and generation
-        rollout_stats.update(sampler.take_stats())
+    engine = getattr(sampler, "inner", sampler)  # under torchrun the ShardedSampler wraps it
+    if hasattr(engine, "take_stats"):  # the vLLM engine: seconds in weight sync and generation
+        rollout_stats.update(engine.take_stats())
     record = {
         "step": step,
         "reward": sampled_rewards.mean().item(),  # the task reward of the policy's own samples
