@@ -112,3 +112,36 @@ def test_grad_weight_error_script_runs_quick():
     module = _grad_weight_error_module()
     r = module.simulate(2048, [512], rows_top=256, rows_sampled=512, cols=32, seed=1)["rel_l2"]
     assert r["bf16 floor"] <= r["fp32 acc, 512-token chunks"] <= r["bf16 in place, 512-token chunks"] <= r["PyTorch bf16"], r
+
+
+def vllm_rollouts_sentence(record: dict) -> str:
+    """The README's figures of the main job with --rollout-engine vllm (examples/vllm_rollout_record.py)."""
+    v, fp32, bf16 = record["versions"], record["engine_default"], record["engine_bfloat16"]
+    r = fp32["reward_at"]
+
+    def mismatch(run: dict) -> str:
+        return (
+            f"|log r| mean {run['logp_diff_mean']:.2g}, max {run['logp_diff_max']:.2g}, k3 KL "
+            f"{run['k3_kl_mean']:.2g}, share of r outside [1/2, 2] at most "
+            f"{run['ratio_outside_0.5_2_max']:.2g}, IS weights applied within "
+            f"[{run['is_weight_min']:.4f}, {run['is_weight_max']:.4f}]"
+        )
+
+    return (
+        f"torch {v['torch']}, transformers {v['transformers']}, vllm {v['vllm']}; load average "
+        f"{record['load_average_1min_at_start']} at the start): the main job with `--rollout-engine vllm`, "
+        f"fp32 engine: start **{fp32['engine_start_s']} s**, **{fp32['step_s_median']} s per step** (median; "
+        f"weight sync {fp32['sync_s_median']} s, generation {fp32['generate_s_median']} s), 200 steps in "
+        f"{fp32['train_seconds']} s; mean reward **{r['1']:.3f}** at step 1, {r['50']:.3f} at step 50, "
+        f"{r['100']:.3f} at step 100, {r['200']:.3f} at step 200, **{fp32['reward_last10']:.3f}** over the "
+        f"last 10 steps; sampler vs trainer on the sampled tokens over the run: {mismatch(fp32)}. bf16 "
+        f"engine (`--vllm-dtype bfloat16`): start {bf16['engine_start_s']} s, {bf16['step_s_median']} s per "
+        "step; "
+        f"{mismatch(bf16)}; reward **{bf16['reward_last10']:.3f}** over the last 10 steps."
+    )
+
+
+def test_vllm_rollout_figures_come_from_the_record():
+    record = json.loads((RECORDS / "vllm_rollouts.json").read_text())
+    expected = vllm_rollouts_sentence(record)
+    assert expected in readme_text(), f"README differs from records/vllm_rollouts.json; expected:\n{expected}"

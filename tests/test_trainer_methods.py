@@ -76,7 +76,7 @@ def test_every_method_trains_three_steps_from_the_cli(tmp_path, args, capsys):
     from grpo_kernels.cli import main
 
     if "vllm" in args:
-        pytest.skip("the vLLM engine needs CUDA and the vllm extra")
+        pytest.skip("runs against a real vLLM engine in tests/test_vllm_trainer.py (marker vllm, its own env)")
     run_dir = tmp_path / "run"
     assert main(["train", *args, "--steps", "3", "--run-dir", str(run_dir), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

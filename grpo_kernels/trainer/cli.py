@@ -15,13 +15,14 @@ import os
 import re
 import sys
 
-from .config import BACKENDS, DEVICES, DTYPES, HOOKS, PRESETS, ROLLOUT_ENGINES, TrainConfig
+from .config import BACKENDS, DEVICES, DTYPES, HOOKS, PRESETS, ROLLOUT_ENGINES, VLLM_DTYPES, TrainConfig
 
 CHOICES = {
     "device": DEVICES,
     "dtype": DTYPES,
     "backend": BACKENDS,
     "rollout_engine": ROLLOUT_ENGINES,
+    "vllm_dtype": VLLM_DTYPES,
     "hook": [h for h in HOOKS if h is not None],
 }
 OPTION_DICTS = {

@@ -17,6 +17,7 @@ from typing import Any
 from ..advantages import registry as advantage_registry
 from ..config import PolicyLossConfig
 from .hooks import make_hook
+from .rollout import VLLM_DTYPES
 
 ROLLOUT_ENGINES = ("hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,7 +69,8 @@ class TrainConfig:
     group_size: int = 8  # completions per prompt (GFPO samples more, then keeps group_size)
     temperature: float = 1.0  # sampling temperature, also the loss's (PolicyLossConfig.temperature)
     max_new_tokens: int | None = None  # None: the task's own budget
-    rollout_engine: str = "hf"  # "hf": transformers generate; "vllm": colocated vLLM (optional extra)
+    rollout_engine: str = "hf"  # "hf": transformers generate; "vllm": a colocated vLLM engine (README)
+    vllm_dtype: str = "auto"  # the vLLM engine's dtype: auto = bfloat16 on a GPU, float32 on a CPU
     # --- optimisation ---------------------------------------------------------------------------------
     steps: int = 200  # optimizer steps = rollout batches
     lr: float = 1e-3  # AdamW, constant after warmup (so a resumed run can be extended exactly)
@@ -157,6 +159,11 @@ class TrainConfig:
         )
         check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1 or None")
         check(self.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine must be one of {ROLLOUT_ENGINES}")
+        check(self.vllm_dtype in VLLM_DTYPES, f"vllm_dtype must be one of {VLLM_DTYPES}, not {self.vllm_dtype!r}")
+        check(
+            self.vllm_dtype == "auto" or self.rollout_engine == "vllm",
+            f"vllm_dtype={self.vllm_dtype!r} sets the vLLM engine's dtype: it needs --rollout-engine vllm",
+        )
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -1,5 +1,6 @@
 """The run's learning curves, one PNG: reward (with a random-policy baseline), completion length,
-entropy, KL (named by its estimator) or what replaces it, clip fraction, grad norm.
+entropy, KL (named by its estimator) or what replaces it, clip fraction, grad norm, and with a vLLM sampler
+how far its log-probs are from the trainer's (log scale).
 
 Each curve is drawn raw (faint) and smoothed (a trailing mean over `smooth` steps), so a trend reads at a
 glance on a noisy small-batch run.
@@ -21,11 +22,13 @@ class PlotInfo:
     kl_estimator: str | None = None  # None: no KL term in this run (no KL panel)
     dynamic_sampling: bool = False  # a panel of the sampling rounds each step took
     random_reward: float | None = None  # the task reward of uniformly random completions (a dashed line)
+    sampler_mismatch: bool = False  # a panel of the sampler's log-probs against the trainer's (vLLM rollouts)
     smooth: int = 10  # trailing-mean window, in steps
 
 
 def panels(info: PlotInfo) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(title, [(metric, label)]) of the panels of this run: six, or seven with dynamic sampling and KL."""
+    """(title, [(metric, label)]) of the panels of this run: six, or seven with dynamic sampling and KL, and
+    one more with a vLLM sampler."""
     chosen = [
         ("reward", [("reward", "mean reward"), ("solved", "solved fraction"),
                     ("turn_reward/0", "first-turn reward")]),  # fmt: skip
@@ -42,7 +45,17 @@ def panels(info: PlotInfo) -> list[tuple[str, list[tuple[str, str]]]]:
         ("clip fraction", [("clip_ratio/region_mean", "clipped tokens")]),
         ("grad norm (before clipping)", [("grad_norm", "global norm")]),
     ]
+    if info.sampler_mismatch:  # TRL's and verl's names (rollout.MISMATCH_METRICS)
+        chosen.append((MISMATCH_PANEL, [
+            ("sampling/sampling_logp_difference/mean", "mean |log r|"),
+            ("sampling/sampling_logp_difference/max", "max |log r|"),
+            ("rollout_corr/k3_kl", "k3 KL"),
+            ("sampling/ratio_outside_0.5_2", "share of r outside [1/2, 2]"),
+        ]))  # fmt: skip
     return chosen
+
+
+MISMATCH_PANEL = "vLLM sampler vs trainer, r = p_trainer / p_sampler (log scale)"
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -85,6 +98,7 @@ def plot_metrics(metrics_path: str, png_path: str, info: PlotInfo) -> None:
                 (r["step"], r[key])
                 for r in rows
                 if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+                and (panel_title != MISMATCH_PANEL or r[key] > 0)  # log scale: exact zeros are not drawn
             ]
             if points:
                 steps, values = zip(*points)
@@ -93,6 +107,8 @@ def plot_metrics(metrics_path: str, png_path: str, info: PlotInfo) -> None:
                 suffix = f" ({info.smooth}-step mean)" if len(values) > info.smooth else ""
                 ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6, label=label + suffix)
                 drawn = True
+        if panel_title == MISMATCH_PANEL and drawn:
+            ax.set_yscale("log")
         if panel_title == "reward" and info.random_reward is not None:
             ax.axhline(info.random_reward, color="gray", linestyle="--", linewidth=1.0,
                        label=f"random policy ({info.random_reward:.3f})")  # fmt: skip

