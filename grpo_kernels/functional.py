@@ -181,10 +181,24 @@ def fused_linear_logprobs(
         ValueError: on a bad shape, dtype, device, temperature, NaN input (with check_finite) or option,
             before any heavy work, naming the offending argument (and its worst element).
     """
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        _check_argument_types(
+            tensors=dict(hidden=hidden, weight=weight, targets=targets), optional_tensors=dict(bias=bias, mask=mask),
+            floats=dict(temperature=temperature, logit_scale=logit_scale), optional_floats=dict(softcap=softcap),
+            ints=dict(ignore_index=ignore_index), strings=dict(backend=backend),
+            flags=dict(compute_entropy=compute_entropy, check_finite=check_finite, batch_invariant=batch_invariant),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _custom_ops.refuse_untraceable(tp_group, weight=weight, bias=bias)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            refused = _refused(str(error), targets)
+            return LogProbsOutput(refused, refused)
+        raise
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        return _custom_ops.compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index,
-                                             compute_entropy, check_finite, tp_group, batch_invariant, softcap,
-                                             logit_scale, backend)  # fmt: skip
+        return LogProbsOutput(*_custom_ops.compiled_logprobs(
+            hidden, weight, targets, bias, temperature, mask, ignore_index, compute_entropy, check_finite,
+            batch_invariant, softcap, logit_scale, backend))  # fmt: skip
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
@@ -262,7 +276,65 @@ def _vocab_layout(tp_group, local_vocab: int, device) -> _VocabLayout | None:
 
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        chk.fail(f"{name} must be True or False, got {value!r}")
+        chk.fail(f"{name} must be True or False (a bool), got {type(value).__name__}")
+
+
+def _type_name(x) -> str:  # builtins.list, numpy.ndarray, torch.Tensor: where the type comes from
+    return f"{type(x).__module__}.{type(x).__name__}"
+
+
+def _check_argument_types(*, tensors=None, optional_tensors=None, floats=None, optional_floats=None, ints=None,
+                          counts=None, optional_counts=None, flags=None, strings=None) -> None:  # fmt: skip
+    """The arguments' Python types, before anything converts them, named in the error. The same function
+    runs eager and while torch.compile traces (where a failure becomes grpo_kernels::refuse, raising this
+    ValueError when the graph runs): types only, so no message formats a number (a traced one may be
+    symbolic); the values' ranges are checked by the eager code, which the compiled op runs."""
+    for name, x in (tensors or {}).items():
+        if not isinstance(x, torch.Tensor):
+            chk.fail(f"{name} must be a torch.Tensor, got {_type_name(x)}")
+    for name, x in (optional_tensors or {}).items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            chk.fail(f"{name} must be a torch.Tensor, got {_type_name(x)}")
+    for optional, group in ((False, floats), (True, optional_floats)):
+        for name, x in (group or {}).items():
+            if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+                continue
+            per_call = " (one per call)" if isinstance(x, torch.Tensor) else ""
+            chk.fail(f"{name} must be a Python float{' or None' if optional else ''}{per_call}, got {_type_name(x)}")
+    for name, x in (ints or {}).items():
+        if isinstance(x, bool) or not isinstance(x, int):
+            chk.fail(f"{name} must be a Python int, got {_type_name(x)}")
+    for name, x in (counts or {}).items():
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            chk.fail(f"{name} must be a number, got {_type_name(x)}")
+    for name, x in (optional_counts or {}).items():
+        if x is None or isinstance(x, torch.Tensor) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+            continue
+        chk.fail(f"{name} must be a number, a 1-element tensor or None, got {_type_name(x)}")
+    for name, x in (flags or {}).items():
+        _check_flag(name, x)
+    for name, x in (strings or {}).items():
+        if not isinstance(x, str):
+            chk.fail(f"{name} must be a str, got {_type_name(x)}")
+
+
+def _refused(message: str, like) -> torch.Tensor:
+    """Under torch.compile: the op that raises ValueError(message) when the graph runs, as an output of the
+    shape of `like` (when it is a tensor) so that the traced step around the call still traces."""
+    out = _custom_ops.refuse_op(message)
+    return out.expand(like.shape) if isinstance(like, torch.Tensor) else out
+
+
+def _refused_loss(message: str, like, config, ref_logprobs, entropy, is_weights) -> GRPOLossOutput:
+    from .ops.loss_head.reference import metric_names
+
+    refused = _refused(message, like)
+    loss = refused.sum()
+    names = ()
+    if isinstance(config, PolicyLossConfig) or config is None:
+        names = metric_names(config or _DEFAULT_CONFIG, has_ref=ref_logprobs is not None,
+                             has_entropy=entropy is not None, has_is_weights=is_weights is not None)  # fmt: skip
+    return GRPOLossOutput(loss, {n: loss for n in names}, refused, refused)
 
 
 def _check_transform(softcap, logit_scale) -> None:
@@ -443,9 +515,12 @@ def _flatten_batch(
             where = valid & ~torch.isnan(flat[name]) if name == "rollout_logprobs" else valid
             chk.check_finite(name, flat[name], where)
 
-    for name in ("num_tokens", "num_sequences"):
-        chk.check_count(name, normalizers[name], minimum=0)
-    chk.check_count("dp_size", normalizers["dp_size"], integer=True)
+    # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused
+    chk.check_count("num_tokens", normalizers["num_tokens"], minimum=None,
+                    meaning=" (the valid tokens of the whole optimizer step, or an estimate of them)")
+    chk.check_count("num_sequences", normalizers["num_sequences"], minimum=None,
+                    meaning=" (the sequences of the whole optimizer step)")
+    chk.check_count("dp_size", normalizers["dp_size"], integer=True, meaning=" (data-parallel ranks)")
     local_only = ("length-pow" in (config.loss_agg_mode, config.entropy_agg_mode, config.kl_agg_mode)
                   or config.loss_type == "group_dpo")  # fmt: skip
     if local_only and (normalizers["num_tokens"] is not None or normalizers["num_sequences"] is not None):
@@ -458,14 +533,11 @@ def _flatten_batch(
             f"group_dpo: the batch holds {num_seqs} sequences, not a multiple of group_size={config.group_size} "
             "(groups must be laid out consecutively)"
         )
-    chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
-    if normalizers["num_tokens"] is not None:
-        # not bounded below by this call's count: an estimate of the step's count is a normaliser too (TRL
-        # scales the generation batch's count by GA / steps_per_generation, which can fall below one
-        # micro-batch's own count when GA < steps_per_generation)
-        local, tokens = int(valid.sum()), normalizers["num_tokens"]  # tokens: a number or a 1-element tensor
-        if local > 0 and not float(tokens) > 0:
-            chk.fail(f"num_tokens={tokens} must be > 0: this call holds {local} valid tokens")
+    chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True,
+                    meaning=" (micro-batches per optimizer step)")
+    # num_tokens is not bounded below by this call's count: an estimate of the step's count is a normaliser
+    # too (TRL scales the generation batch's count by GA / steps_per_generation, which can fall below one
+    # micro-batch's own count when GA < steps_per_generation)
     if normalizers["num_sequences"] is not None:
         nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
         chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
@@ -548,13 +620,28 @@ def grpo_loss(
     Raises:
         ValueError: on a bad shape, dtype, device or config, or a needed input missing, before any work.
     """
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        cfg = _check_config(config)
+        _check_argument_types(
+            tensors=dict(logprobs=logprobs, advantages=advantages, mask=mask),
+            optional_tensors=dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                  rollout_logprobs=rollout_logprobs, entropy=entropy, cu_seqlens=cu_seqlens,
+                                  is_weights=is_weights, token_weights=token_weights),
+            counts=dict(dp_size=dp_size, grad_accum_steps=grad_accum_steps),
+            optional_counts=dict(num_tokens=num_tokens, num_sequences=num_sequences),
+            strings=dict(backend=backend), flags=dict(check_finite=check_finite),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _refuse_group_in_compile(entropy_group)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            return _refused_loss(str(error), logprobs, config, ref_logprobs, entropy, is_weights)
+        raise
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        _refuse_group_in_compile(entropy_group)
-        return _custom_ops.compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs,
-                                              rollout_logprobs, entropy, _check_config(config), cu_seqlens,
-                                              is_weights, token_weights, num_tokens, num_sequences, dp_size,
-                                              grad_accum_steps, check_finite, backend)  # fmt: skip
-    cfg = _check_config(config)
+        loss, metrics = _custom_ops.compiled_grpo_loss(
+            logprobs, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, entropy, cfg, cu_seqlens,
+            is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite, backend)  # fmt: skip
+        return GRPOLossOutput(loss, metrics, logprobs.detach(), None if entropy is None else entropy.detach())
     chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
     device = chk.check_same_device(
         logprobs=logprobs, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
@@ -749,19 +836,37 @@ def fused_linear_grpo_loss(
         ValueError: on a bad shape, dtype, device, config or option, or a needed input missing, before any
             heavy work, naming the argument.
     """
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        cfg = _check_config(config)
+        _check_argument_types(
+            tensors=dict(hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask),
+            optional_tensors=dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                  rollout_logprobs=rollout_logprobs, bias=bias, cu_seqlens=cu_seqlens,
+                                  is_weights=is_weights, token_weights=token_weights),
+            floats=dict(logit_scale=logit_scale), optional_floats=dict(softcap=softcap),
+            counts=dict(dp_size=dp_size, grad_accum_steps=grad_accum_steps),
+            optional_counts=dict(num_tokens=num_tokens, num_sequences=num_sequences),
+            strings=dict(backend=backend, schedule=schedule),
+            flags=dict(check_finite=check_finite, batch_invariant=batch_invariant),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _refuse_group_in_compile(entropy_group)
+            _custom_ops.refuse_untraceable(tp_group, weight=weight, bias=bias)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            return _refused_loss(str(error), targets, config, ref_logprobs, True, is_weights)
+        raise
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        _refuse_group_in_compile(entropy_group)
-        return _custom_ops.compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs,
-                                               ref_logprobs, rollout_logprobs, bias, _check_config(config),
-                                               cu_seqlens, is_weights, token_weights, num_tokens, num_sequences,
-                                               dp_size, grad_accum_steps, check_finite, tp_group, batch_invariant,
-                                               softcap, logit_scale, backend, schedule)  # fmt: skip
+        loss, metrics, logprobs, entropy = _custom_ops.compiled_fused_loss(
+            hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, bias, cfg,
+            cu_seqlens, is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps,
+            check_finite, batch_invariant, softcap, logit_scale, backend, schedule)  # fmt: skip
+        return GRPOLossOutput(loss, metrics, logprobs, entropy)
     from .ops.fused.function import SCHEDULES, run_fused
 
     if schedule not in SCHEDULES:
         chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
-    cfg = _check_config(config)
     weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
     bias = gather_lm_head_param("bias", bias, tp_group)
     vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
@@ -804,3 +909,7 @@ def fused_linear_grpo_loss(
     )  # fmt: skip
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))
+
+
+_custom_ops.register_eager(fused_linear_logprobs=fused_linear_logprobs, grpo_loss=grpo_loss,
+                           fused_linear_grpo_loss=fused_linear_grpo_loss)  # fmt: skip
