@@ -93,7 +93,7 @@ def check_global_count(name: str, value, local: int, what: str) -> None:
     value = value.item() if isinstance(value, torch.Tensor) else value
     if value < local:
         fail(
-            f"{name}={value} is fewer than the {local} {what} of this call: it must count the whole optimizer "
+            f"{name}={value:g} is fewer than the {local} {what} of this call: it must count the whole optimizer "
             "step (every micro-batch of every data-parallel rank), or be left out (None) for local counts"
         )
 
@@ -112,9 +112,9 @@ def check_count(name: str, value, *, integer: bool = False, minimum: float | Non
     bound = "> 0" if minimum is None else f">= {minimum}"
     kind = "a whole number" if integer else "a finite number"
     if not math.isfinite(value) or (integer and int(value) != value):
-        fail(f"{name} must be {kind} {bound}{meaning}, got {value}")
+        fail(f"{name} must be {kind} {bound}{meaning}, got {value:g}")
     if not (value > 0 if minimum is None else value >= minimum):
-        fail(f"{name} must be {kind} {bound}{meaning}, got {value}")
+        fail(f"{name} must be {kind} {bound}{meaning}, got {value:g}")  # :g: 2 and 2.0 alike
 
 
 def cu_seqlens_to_index(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:

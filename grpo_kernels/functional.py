@@ -308,9 +308,13 @@ def _check_argument_types(*, tensors=None, optional_tensors=None, floats=None, o
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             chk.fail(f"{name} must be a number, got {_type_name(x)}")
     for name, x in (optional_counts or {}).items():
-        if x is None or isinstance(x, torch.Tensor) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
-            continue
-        chk.fail(f"{name} must be a number, a 1-element tensor or None, got {_type_name(x)}")
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1:
+                chk.fail(f"{name} must be a number or a 1-element tensor, got shape {tuple(x.shape)}")
+            if torch.compiler.is_compiling():  # its value would be a data-dependent graph break
+                chk.fail(f"{name} as a tensor is not supported inside torch.compile: pass a Python number")
+        elif not (x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))):
+            chk.fail(f"{name} must be a number, a 1-element tensor or None, got {_type_name(x)}")
     for name, x in (flags or {}).items():
         _check_flag(name, x)
     for name, x in (strings or {}).items():
@@ -462,14 +466,16 @@ def _flatten_batch(
     normalizers: dict,
     check_finite: bool,
     device,
+    token_name: str = "logprobs",
 ) -> _FlatBatch:
     """Validate the loss-head inputs of either layout and flatten them (see module docstring)."""
     packed = cu_seqlens is not None
     if packed and len(token_shape) != 1:
-        chk.fail(f"with cu_seqlens (packed layout) token tensors must be 1-D [N], got shape {token_shape}")
+        chk.fail(f"with cu_seqlens (packed layout) token tensors must be 1-D [N]: {token_name} has shape {token_shape}")
     if not packed and len(token_shape) != 2:
         chk.fail(
-            f"token tensors must be [B, T] (padded layout) or [N] with cu_seqlens (packed), got shape {token_shape}"
+            f"token tensors must be [B, T] (padded layout) or [N] with cu_seqlens (packed): {token_name} has shape "
+            f"{token_shape}"
         )
     n_tokens = 1
     for d in token_shape:
@@ -477,7 +483,7 @@ def _flatten_batch(
     if n_tokens == 0:
         chk.fail(f"empty batch: token tensors have shape {token_shape}")
     chk.check_tensor("mask", mask)
-    chk.check_shape("mask", mask, token_shape, "logprobs")
+    chk.check_shape("mask", mask, token_shape, token_name)
     valid = chk.check_mask("mask", mask).reshape(-1)
     if packed:
         seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens)
@@ -508,7 +514,7 @@ def _flatten_batch(
             flat[name] = None
             continue
         chk.check_tensor(name, x, dtypes=chk.FLOAT_DTYPES)
-        chk.check_shape(name, x, token_shape, "logprobs")
+        chk.check_shape(name, x, token_shape, token_name)
         flat[name] = x.reshape(-1)
         if check_finite:
             # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled
@@ -882,7 +888,7 @@ def fused_linear_grpo_loss(
     normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                        grad_accum_steps=grad_accum_steps)  # fmt: skip
     batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                           check_finite, device)  # fmt: skip
+                           check_finite, device, token_name="targets")  # fmt: skip
     if tp_group is not None and schedule == "low_memory":
         chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
                  "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
