@@ -219,8 +219,10 @@ def fused_linear_logprobs(
         chk.check_finite("weight", weight)
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
+            _check_bias_allows_a_token(bias, softcap, layout)
     _check_flag("batch_invariant", batch_invariant)
     _check_transform(softcap, logit_scale)
+    _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias)
     impl = _lm_impl(resolve_backend(backend, device, "fused_linear_logprobs"), layout, batch_invariant,
                     softcap, logit_scale)  # fmt: skip
 
@@ -349,6 +351,57 @@ def _check_transform(softcap, logit_scale) -> None:
             chk.fail(f"{name} must be a Python float{' or None' if name == 'softcap' else ''}, got {type(value).__name__}")
         if not (value > 0 and value != float("inf")):
             chk.fail(f"{name} must be a finite number > 0, got {value!r}")
+
+
+# The largest logit magnitude the backends take: their sentinels (a forbidden token -2^122, a padding column
+# -2^124, ops/lm_head/triton.py) sit at least 2^121 below every logit and all their differences stay finite.
+LOGIT_LIMIT = 2.0**120
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
+# logit_scale / temperature above which the logits' bound is computed (one pass over hidden and weight, a
+# host sync): below it a logit reaches LOGIT_LIMIT only if |hidden @ weight.T + bias| exceeds 2^104
+SCALE_BOUND_CHECKED_ABOVE = 2.0**16
+
+
+def _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias) -> None:
+    """Scalars near the float32 limit refused before any work (README.md, "Numbers at the edges"): with a
+    soft cap the logits lie in [-softcap / T, softcap / T] and the kernels use logit_scale / softcap; without
+    one a large logit_scale / T is refused when the bound on the logits (max row norm of hidden x max row
+    norm of weight + max |bias|) times it exceeds LOGIT_LIMIT."""
+    limit = f"2^120 = {LOGIT_LIMIT:.3g}, the largest logit magnitude the kernels take"
+    if softcap is not None:
+        cap_out, cap_in = softcap / temperature, logit_scale / softcap
+        if cap_out > LOGIT_LIMIT:
+            chk.fail(f"softcap / temperature = {cap_out:.3g} exceeds {limit} (softcap={softcap:g}, "
+                     f"temperature={temperature:g})")  # fmt: skip
+        if not FLOAT32_TINY <= cap_in <= LOGIT_LIMIT:
+            chk.fail(f"logit_scale / softcap = {cap_in:.3g} is outside [2^-126, 2^120] = [{FLOAT32_TINY:.3g}, "
+                     f"{LOGIT_LIMIT:.3g}] (float32's normal range, bounded as the logits): logit_scale="
+                     f"{logit_scale:g}, softcap={softcap:g}")  # fmt: skip
+        return
+    scale = logit_scale / temperature
+    if scale > LOGIT_LIMIT:
+        chk.fail(f"logit_scale / temperature = {scale:.3g} exceeds {limit} (logit_scale={logit_scale:g}, "
+                 f"temperature={temperature:g})")  # fmt: skip
+    if scale > SCALE_BOUND_CHECKED_ABOVE:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        bound = float(flat.double().norm(dim=-1).max()) * float(weight.double().norm(dim=-1).max())
+        if bias is not None:
+            finite = bias[torch.isfinite(bias)]
+            bound += float(finite.double().abs().max()) if finite.numel() else 0.0
+        if bound * scale > LOGIT_LIMIT:
+            chk.fail(f"logit_scale / temperature = {scale:.3g} times the bound {bound:.3g} on |hidden @ weight.T + "
+                     f"bias| (max row norms) exceeds {limit}: the logits could overflow")  # fmt: skip
+
+
+def _check_bias_allows_a_token(bias, softcap, layout) -> None:
+    """A bias of -inf everywhere (no soft cap) leaves no token to sample: the softmax is undefined; refused
+    (with check_finite). Without the check both backends give the same defined values: every logit is the
+    forbidden-token sentinel, so the row is uniform over V (log-prob -log V, entropy log V)."""
+    if bias is None or softcap is not None or layout is not None:  # capped: -softcap / T each, a uniform row
+        return
+    if bool((bias == float("-inf")).all()):
+        chk.fail(f"bias is -inf for all {bias.numel()} tokens: every token is forbidden, so softmax(z) is "
+                 "undefined (leave at least one token finite)")  # fmt: skip
 
 
 def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False, softcap=None,
@@ -903,9 +956,11 @@ def fused_linear_grpo_loss(
         chk.check_finite("weight", weight)
         if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
             chk.check_finite("bias", bias, allow_neg_inf=True)
+            _check_bias_allows_a_token(bias, softcap, layout)
     resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
     _check_flag("batch_invariant", batch_invariant)
     _check_transform(softcap, logit_scale)
+    _check_logit_limits(softcap, logit_scale, cfg.temperature, hidden, weight, bias)
     head_backend = _loss_head_backend(cfg, backend, device, resolved)
     _check_entropy_group(entropy_group, cfg)
     loss, metrics, logprobs, entropy = run_fused(
