@@ -151,7 +151,8 @@ def fused_linear_logprobs(
         weight: [V, H], the LM-head weight (``model.get_output_embeddings().weight``), same dtype as
             hidden; an FSDP2 DTensor is gathered, a DeepSpeed ZeRO-3 stub is refused (call inside the forward).
         targets: [...] int64 token ids, the shape of hidden without H.
-        bias: optional [V] LM-head bias; -inf forbids a token.
+        bias: optional [V] LM-head bias; -inf forbids a token (-inf for every token is refused by
+            check_finite: nothing could be sampled).
         temperature: > 0, the sampling temperature (the sampler's, so that log-probs match it). Default 1.
         mask: optional bool / 0-1 [...]: tokens with 0 are skipped (never multiplied) and get 0.
         ignore_index: targets equal to it are skipped like mask 0 (default -100, as TRL / transformers).
@@ -170,7 +171,11 @@ def fused_linear_logprobs(
         softcap: the model's final logit soft-cap (Gemma 2 / 3 ``final_logit_softcapping``): z = softcap x
             tanh(logit_scale x x / softcap) / temperature, x = hidden @ weight.T + bias. With a softcap a
             -inf bias gives the finite logit -softcap / temperature, as transformers' Gemma forward.
-        logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1.
+            softcap / temperature must not exceed 2^120 and logit_scale / softcap must lie in [2^-126,
+            2^120] (refused before the work; ops/lm_head/README.md, "Numbers at the edges").
+        logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1. Without a
+            softcap, logit_scale / temperature above 2^120 is refused, and above 2^16 it is refused when its
+            product with a bound on |hidden @ weight.T + bias| exceeds 2^120 (the logits could overflow).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere, said once as a ``BackendFallbackWarning``),
             "triton" or "torch".
 
@@ -855,14 +860,16 @@ def fused_linear_grpo_loss(
         is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
         token_weights: optional [B, T] per-token weights of the policy term (process weights).
         num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
-            the token-mean aggregations; None: this call's own count. Any value > 0 is taken as given, so
-            an estimate serves too: TRL's (the generation batch's count times GA / steps_per_generation)
-            can fall below one micro-batch's own count.
-        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
+            the token-mean aggregations; None: this call's own count. Any finite value > 0 is taken as
+            given (no clamp, so an estimate serves too: TRL's, the generation batch's count times GA /
+            steps_per_generation, can fall below one micro-batch's own count, or below 1); 0, negative,
+            inf and NaN are refused.
+        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations:
+            finite, > 0, and at least this call's sequences with a valid token.
         dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
-            it so that the average is the gradient of the global loss. Default 1.
+            it so that the average is the gradient of the global loss. A whole number >= 1. Default 1.
         grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
-            are not given (local counts divided by it). Default 1.
+            are not given (local counts divided by it). A whole number >= 1. Default 1.
         check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
         bias: optional [V] LM-head bias.
         tp_group: vocabulary-parallel LM head, as in ``fused_linear_logprobs`` (weight / bias are this
