@@ -260,7 +260,8 @@ def fused_loss_op(
         out = _EAGER["fused_linear_grpo_loss"](h, w, targets, advantages, mask, old_logprobs, ref_logprobs,
                                      rollout_logprobs, b, cfg, cu_seqlens=cu_seqlens, is_weights=is_weights,
                                      token_weights=token_weights, num_tokens=num_tokens,
-                                     num_sequences=num_sequences, dp_size=_count(dp_size), grad_accum_steps=_count(grad_accum_steps),
+                                     num_sequences=num_sequences, dp_size=_count(dp_size),
+                                     grad_accum_steps=_count(grad_accum_steps),
                                      check_finite=check_finite, batch_invariant=batch_invariant, softcap=softcap,
                                      logit_scale=logit_scale, backend=backend, schedule=schedule)  # fmt: skip
         wanted = [x for x in (h, w, b) if x is not None and x.requires_grad]

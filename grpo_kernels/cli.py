@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
             from .trainer.cli import main as train_main
         except ModuleNotFoundError as exc:  # a module of the extra imported at the top of a trainer module
             print(f"grpo-kernels train: error: needs the `train` extra ({exc.name} not installed): "
-                  'pip install -e ".[train]" (from a clone; or pip install "grpo-kernels[train]")', file=sys.stderr)  # fmt: skip
+                  'pip install -e ".[train]" (from a clone; or pip install "grpo-kernels[train]")',
+                  file=sys.stderr)  # fmt: skip
             return 2
         return train_main(rest)
     if args.command == "bench":

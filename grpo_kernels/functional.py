@@ -704,7 +704,8 @@ def grpo_loss(
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
         loss, metrics = _custom_ops.compiled_grpo_loss(
             logprobs, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, entropy, cfg, cu_seqlens,
-            is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite, backend)  # fmt: skip
+            is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite,
+            backend)  # fmt: skip
         return GRPOLossOutput(loss, metrics, logprobs.detach(), None if entropy is None else entropy.detach())
     chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
     device = chk.check_same_device(

@@ -115,7 +115,8 @@ def test_scalars_beyond_the_limits_are_refused_before_the_work(kwargs, match):
 def test_scalars_within_the_limits_give_finite_results():
     """At the limits' edge (and with a capped all -inf bias: every logit -softcap / T, a uniform row) nothing
     is NaN; a large scale whose logits stay bounded is taken."""
-    for kwargs in (dict(softcap=1e36), dict(softcap=1e34, logit_scale=1e-3), dict(logit_scale=1e30, hidden=torch.full((4, 8), 1e-8)),
+    for kwargs in (dict(softcap=1e36), dict(softcap=1e34, logit_scale=1e-3),
+                   dict(logit_scale=1e30, hidden=torch.full((4, 8), 1e-8)),
                    dict(softcap=30.0, bias=torch.full((11,), -math.inf))):  # fmt: skip
         out = _call(**kwargs)
         assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropy).all(), kwargs

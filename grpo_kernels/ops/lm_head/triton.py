@@ -441,7 +441,10 @@ def _softcap(x, cap_in, cap_out):
     t = (1.0 - e) / (1.0 + e)
     big = tl.where(u < 0, -t, t) * cap_out
     s = u * u
-    r = 1.0 + s * (TANH_C1 + s * (TANH_C2 + s * (TANH_C3 + s * (TANH_C4 + s * (TANH_C5 + s * (TANH_C6 + s * TANH_C7))))))
+    r = TANH_C6 + s * TANH_C7  # Horner, innermost first
+    r = TANH_C4 + s * (TANH_C5 + s * r)
+    r = TANH_C2 + s * (TANH_C3 + s * r)
+    r = 1.0 + s * (TANH_C1 + s * r)
     small = x * (cap_in * cap_out) * r
     return tl.where(a < 0.5, small, big)
 
