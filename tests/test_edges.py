@@ -122,3 +122,37 @@ def test_scalars_within_the_limits_give_finite_results():
         assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropy).all(), kwargs
     uniform = _call(softcap=30.0, bias=torch.full((11,), -math.inf))
     torch.testing.assert_close(uniform.entropy, torch.full((4,), math.log(11)), rtol=4 * EPS32, atol=0)
+
+
+RECORD = HERE.parent / "docs" / "records" / "softcap_accuracy.json"
+TABLE_CAPS = (("1", "1"), ("1e2", "100"), ("1e4", "10000"), ("1e6", "1e+06"), ("1e8", "1e+08"))
+TABLE_WIDE = ("1e+10", "1e+15", "1e+20", "1e+25", "1e+30", "1e+35")
+
+
+def softcap_table(record: dict) -> str:
+    """The LM-head README's soft-cap error table, from docs/records/softcap_accuracy.json (logit scale 1)."""
+    def cell(rows):
+        lp = max(r[0] for r in rows)
+        ent = max(r[1] for r in rows)
+        return f"{lp:.2g} / {ent:.2g}"
+
+    lines = ["| cap | torch | Triton before | Triton now |", "|---|---|---|---|"]
+    groups = [(label, [key]) for label, key in TABLE_CAPS] + [("1e10 … 1e35", list(TABLE_WIDE))]
+    for label, keys in groups:
+        names = [f"scale=1,cap={k}" for k in keys]
+        lines.append(f"| {label} | {cell([record['after'][n]['torch'] for n in names])} | "
+                     f"{cell([record['before'][n]['triton'] for n in names])} | "
+                     f"{cell([record['after'][n]['triton'] for n in names])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def test_readme_softcap_table_is_the_record():
+    """The README's table is generated from the record (never typed); the record's 'after' columns are
+    within the bound test_softcap_is_accurate_for_any_cap_on_both_backends enforces on a live run."""
+    record = json.loads(RECORD.read_text())
+    readme = (HERE.parent / "grpo_kernels" / "ops" / "lm_head" / "README.md").read_text()
+    assert softcap_table(record) in readme, softcap_table(record)
+    for key, row in record["after"].items():
+        if isinstance(row["triton"], str):
+            continue
+        assert max(row["triton"] + row["torch"]) <= EPS32 * (8 * (1 + row["z_max"]) + V), key
