@@ -171,11 +171,11 @@ def fused_linear_logprobs(
         softcap: the model's final logit soft-cap (Gemma 2 / 3 ``final_logit_softcapping``): z = softcap x
             tanh(logit_scale x x / softcap) / temperature, x = hidden @ weight.T + bias. With a softcap a
             -inf bias gives the finite logit -softcap / temperature, as transformers' Gemma forward.
-            softcap / temperature must not exceed 2^120 and logit_scale / softcap must lie in [2^-126,
-            2^120] (refused before the work; ops/lm_head/README.md, "Numbers at the edges").
+            softcap / temperature must not exceed 2^100 (1.3e30) and logit_scale / softcap must lie in
+            [2^-126, 2^100] (refused before the work; ops/lm_head/README.md, "Numbers at the edges").
         logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1. Without a
-            softcap, logit_scale / temperature above 2^120 is refused, and above 2^16 it is refused when its
-            product with a bound on |hidden @ weight.T + bias| exceeds 2^120 (the logits could overflow).
+            softcap, logit_scale / temperature above 2^100 is refused, and above 2^16 it is refused when its
+            product with a bound on |hidden @ weight.T + bias| exceeds 2^100 (the kernels' logit limit).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere, said once as a ``BackendFallbackWarning``),
             "triton" or "torch".
 
@@ -358,12 +358,12 @@ def _check_transform(softcap, logit_scale) -> None:
             chk.fail(f"{name} must be a finite number > 0, got {value!r}")
 
 
-# The largest logit magnitude the backends take: their sentinels (a forbidden token -2^122, a padding column
-# -2^124, ops/lm_head/triton.py) sit at least 2^121 below every logit and all their differences stay finite.
-LOGIT_LIMIT = 2.0**120
+# The largest logit magnitude the backends take: their sentinels (a forbidden token -2^102, a padding column
+# -2^104, ops/lm_head/triton.py) sit at least 2^101 below every logit and all their differences stay finite.
+LOGIT_LIMIT = 2.0**100
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 # logit_scale / temperature above which the logits' bound is computed (one pass over hidden and weight, a
-# host sync): below it a logit reaches LOGIT_LIMIT only if |hidden @ weight.T + bias| exceeds 2^104
+# host sync): below it a logit reaches LOGIT_LIMIT only if |hidden @ weight.T + bias| exceeds 2^84
 SCALE_BOUND_CHECKED_ABOVE = 2.0**16
 
 
@@ -372,14 +372,14 @@ def _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias)
     soft cap the logits lie in [-softcap / T, softcap / T] and the kernels use logit_scale / softcap; without
     one a large logit_scale / T is refused when the bound on the logits (max row norm of hidden x max row
     norm of weight + max |bias|) times it exceeds LOGIT_LIMIT."""
-    limit = f"2^120 = {LOGIT_LIMIT:.3g}, the largest logit magnitude the kernels take"
+    limit = f"2^100 = {LOGIT_LIMIT:.3g}, the largest logit magnitude the kernels take"
     if softcap is not None:
         cap_out, cap_in = softcap / temperature, logit_scale / softcap
         if cap_out > LOGIT_LIMIT:
             chk.fail(f"softcap / temperature = {cap_out:.3g} exceeds {limit} (softcap={softcap:g}, "
                      f"temperature={temperature:g})")  # fmt: skip
         if not FLOAT32_TINY <= cap_in <= LOGIT_LIMIT:
-            chk.fail(f"logit_scale / softcap = {cap_in:.3g} is outside [2^-126, 2^120] = [{FLOAT32_TINY:.3g}, "
+            chk.fail(f"logit_scale / softcap = {cap_in:.3g} is outside [2^-126, 2^100] = [{FLOAT32_TINY:.3g}, "
                      f"{LOGIT_LIMIT:.3g}] (float32's normal range, bounded as the logits): logit_scale="
                      f"{logit_scale:g}, softcap={softcap:g}")  # fmt: skip
         return

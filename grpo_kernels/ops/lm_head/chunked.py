@@ -19,8 +19,8 @@ from .reference import LMHeadStats
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_VOCAB_CHUNK = 8192
 # the logit of a forbidden token (a -inf bias): exp of it minus any lse is exactly 0; the Triton kernels' value
-# (triton.py: 2^121 below every logit the functional layer lets through, |z| <= 2^120)
-NEG_BIG = -(2.0**122)
+# (triton.py: 2^101 below every logit the functional layer lets through, |z| <= 2^100)
+NEG_BIG = -(2.0**102)
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def lm_head_forward(
         log_s = torch.log(s)
         lse[rows] = m + log_s
         # relative to the max first: z_target - lse would lose log_s next to a huge max (a row of forbidden
-        # tokens sits at NEG_BIG = -2^122, where m + log_s rounds to m)
+        # tokens sits at NEG_BIG = -2^102, where m + log_s rounds to m)
         logprobs[rows] = (z_target - m) - log_s
         expected_logit[rows] = m + u / s
         entropy[rows] = log_s - u / s

@@ -36,19 +36,20 @@ from .reference import LMHeadStats
 # it keeps the backward epilogue at 128 registers where tl.exp's lowering needed 192 (sm_90, 128x128 tile).
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Logit magnitudes (README.md, "Numbers at the edges"). The functional layer refuses a call whose logits
-# could exceed LOGIT_LIMIT = 2^120 in magnitude (a soft cap / temperature above it, or a logit scale whose
-# bound on |z| is), so every constant below is finite, ordered, and at least 2^121 from every logit:
-#   a forbidden token (a -inf bias, no soft cap)   NEG_BIG = -2^122: p = 0 exactly, p * (z - max) = 0, not NaN
-#   a column outside [0, V) (a tile's padding)    PAD_LOGIT = -2^124: below a forbidden token too, so a row
+# could exceed LOGIT_LIMIT = 2^100 in magnitude (a soft cap / temperature above it, or a logit scale whose
+# bound on |z| is), so every constant below is finite, ordered, and at least 2^101 from every logit:
+#   a forbidden token (a -inf bias, no soft cap)   NEG_BIG = -2^102: p = 0 exactly, p * (z - max) = 0, not NaN
+#   a column outside [0, V) (a tile's padding)    PAD_LOGIT = -2^104: below a forbidden token too, so a row
 #                                                  whose every token is forbidden is uniform over V, as in
 #                                                  chunked.py, and never counts the padding columns
-#   the running max before the first tile         RUN_MAX_INIT = -2^125 (finite: (init - max) * 0 is 0)
-#   the lse of a row without upstream gradient    DEAD_LSE = 2^125 (p = exp(z - it) = 0 for every logit)
-# All differences of two of them stay below 2^126, finite in fp32.
-NEG_BIG: tl.constexpr = tl.constexpr(-(2.0**122))
-PAD_LOGIT: tl.constexpr = tl.constexpr(-(2.0**124))
-RUN_MAX_INIT: tl.constexpr = tl.constexpr(-(2.0**125))
-DEAD_LSE: tl.constexpr = tl.constexpr(2.0**125)
+#   the running max before the first tile         RUN_MAX_INIT = -2^105 (finite: (init - max) * 0 is 0)
+#   the lse of a row without upstream gradient    DEAD_LSE = 2^105 (p = exp(z - it) = 0 for every logit)
+# All differences of two of them stay below 2^106, finite in fp32; c_H (E[z] - z) next to a forbidden token
+# stays finite for |c_H| < 2^25 (dz's p multiplies it afterwards: the register-lean order).
+NEG_BIG: tl.constexpr = tl.constexpr(-(2.0**102))
+PAD_LOGIT: tl.constexpr = tl.constexpr(-(2.0**104))
+RUN_MAX_INIT: tl.constexpr = tl.constexpr(-(2.0**105))
+DEAD_LSE: tl.constexpr = tl.constexpr(2.0**105)
 
 # Backward workspace budget (plan_backward): mostly the [token_chunk, V] dL/dlogit slab in the input dtype.
 # 1 GiB holds 3328 tokens at V = 151936, H = 4096 in bf16, enough that re-reading the fp32 grad_weight
@@ -437,7 +438,7 @@ def _softcap(x, cap_in, cap_out):
     # u clamped to [-16, 16] (tanh(16) = 1 - 2.5e-14: 1 in fp32; x = -inf gives -1), then one ratio
     # q = tanh(u) / u from either branch, so z = u q cap_out: few values live at once (the 128x256 sm_90
     # forward stays at 255 registers without spills). A subnormal u (|x cap_in| < 2^-126) is off by at most
-    # 2^-150 cap_out <= 2^-30 in z (cap_out <= 2^120 by the functional layer's limits)
+    # 2^-150 cap_out <= 2^-50 in z (cap_out <= 2^100 by the functional layer's limits)
     u = tl.minimum(tl.maximum(x * cap_in, -16.0), 16.0)
     a = tl.abs(u)
     s = u * u
@@ -734,12 +735,11 @@ def _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_
     dz_j = p_j (c_H (E[z] - z_j) - c_lp) + c_lp 1[j = y]  (README.md derives it); with a soft-cap times
     dz/dx = cap_in cap_out (1 - tanh^2), tanh = z / cap_out (the host then passes inv_temperature 1)."""
     p = tl.exp2((z - lse[:, None]) * LOG2E)  # softmax probabilities
-    # p times c_H first: p = 0 (a forbidden token, a dead row) gives 0 even where c_H (E[z] - z) would overflow
     if HAS_GRAD_ENTROPY:
         if HAS_GRAD_LOGPROBS:
-            dz = (p * c_h[:, None]) * (mean_z[:, None] - z) - p * c_lp[:, None]
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z) - c_lp[:, None])
         else:
-            dz = (p * c_h[:, None]) * (mean_z[:, None] - z)
+            dz = p * (c_h[:, None] * (mean_z[:, None] - z))
     else:
         dz = p * (-c_lp[:, None])
     if HAS_GRAD_LOGPROBS:
