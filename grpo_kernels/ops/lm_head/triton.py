@@ -115,7 +115,7 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         # TMA kernel A: tiles at <= 128 registers x 256 threads (or 4 warps) and <= 113 KiB of shared memory,
         # so two CTAs share an SM and one's softmax epilogue runs while the other's wgmma pipeline is busy
         # (README §6). 128x128 needs 128 registers without bias, 135 with (the cap holds it at 128 without
-        # spills); the soft-cap's tanh needs 176 and would spill under the cap, so it runs uncapped, one
+        # spills); the soft-cap's tanh needs 155 (report) and would spill under the cap, so it runs uncapped, one
         # CTA per SM. Storing the fp32 tile adds 64 KiB of TMA staging: 64x128 tiles on one warpgroup.
         forward_tma=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3, max_registers=128),
         forward_tma_stored=TileConfig(64, 128, 64, 16, num_warps=4, num_stages=3),
