@@ -47,8 +47,8 @@ LOGPROBS, LOSS, FUSED = "fused_linear_logprobs", "grpo_loss", "fused_linear_grpo
 # changes: name -> value, or name -> callable(valid args) -> value
 SCALARS = {  # shared by the functions that take them
     "temperature": ["1.0", True, torch.tensor(1.0), 0.0, -1.0, INF, NAN],
-    "softcap": ["30", True, torch.tensor(30.0), 0.0, -3.0, INF, NAN],
-    "logit_scale": [None, "2", False, 0.0, -1.0, INF, NAN],
+    "softcap": ["30", True, torch.tensor(30.0), 0.0, -3.0, INF, NAN, 1e35],  # 1e35: above the logit limit
+    "logit_scale": [None, "2", False, 0.0, -1.0, INF, NAN, 1e35],
     "ignore_index": [-100.0, True, "x", None],
     "compute_entropy": [1, "yes", None],
     "check_finite": [None, 0, "no"],
