@@ -6,6 +6,8 @@ element so a user can find it in their batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -141,12 +143,14 @@ def check_global_count(name: str, value, local: int, what: str) -> None:
     value = value.item() if isinstance(value, torch.Tensor) else value
     if value < local:
         fail(
-            f"{name}={value} is fewer than the {local} {what} of this call: it must count the whole optimizer "
+            f"{name}={value:g} is fewer than the {local} {what} of this call: it must count the whole optimizer "
             "step (every micro-batch of every data-parallel rank), or be left out (None) for local counts"
         )
 
 
-def check_count(name: str, value, *, integer: bool = False, minimum: float = 1) -> None:
+def check_count(name: str, value, *, integer: bool = False, minimum: float | None = 1, meaning: str = "") -> None:
+    """A normalizer: None, or a finite number (or 1-element tensor), a whole number where `integer`, at least
+    `minimum`, or > 0 when minimum is None. Refused otherwise, naming it (and what it means)."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
@@ -155,10 +159,12 @@ def check_count(name: str, value, *, integer: bool = False, minimum: float = 1) 
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         fail(f"{name} must be a number, got {type(value).__name__}")
-    if integer and int(value) != value:
-        fail(f"{name} must be an integer, got {value}")
-    if not value >= minimum:
-        fail(f"{name} must be >= {minimum}, got {value}")
+    bound = "> 0" if minimum is None else f">= {minimum}"
+    kind = "a whole number" if integer else "a finite number"
+    if not math.isfinite(value) or (integer and int(value) != value):
+        fail(f"{name} must be {kind} {bound}{meaning}, got {value:g}")
+    if not (value > 0 if minimum is None else value >= minimum):
+        fail(f"{name} must be {kind} {bound}{meaning}, got {value:g}")  # :g: 2 and 2.0 alike
 
 
 def cu_seqlens_to_index(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -15,6 +15,13 @@ alone. Gradients:
 What compiled calls do not take: tp_group (a process group is not an op argument: call the function
 outside the compiled region, or compile the rest of the step), and weights that are FSDP2 DTensors or
 ZeRO-3 stubs (gather the head first). They raise ValueError saying so.
+
+Checks that fail while tracing (argument types, the config, what compile cannot take) become one op,
+``grpo_kernels::refuse``, that raises the same ValueError when the compiled graph runs: the exception a
+compiled call raises is the eager call's, not dynamo's ``Unsupported``.
+
+Imports run one way: grpo_kernels.functional imports this module and hands it the eager functions the
+op bodies run (``register_eager``); nothing here imports grpo_kernels.functional.
 """
 
 import contextlib
@@ -26,6 +33,15 @@ import torch
 from torch import Tensor
 
 _NAMESPACE = "grpo_kernels"
+
+
+# the public eager functions the op bodies run, registered by grpo_kernels.functional when it is imported
+_EAGER: dict = {}
+
+
+def register_eager(**functions) -> None:
+    """functional.py hands over fused_linear_logprobs, grpo_loss and fused_linear_grpo_loss (by name)."""
+    _EAGER.update(functions)
 
 
 def config_to_json(cfg) -> str:
@@ -60,6 +76,12 @@ def _need(x: Optional[Tensor], flag: bool) -> Optional[Tensor]:
     return x.detach().requires_grad_(flag)
 
 
+def _count(x: float):
+    """dp_size / grad_accum_steps travel as floats (so 1.5 reaches eager's integer check instead of being
+    truncated on the way): whole numbers go back to int."""
+    return int(x) if float(x).is_integer() else x
+
+
 def _empty_like_or_none(x: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty((0,)) if x is None else torch.zeros_like(x)
 
@@ -73,10 +95,8 @@ def logprobs_op(
     temperature: float, ignore_index: int, compute_entropy: bool, check_finite: bool, batch_invariant: bool,
     softcap: Optional[float], logit_scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    from .functional import fused_linear_logprobs
-
     with torch.no_grad():
-        out = fused_linear_logprobs(hidden, weight, targets, bias, temperature, mask=mask, ignore_index=ignore_index,
+        out = _EAGER["fused_linear_logprobs"](hidden, weight, targets, bias, temperature, mask=mask, ignore_index=ignore_index,
                                     compute_entropy=compute_entropy, check_finite=check_finite,
                                     batch_invariant=batch_invariant, softcap=softcap, logit_scale=logit_scale,
                                     backend=backend)  # fmt: skip
@@ -99,11 +119,9 @@ def logprobs_backward_op(
     batch_invariant: bool, softcap: Optional[float], logit_scale: float, backend: str,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    from .functional import fused_linear_logprobs
-
     with _autograd_inside_op():
         h, w, b = _need(hidden, need_hidden), _need(weight, need_weight), _need(bias, need_bias)
-        out = fused_linear_logprobs(h, w, targets, b, temperature, mask=mask, ignore_index=ignore_index,
+        out = _EAGER["fused_linear_logprobs"](h, w, targets, b, temperature, mask=mask, ignore_index=ignore_index,
                                     compute_entropy=grad_entropy is not None, check_finite=False,
                                     batch_invariant=batch_invariant, softcap=softcap, logit_scale=logit_scale,
                                     backend=backend)  # fmt: skip
@@ -169,19 +187,18 @@ def grpo_loss_op(
     logprobs: Tensor, advantages: Tensor, mask: Tensor, old_logprobs: Optional[Tensor],
     ref_logprobs: Optional[Tensor], rollout_logprobs: Optional[Tensor], entropy: Optional[Tensor],
     cu_seqlens: Optional[Tensor], is_weights: Optional[Tensor], token_weights: Optional[Tensor], config: str,
-    num_tokens: Optional[float], num_sequences: Optional[float], dp_size: int, grad_accum_steps: int,
+    num_tokens: Optional[float], num_sequences: Optional[float], dp_size: float, grad_accum_steps: float,
     check_finite: bool, backend: str, need_logprobs: bool, need_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    from .functional import grpo_loss
     from .ops.loss_head.reference import metric_names
 
     cfg = config_from_json(config)
     with _autograd_inside_op():
         lp, ent = _need(logprobs, need_logprobs), _need(entropy, need_entropy)
-        out = grpo_loss(lp, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, ent, cfg,
+        out = _EAGER["grpo_loss"](lp, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, ent, cfg,
                         cu_seqlens=cu_seqlens, is_weights=is_weights, token_weights=token_weights,
-                        num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
-                        grad_accum_steps=grad_accum_steps, check_finite=check_finite, backend=backend)  # fmt: skip
+                        num_tokens=num_tokens, num_sequences=num_sequences, dp_size=_count(dp_size),
+                        grad_accum_steps=_count(grad_accum_steps), check_finite=check_finite, backend=backend)  # fmt: skip
         wanted = [x for x in (lp, ent) if x is not None and x.requires_grad]
         grads = iter(torch.autograd.grad(out.loss, wanted, allow_unused=True) if wanted else [])
     grad_lp = next(grads) if need_logprobs else None
@@ -232,20 +249,20 @@ def fused_loss_op(
     old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], rollout_logprobs: Optional[Tensor],
     bias: Optional[Tensor], cu_seqlens: Optional[Tensor], is_weights: Optional[Tensor],
     token_weights: Optional[Tensor], config: str, num_tokens: Optional[float], num_sequences: Optional[float],
-    dp_size: int, grad_accum_steps: int, check_finite: bool, batch_invariant: bool, softcap: Optional[float],
+    dp_size: float, grad_accum_steps: float, check_finite: bool, batch_invariant: bool, softcap: Optional[float],
     logit_scale: float, backend: str, schedule: str, need_hidden: bool, need_weight: bool, need_bias: bool,
     max_extra_memory: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    from .functional import fused_linear_grpo_loss
     from .ops.loss_head.reference import metric_names
 
     cfg = config_from_json(config)
     with _autograd_inside_op():
         h, w, b = _need(hidden, need_hidden), _need(weight, need_weight), _need(bias, need_bias)
-        out = fused_linear_grpo_loss(h, w, targets, advantages, mask, old_logprobs, ref_logprobs,
+        out = _EAGER["fused_linear_grpo_loss"](h, w, targets, advantages, mask, old_logprobs, ref_logprobs,
                                      rollout_logprobs, b, cfg, cu_seqlens=cu_seqlens, is_weights=is_weights,
                                      token_weights=token_weights, num_tokens=num_tokens,
-                                     num_sequences=num_sequences, dp_size=dp_size, grad_accum_steps=grad_accum_steps,
+                                     num_sequences=num_sequences, dp_size=_count(dp_size),
+                                     grad_accum_steps=_count(grad_accum_steps),
                                      check_finite=check_finite, batch_invariant=batch_invariant, softcap=softcap,
                                      logit_scale=logit_scale, backend=backend, schedule=schedule,
                                      max_extra_memory=max_extra_memory)  # fmt: skip
@@ -296,9 +313,25 @@ fused_loss_op.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
 # ---- what the public functions call while torch.compile traces them -------------------------------------
+# The public functions have checked the arguments' types first (functional._check_argument_types, the same
+# check eager runs), so the numbers below are numbers of the right kind: float() / int() only change their
+# Python type (an int temperature), never accept a string or a bool. Their ranges are checked at run time
+# by the eager function inside the op, with eager's messages.
 
 
-def _refuse_untraceable(tp_group, **tensors) -> None:
+@torch.library.custom_op(f"{_NAMESPACE}::refuse", mutates_args=())
+def refuse_op(message: str) -> Tensor:
+    """Raises ValueError(message) when the compiled graph runs: a check that failed while tracing."""
+    raise ValueError(message)
+
+
+@refuse_op.register_fake
+def _(message):
+    return torch.empty(())
+
+
+def refuse_untraceable(tp_group, **tensors) -> None:
+    """What a compiled call cannot take (ValueError naming it; traced, so it becomes refuse_op)."""
     if tp_group is not None:
         raise ValueError("tp_group is not supported inside torch.compile (a process group is not an op "
                          "argument): call this function outside the compiled region")  # fmt: skip
@@ -308,51 +341,51 @@ def _refuse_untraceable(tp_group, **tensors) -> None:
                              "torch.compile pass the gathered head weight")  # fmt: skip
 
 
-def compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index, compute_entropy,
-                      check_finite, tp_group, batch_invariant, softcap, logit_scale, backend):  # fmt: skip
-    from .functional import LogProbsOutput
+def _optional_float(x):
+    return None if x is None else float(x)
 
-    _refuse_untraceable(tp_group, weight=weight, bias=bias)
-    logprobs, entropy = logprobs_op(hidden, weight, bias, targets, mask, float(temperature), int(ignore_index),
-                                    bool(compute_entropy), bool(check_finite), bool(batch_invariant),
-                                    None if softcap is None else float(softcap), float(logit_scale), backend)  # fmt: skip
-    return LogProbsOutput(logprobs, entropy if compute_entropy else None)
+
+def compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index, compute_entropy,
+                      check_finite, batch_invariant, softcap, logit_scale, backend):  # fmt: skip
+    """(logprobs, entropy or None) from the logprobs op."""
+    logprobs, entropy = logprobs_op(hidden, weight, bias, targets, mask, float(temperature), ignore_index,
+                                    compute_entropy, check_finite, batch_invariant, _optional_float(softcap),
+                                    float(logit_scale), backend)  # fmt: skip
+    return logprobs, entropy if compute_entropy else None
 
 
 def compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, entropy, cfg,
                        cu_seqlens, is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps,
                        check_finite, backend):  # fmt: skip
-    from .functional import GRPOLossOutput
+    """(loss, metrics dict) from the grpo_loss op."""
     from .ops.loss_head.reference import metric_names
 
     loss, metrics, _, _ = grpo_loss_op(
         logprobs, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, entropy, cu_seqlens, is_weights,
-        token_weights, config_to_json(cfg), None if num_tokens is None else float(num_tokens),
-        None if num_sequences is None else float(num_sequences), int(dp_size), int(grad_accum_steps),
-        bool(check_finite), backend, logprobs.requires_grad, entropy is not None and entropy.requires_grad,
+        token_weights, config_to_json(cfg), _optional_float(num_tokens), _optional_float(num_sequences),
+        float(dp_size), float(grad_accum_steps), check_finite, backend, logprobs.requires_grad,
+        entropy is not None and entropy.requires_grad,
     )  # fmt: skip
     names = metric_names(cfg, has_ref=ref_logprobs is not None, has_entropy=entropy is not None,
                          has_is_weights=is_weights is not None)  # fmt: skip
-    return GRPOLossOutput(loss, {n: metrics[i] for i, n in enumerate(names)}, logprobs.detach(),
-                          None if entropy is None else entropy.detach())  # fmt: skip
+    return loss, {n: metrics[i] for i, n in enumerate(names)}
 
 
 def compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs,
                         bias, cfg, cu_seqlens, is_weights, token_weights, num_tokens, num_sequences, dp_size,
-                        grad_accum_steps, check_finite, tp_group, batch_invariant, softcap, logit_scale, backend,
+                        grad_accum_steps, check_finite, batch_invariant, softcap, logit_scale, backend,
                         schedule, max_extra_memory=None):  # fmt: skip
-    from .functional import GRPOLossOutput
+    """(loss, metrics dict, logprobs, entropy) from the fused_linear_grpo_loss op."""
     from .ops.loss_head.reference import metric_names
 
-    _refuse_untraceable(tp_group, weight=weight, bias=bias)
     loss, metrics, logprobs, entropy, *_ = fused_loss_op(
         hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, bias, cu_seqlens,
-        is_weights, token_weights, config_to_json(cfg), None if num_tokens is None else float(num_tokens),
-        None if num_sequences is None else float(num_sequences), int(dp_size), int(grad_accum_steps),
-        bool(check_finite), bool(batch_invariant), None if softcap is None else float(softcap), float(logit_scale),
-        backend, schedule, hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad,
+        is_weights, token_weights, config_to_json(cfg), _optional_float(num_tokens), _optional_float(num_sequences),
+        float(dp_size), float(grad_accum_steps), check_finite, batch_invariant, _optional_float(softcap),
+        float(logit_scale), backend, schedule, hidden.requires_grad, weight.requires_grad,
+        bias is not None and bias.requires_grad,
         None if max_extra_memory is None else int(max_extra_memory),
     )  # fmt: skip
     names = metric_names(cfg, has_ref=ref_logprobs is not None, has_entropy=True,
                          has_is_weights=is_weights is not None)  # fmt: skip
-    return GRPOLossOutput(loss, {n: metrics[i] for i, n in enumerate(names)}, logprobs, entropy)
+    return loss, {n: metrics[i] for i, n in enumerate(names)}, logprobs, entropy

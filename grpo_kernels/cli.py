@@ -18,8 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "train":
-        from .trainer.cli import main as train_main  # imports transformers only when training
-
+        try:  # the trainer imports its extra's packages only when training, so --help works without them
+            from .trainer.cli import main as train_main
+        except ModuleNotFoundError as exc:  # a module of the extra imported at the top of a trainer module
+            print(f"grpo-kernels train: error: needs the `train` extra ({exc.name} not installed): "
+                  'pip install -e ".[train]" (from a clone; or pip install "grpo-kernels[train]")',
+                  file=sys.stderr)  # fmt: skip
+            return 2
         return train_main(rest)
     if args.command == "bench":
         from .bench.cli import main as bench_main

@@ -152,7 +152,8 @@ def fused_linear_logprobs(
         weight: [V, H], the LM-head weight (``model.get_output_embeddings().weight``), same dtype as
             hidden; an FSDP2 DTensor is gathered, a DeepSpeed ZeRO-3 stub is refused (call inside the forward).
         targets: [...] int64 token ids, the shape of hidden without H.
-        bias: optional [V] LM-head bias; -inf forbids a token.
+        bias: optional [V] LM-head bias; -inf forbids a token (-inf for every token is refused by
+            check_finite: nothing could be sampled).
         temperature: > 0, the sampling temperature (the sampler's, so that log-probs match it). Default 1.
         mask: optional bool / 0-1 [...]: tokens with 0 are skipped (never multiplied) and get 0.
         ignore_index: targets equal to it are skipped like mask 0 (default -100, as TRL / transformers).
@@ -174,7 +175,11 @@ def fused_linear_logprobs(
         softcap: the model's final logit soft-cap (Gemma 2 / 3 ``final_logit_softcapping``): z = softcap x
             tanh(logit_scale x x / softcap) / temperature, x = hidden @ weight.T + bias. With a softcap a
             -inf bias gives the finite logit -softcap / temperature, as transformers' Gemma forward.
-        logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1.
+            softcap / temperature must not exceed 2^100 (1.3e30) and logit_scale / softcap must lie in
+            [2^-126, 2^100] (refused before the work; ops/lm_head/README.md, "Numbers at the edges").
+        logit_scale: the model's logit multiplier (Granite's 1 / logits_scaling); default 1. Without a
+            softcap, logit_scale / temperature above 2^100 is refused, and above 2^16 it is refused when its
+            product with a bound on |hidden @ weight.T + bias| exceeds 2^100 (the kernels' logit limit).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere, said once as a ``BackendFallbackWarning``),
             "triton" or "torch".
 
@@ -185,13 +190,30 @@ def fused_linear_logprobs(
         ValueError: on a bad shape, dtype, device, temperature, NaN input (with check_finite) or option,
             before any heavy work, naming the offending argument (and its worst element).
     """
+    type_error = None  # eager: raised inside the group's first check below, so that every rank raises it
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        _check_argument_types(
+            tensors=dict(hidden=hidden, weight=weight, targets=targets), optional_tensors=dict(bias=bias, mask=mask),
+            floats=dict(temperature=temperature, logit_scale=logit_scale), optional_floats=dict(softcap=softcap),
+            ints=dict(ignore_index=ignore_index), strings=dict(backend=backend),
+            flags=dict(compute_entropy=compute_entropy, check_finite=check_finite, batch_invariant=batch_invariant),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _custom_ops.refuse_untraceable(tp_group, weight=weight, bias=bias)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            refused = _refused(str(error), targets)
+            return LogProbsOutput(refused, refused)
+        type_error = error
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        return _custom_ops.compiled_logprobs(hidden, weight, targets, bias, temperature, mask, ignore_index,
-                                             compute_entropy, check_finite, tp_group, batch_invariant, softcap,
-                                             logit_scale, backend)  # fmt: skip
+        return LogProbsOutput(*_custom_ops.compiled_logprobs(
+            hidden, weight, targets, bias, temperature, mask, ignore_index, compute_entropy, check_finite,
+            batch_invariant, softcap, logit_scale, backend))  # fmt: skip
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_logprobs")
     try:  # with tp_group a failure here is carried by the first collective: every rank raises it
+        if type_error is not None:
+            raise type_error
         weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
         bias = gather_lm_head_param("bias", bias, tp_group)
         vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
@@ -213,8 +235,10 @@ def fused_linear_logprobs(
             chk.check_finite("weight", weight)
             if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
                 chk.check_finite("bias", bias, allow_neg_inf=True)
+                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None)
         _check_flag("batch_invariant", batch_invariant)
         _check_transform(softcap, logit_scale)
+        _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias)
         resolved = resolve_backend(backend, device, "fused_linear_logprobs")
         if agreement is not None:
             agreement.tensors.update(hidden=hidden, targets=targets, mask=valid)
@@ -303,7 +327,69 @@ def _vocab_layout(agreement: _agreement.Agreement | None, local_vocab: int) -> _
 
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        chk.fail(f"{name} must be True or False, got {value!r}")
+        chk.fail(f"{name} must be True or False (a bool), got {type(value).__name__}")
+
+
+def _type_name(x) -> str:  # builtins.list, numpy.ndarray, torch.Tensor: where the type comes from
+    return f"{type(x).__module__}.{type(x).__name__}"
+
+
+def _check_argument_types(*, tensors=None, optional_tensors=None, floats=None, optional_floats=None, ints=None,
+                          counts=None, optional_counts=None, flags=None, strings=None) -> None:  # fmt: skip
+    """The arguments' Python types, before anything converts them, named in the error. The same function
+    runs eager and while torch.compile traces (where a failure becomes grpo_kernels::refuse, raising this
+    ValueError when the graph runs): types only, so no message formats a number (a traced one may be
+    symbolic); the values' ranges are checked by the eager code, which the compiled op runs."""
+    for name, x in (tensors or {}).items():
+        if not isinstance(x, torch.Tensor):
+            chk.fail(f"{name} must be a torch.Tensor, got {_type_name(x)}")
+    for name, x in (optional_tensors or {}).items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            chk.fail(f"{name} must be a torch.Tensor, got {_type_name(x)}")
+    for optional, group in ((False, floats), (True, optional_floats)):
+        for name, x in (group or {}).items():
+            if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+                continue
+            per_call = " (one per call)" if isinstance(x, torch.Tensor) else ""
+            chk.fail(f"{name} must be a Python float{' or None' if optional else ''}{per_call}, got {_type_name(x)}")
+    for name, x in (ints or {}).items():
+        if isinstance(x, bool) or not isinstance(x, int):
+            chk.fail(f"{name} must be a Python int, got {_type_name(x)}")
+    for name, x in (counts or {}).items():
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            chk.fail(f"{name} must be a number, got {_type_name(x)}")
+    for name, x in (optional_counts or {}).items():
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1:
+                chk.fail(f"{name} must be a number or a 1-element tensor, got shape {tuple(x.shape)}")
+            if torch.compiler.is_compiling():  # its value would be a data-dependent graph break
+                chk.fail(f"{name} as a tensor is not supported inside torch.compile: pass a Python number")
+        elif not (x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))):
+            chk.fail(f"{name} must be a number, a 1-element tensor or None, got {_type_name(x)}")
+    for name, x in (flags or {}).items():
+        _check_flag(name, x)
+    for name, x in (strings or {}).items():
+        if not isinstance(x, str):
+            chk.fail(f"{name} must be a str, got {_type_name(x)}")
+
+
+def _refused(message: str, like) -> torch.Tensor:
+    """Under torch.compile: the op that raises ValueError(message) when the graph runs, as an output of the
+    shape of `like` (when it is a tensor) so that the traced step around the call still traces."""
+    out = _custom_ops.refuse_op(message)
+    return out.expand(like.shape) if isinstance(like, torch.Tensor) else out
+
+
+def _refused_loss(message: str, like, config, ref_logprobs, entropy, is_weights) -> GRPOLossOutput:
+    from .ops.loss_head.reference import metric_names
+
+    refused = _refused(message, like)
+    loss = refused.sum()
+    names = ()
+    if isinstance(config, PolicyLossConfig) or config is None:
+        names = metric_names(config or _DEFAULT_CONFIG, has_ref=ref_logprobs is not None,
+                             has_entropy=entropy is not None, has_is_weights=is_weights is not None)  # fmt: skip
+    return GRPOLossOutput(loss, {n: loss for n in names}, refused, refused)
 
 
 def _check_transform(softcap, logit_scale) -> None:
@@ -314,6 +400,57 @@ def _check_transform(softcap, logit_scale) -> None:
             chk.fail(f"{name} must be a Python float{' or None' if name == 'softcap' else ''}, got {type(value).__name__}")
         if not (value > 0 and value != float("inf")):
             chk.fail(f"{name} must be a finite number > 0, got {value!r}")
+
+
+# The largest logit magnitude the backends take: their sentinels (a forbidden token -2^102, a padding column
+# -2^104, ops/lm_head/triton.py) sit at least 2^101 below every logit and all their differences stay finite.
+LOGIT_LIMIT = 2.0**100
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
+# logit_scale / temperature above which the logits' bound is computed (one pass over hidden and weight, a
+# host sync): below it a logit reaches LOGIT_LIMIT only if |hidden @ weight.T + bias| exceeds 2^84
+SCALE_BOUND_CHECKED_ABOVE = 2.0**16
+
+
+def _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias) -> None:
+    """Scalars near the float32 limit refused before any work (README.md, "Numbers at the edges"): with a
+    soft cap the logits lie in [-softcap / T, softcap / T] and the kernels use logit_scale / softcap; without
+    one a large logit_scale / T is refused when the bound on the logits (max row norm of hidden x max row
+    norm of weight + max |bias|) times it exceeds LOGIT_LIMIT."""
+    limit = f"2^100 = {LOGIT_LIMIT:.3g}, the largest logit magnitude the kernels take"
+    if softcap is not None:
+        cap_out, cap_in = softcap / temperature, logit_scale / softcap
+        if cap_out > LOGIT_LIMIT:
+            chk.fail(f"softcap / temperature = {cap_out:.3g} exceeds {limit} (softcap={softcap:g}, "
+                     f"temperature={temperature:g})")  # fmt: skip
+        if not FLOAT32_TINY <= cap_in <= LOGIT_LIMIT:
+            chk.fail(f"logit_scale / softcap = {cap_in:.3g} is outside [2^-126, 2^100] = [{FLOAT32_TINY:.3g}, "
+                     f"{LOGIT_LIMIT:.3g}] (float32's normal range, bounded as the logits): logit_scale="
+                     f"{logit_scale:g}, softcap={softcap:g}")  # fmt: skip
+        return
+    scale = logit_scale / temperature
+    if scale > LOGIT_LIMIT:
+        chk.fail(f"logit_scale / temperature = {scale:.3g} exceeds {limit} (logit_scale={logit_scale:g}, "
+                 f"temperature={temperature:g})")  # fmt: skip
+    if scale > SCALE_BOUND_CHECKED_ABOVE:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        bound = float(flat.double().norm(dim=-1).max()) * float(weight.double().norm(dim=-1).max())
+        if bias is not None:
+            finite = bias[torch.isfinite(bias)]
+            bound += float(finite.double().abs().max()) if finite.numel() else 0.0
+        if bound * scale > LOGIT_LIMIT:
+            chk.fail(f"logit_scale / temperature = {scale:.3g} times the bound {bound:.3g} on |hidden @ weight.T + "
+                     f"bias| (max row norms) exceeds {limit}: the logits could overflow")  # fmt: skip
+
+
+def _check_bias_allows_a_token(bias, softcap, vocab_parallel: bool) -> None:
+    """A bias of -inf everywhere (no soft cap) leaves no token to sample: the softmax is undefined; refused
+    (with check_finite). Without the check both backends give the same defined values: every logit is the
+    forbidden-token sentinel, so the row is uniform over V (log-prob -log V, entropy log V)."""
+    if bias is None or softcap is not None or vocab_parallel:  # capped: -softcap / T each, a uniform row
+        return
+    if bool((bias == float("-inf")).all()):
+        chk.fail(f"bias is -inf for all {bias.numel()} tokens: every token is forbidden, so softmax(z) is "
+                 "undefined (leave at least one token finite)")  # fmt: skip
 
 
 def _lm_impl(resolved: str, layout: _VocabLayout | None, batch_invariant: bool = False, softcap=None,
@@ -431,14 +568,16 @@ def _flatten_batch(
     normalizers: dict,
     check_finite: bool,
     device,
+    token_name: str = "logprobs",
 ) -> _FlatBatch:
     """Validate the loss-head inputs of either layout and flatten them (see module docstring)."""
     packed = cu_seqlens is not None
     if packed and len(token_shape) != 1:
-        chk.fail(f"with cu_seqlens (packed layout) token tensors must be 1-D [N], got shape {token_shape}")
+        chk.fail(f"with cu_seqlens (packed layout) token tensors must be 1-D [N]: {token_name} has shape {token_shape}")
     if not packed and len(token_shape) != 2:
         chk.fail(
-            f"token tensors must be [B, T] (padded layout) or [N] with cu_seqlens (packed), got shape {token_shape}"
+            f"token tensors must be [B, T] (padded layout) or [N] with cu_seqlens (packed): {token_name} has shape "
+            f"{token_shape}"
         )
     n_tokens = 1
     for d in token_shape:
@@ -446,7 +585,7 @@ def _flatten_batch(
     if n_tokens == 0:
         chk.fail(f"empty batch: token tensors have shape {token_shape}")
     chk.check_tensor("mask", mask)
-    chk.check_shape("mask", mask, token_shape, "logprobs")
+    chk.check_shape("mask", mask, token_shape, token_name)
     valid = chk.check_mask("mask", mask).reshape(-1)
     if packed:
         seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens)
@@ -477,16 +616,19 @@ def _flatten_batch(
             flat[name] = None
             continue
         chk.check_tensor(name, x, dtypes=chk.FLOAT_DTYPES)
-        chk.check_shape(name, x, token_shape, "logprobs")
+        chk.check_shape(name, x, token_shape, token_name)
         flat[name] = x.reshape(-1)
         if check_finite:
             # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled
             where = valid & ~torch.isnan(flat[name]) if name == "rollout_logprobs" else valid
             chk.check_finite(name, flat[name], where)
 
-    for name in ("num_tokens", "num_sequences"):
-        chk.check_count(name, normalizers[name], minimum=0)
-    chk.check_count("dp_size", normalizers["dp_size"], integer=True)
+    # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused
+    chk.check_count("num_tokens", normalizers["num_tokens"], minimum=None,
+                    meaning=" (the valid tokens of the whole optimizer step, or an estimate of them)")
+    chk.check_count("num_sequences", normalizers["num_sequences"], minimum=None,
+                    meaning=" (the sequences of the whole optimizer step)")
+    chk.check_count("dp_size", normalizers["dp_size"], integer=True, meaning=" (data-parallel ranks)")
     local_only = ("length-pow" in (config.loss_agg_mode, config.entropy_agg_mode, config.kl_agg_mode)
                   or config.loss_type == "group_dpo")  # fmt: skip
     if local_only and (normalizers["num_tokens"] is not None or normalizers["num_sequences"] is not None):
@@ -499,14 +641,11 @@ def _flatten_batch(
             f"group_dpo: the batch holds {num_seqs} sequences, not a multiple of group_size={config.group_size} "
             "(groups must be laid out consecutively)"
         )
-    chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True)
-    if normalizers["num_tokens"] is not None:
-        # not bounded below by this call's count: an estimate of the step's count is a normaliser too (TRL
-        # scales the generation batch's count by GA / steps_per_generation, which can fall below one
-        # micro-batch's own count when GA < steps_per_generation)
-        local, tokens = int(valid.sum()), normalizers["num_tokens"]  # tokens: a number or a 1-element tensor
-        if local > 0 and not float(tokens) > 0:
-            chk.fail(f"num_tokens={tokens} must be > 0: this call holds {local} valid tokens")
+    chk.check_count("grad_accum_steps", normalizers["grad_accum_steps"], integer=True,
+                    meaning=" (micro-batches per optimizer step)")
+    # num_tokens is not bounded below by this call's count: an estimate of the step's count is a normaliser
+    # too (TRL scales the generation batch's count by GA / steps_per_generation, which can fall below one
+    # micro-batch's own count when GA < steps_per_generation)
     if normalizers["num_sequences"] is not None:
         nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
         chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
@@ -589,15 +728,34 @@ def grpo_loss(
     Raises:
         ValueError: on a bad shape, dtype, device or config, or a needed input missing, before any work.
     """
+    type_error = None  # eager: raised inside the group's first check below, so that every rank raises it
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        cfg = _check_config(config)
+        _check_argument_types(
+            tensors=dict(logprobs=logprobs, advantages=advantages, mask=mask),
+            optional_tensors=dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                  rollout_logprobs=rollout_logprobs, entropy=entropy, cu_seqlens=cu_seqlens,
+                                  is_weights=is_weights, token_weights=token_weights),
+            counts=dict(dp_size=dp_size, grad_accum_steps=grad_accum_steps),
+            optional_counts=dict(num_tokens=num_tokens, num_sequences=num_sequences),
+            strings=dict(backend=backend), flags=dict(check_finite=check_finite),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _refuse_group_in_compile(entropy_group)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            return _refused_loss(str(error), logprobs, config, ref_logprobs, entropy, is_weights)
+        type_error = error
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        _refuse_group_in_compile(entropy_group)
-        return _custom_ops.compiled_grpo_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs,
-                                              rollout_logprobs, entropy, _check_config(config), cu_seqlens,
-                                              is_weights, token_weights, num_tokens, num_sequences, dp_size,
-                                              grad_accum_steps, check_finite, backend)  # fmt: skip
+        loss, metrics = _custom_ops.compiled_grpo_loss(
+            logprobs, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, entropy, cfg, cu_seqlens,
+            is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps, check_finite,
+            backend)  # fmt: skip
+        return GRPOLossOutput(loss, metrics, logprobs.detach(), None if entropy is None else entropy.detach())
     entropy_agreement = _entropy_agreement(entropy_group, "grpo_loss")
     try:  # with entropy_group a failure here is carried by its first collective: every rank raises it
-        cfg = _check_config(config)
+        if type_error is not None:
+            raise type_error
         chk.check_tensor("logprobs", logprobs, dtypes=chk.FLOAT_DTYPES)
         device = chk.check_same_device(
             logprobs=logprobs, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
@@ -787,14 +945,16 @@ def fused_linear_grpo_loss(
         is_weights: optional [B, T] importance weights you computed (multiplied into the policy term).
         token_weights: optional [B, T] per-token weights of the policy term (process weights).
         num_tokens: the valid-token count of the whole optimizer step (all micro-batches and ranks), for
-            the token-mean aggregations; None: this call's own count. Any value > 0 is taken as given, so
-            an estimate serves too: TRL's (the generation batch's count times GA / steps_per_generation)
-            can fall below one micro-batch's own count.
-        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations.
+            the token-mean aggregations; None: this call's own count. Any finite value > 0 is taken as
+            given (no clamp, so an estimate serves too: TRL's, the generation batch's count times GA /
+            steps_per_generation, can fall below one micro-batch's own count, or below 1); 0, negative,
+            inf and NaN are refused.
+        num_sequences: the sequence count of the whole optimizer step, for the sequence-mean aggregations:
+            finite, > 0, and at least this call's sequences with a valid token.
         dp_size: data-parallel ranks whose gradients are averaged (DDP / FSDP): the loss is multiplied by
-            it so that the average is the gradient of the global loss. Default 1.
+            it so that the average is the gradient of the global loss. A whole number >= 1. Default 1.
         grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
-            are not given (local counts divided by it). Default 1.
+            are not given (local counts divided by it). A whole number >= 1. Default 1.
         check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
         bias: optional [V] LM-head bias.
         tp_group: vocabulary-parallel LM head, as in ``fused_linear_logprobs`` (weight / bias are this
@@ -836,27 +996,47 @@ def fused_linear_grpo_loss(
         ValueError: on a bad shape, dtype, device, config or option, or a needed input missing, before any
             heavy work, naming the argument.
     """
+    type_error = None  # eager: raised inside the group's first check below, so that every rank raises it
+    try:  # types first, the same check eager and compiled (grpo_kernels/_custom_ops.py)
+        cfg = _check_config(config)
+        _check_argument_types(
+            tensors=dict(hidden=hidden, weight=weight, targets=targets, advantages=advantages, mask=mask),
+            optional_tensors=dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                  rollout_logprobs=rollout_logprobs, bias=bias, cu_seqlens=cu_seqlens,
+                                  is_weights=is_weights, token_weights=token_weights),
+            floats=dict(logit_scale=logit_scale), optional_floats=dict(softcap=softcap),
+            counts=dict(dp_size=dp_size, grad_accum_steps=grad_accum_steps),
+            optional_counts=dict(num_tokens=num_tokens, num_sequences=num_sequences),
+            strings=dict(backend=backend, schedule=schedule),
+            flags=dict(check_finite=check_finite, batch_invariant=batch_invariant),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            _refuse_group_in_compile(entropy_group)
+            _custom_ops.refuse_untraceable(tp_group, weight=weight, bias=bias)
+    except ValueError as error:
+        if torch.compiler.is_compiling():  # raised when the compiled graph runs, as eager raises it
+            return _refused_loss(str(error), targets, config, ref_logprobs, True, is_weights)
+        type_error = error
     if torch.compiler.is_compiling():  # one custom op: no graph break (grpo_kernels/_custom_ops.py)
-        _refuse_group_in_compile(entropy_group)
-        return _custom_ops.compiled_fused_loss(hidden, weight, targets, advantages, mask, old_logprobs,
-                                               ref_logprobs, rollout_logprobs, bias, _check_config(config),
-                                               cu_seqlens, is_weights, token_weights, num_tokens, num_sequences,
-                                               dp_size, grad_accum_steps, check_finite, tp_group, batch_invariant,
-                                               softcap, logit_scale, backend, schedule,
-                                               max_extra_memory)  # fmt: skip
+        loss, metrics, logprobs, entropy = _custom_ops.compiled_fused_loss(
+            hidden, weight, targets, advantages, mask, old_logprobs, ref_logprobs, rollout_logprobs, bias, cfg,
+            cu_seqlens, is_weights, token_weights, num_tokens, num_sequences, dp_size, grad_accum_steps,
+            check_finite, batch_invariant, softcap, logit_scale, backend, schedule, max_extra_memory)  # fmt: skip
+        return GRPOLossOutput(loss, metrics, logprobs, entropy)
     from .ops.fused.dispatch import SCHEDULES, run_fused
 
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_grpo_loss")
     entropy_agreement = _entropy_agreement(entropy_group, "fused_linear_grpo_loss")
     try:  # with a group a failure here is carried by the first collective: every rank raises it
+        if type_error is not None:
+            raise type_error
         if schedule not in SCHEDULES:
             chk.fail(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         _check_max_extra_memory(max_extra_memory, schedule)
         if batch_invariant and "cublas" in schedule:
             chk.fail(f"schedule={schedule!r} is not available with batch_invariant=True (cuBLAS picks its "
                      "reduction order by shape); use 'auto', 'one_pass', 'one_pass_inplace' or 'two_pass'")  # fmt: skip
-        cfg = _check_config(config)
         weight = gather_lm_head_param("weight", weight, tp_group)  # FSDP2 DTensor / ZeRO-3 (see _params.py)
         bias = gather_lm_head_param("bias", bias, tp_group)
         vocab, hidden_size = _check_lm_head_operands(hidden, weight, targets, bias)
@@ -872,7 +1052,7 @@ def fused_linear_grpo_loss(
         normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                            grad_accum_steps=grad_accum_steps)  # fmt: skip
         batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                               check_finite, device)  # fmt: skip
+                               check_finite, device, token_name="targets")  # fmt: skip
         if tp_group is not None and schedule == "low_memory":
             chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
                      "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
@@ -886,9 +1066,11 @@ def fused_linear_grpo_loss(
             chk.check_finite("weight", weight)
             if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
                 chk.check_finite("bias", bias, allow_neg_inf=True)
+                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None)
         resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
         _check_flag("batch_invariant", batch_invariant)
         _check_transform(softcap, logit_scale)
+        _check_logit_limits(softcap, logit_scale, cfg.temperature, hidden, weight, bias)
         head_backend = _loss_head_backend(cfg, backend, device, resolved)
         _check_entropy_group(entropy_group, cfg)
         scalars = dict(config=cfg, temperature=cfg.temperature, softcap=softcap, logit_scale=logit_scale,
@@ -932,3 +1114,7 @@ def fused_linear_grpo_loss(
         raise
     shape = batch.token_shape
     return GRPOLossOutput(loss, metrics, logprobs.reshape(shape), entropy.reshape(shape))
+
+
+_custom_ops.register_eager(fused_linear_logprobs=fused_linear_logprobs, grpo_loss=grpo_loss,
+                           fused_linear_grpo_loss=fused_linear_grpo_loss)  # fmt: skip

@@ -67,8 +67,18 @@ def _batch():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_tokens=0), "num_tokens=0 must be > 0: this call holds 8 valid tokens"),
+    (dict(num_tokens=0), r"num_tokens must be a finite number > 0 \(the valid tokens .*got 0"),
+    (dict(num_tokens=-3.5), r"num_tokens must be a finite number > 0 .*got -3.5"),
+    (dict(num_tokens=float("inf")), r"num_tokens must be a finite number > 0 .*got inf"),
+    (dict(num_tokens=float("nan")), r"num_tokens must be a finite number > 0 .*got nan"),
+    (dict(num_tokens=torch.tensor(float("inf"))), r"num_tokens must be a finite number > 0 .*got inf"),
+    (dict(num_sequences=0), r"num_sequences must be a finite number > 0 .*got 0"),
+    (dict(num_sequences=float("inf")), r"num_sequences must be a finite number > 0 .*got inf"),
     (dict(num_sequences=1), "num_sequences=1 is fewer than the 2 sequences"),
+    (dict(dp_size=0), r"dp_size must be a whole number >= 1 \(data-parallel ranks\), got 0"),
+    (dict(dp_size=float("inf")), r"dp_size must be a whole number >= 1 .*got inf"),
+    (dict(grad_accum_steps=2.5), r"grad_accum_steps must be a whole number >= 1 .*got 2.5"),
+    (dict(grad_accum_steps=float("nan")), r"grad_accum_steps must be a whole number >= 1 .*got nan"),
 ])  # fmt: skip
 def test_normalizers_that_cannot_count_this_call_are_refused(kwargs, match):
     hidden, weight, targets, mask, adv = _batch()
@@ -76,6 +86,16 @@ def test_normalizers_that_cannot_count_this_call_are_refused(kwargs, match):
         gk.fused_linear_grpo_loss(hidden, weight, targets, adv, mask, config=C.dapo(), backend="torch", **kwargs)
     with pytest.raises(ValueError, match=match):
         gk.grpo_loss(torch.randn(2, 5), adv, mask, config=C.dapo(), **kwargs)
+
+
+def test_num_tokens_below_one_is_taken_as_given():
+    """No clamp to 1: a normaliser of 0.25 divides the token sum by 0.25 (float64 end to end: exact up to
+    the sum's rounding), as documented ("any value > 0 is taken as given")."""
+    _, _, _, mask, adv = _batch()
+    logp = torch.randn(2, 5, dtype=torch.float64)
+    at_one = gk.grpo_loss(logp, adv.double(), mask, config=C.dapo(), num_tokens=1.0).loss
+    quarter = gk.grpo_loss(logp, adv.double(), mask, config=C.dapo(), num_tokens=0.25).loss
+    torch.testing.assert_close(quarter, at_one * 4, rtol=1e-12, atol=0)
 
 
 def test_num_tokens_may_be_an_estimate_below_this_calls_count():

@@ -442,7 +442,7 @@ def test_inputs_a_config_would_drop_are_refused():
         gk.grpo_loss(d["lp"], d["adv"], d["mask"], config=C(entropy_coef=0.1), backend="torch")
     with pytest.raises(ValueError, match="config must be a grpo_kernels.PolicyLossConfig"):
         gk.grpo_loss(d["lp"], d["adv"], d["mask"], config={"loss_type": "dapo"}, backend="torch")
-    with pytest.raises(ValueError, match="dp_size must be an integer"):
+    with pytest.raises(ValueError, match=r"dp_size must be a whole number >= 1 \(data-parallel ranks\), got 1.5"):
         gk.grpo_loss(d["lp"], d["adv"], d["mask"], dp_size=1.5, backend="torch")
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at the token count 45"):
         gk.grpo_loss(d["lp"].reshape(-1), d["adv"], d["mask"].reshape(-1), cu_seqlens=torch.tensor([0, 9, 40]),

@@ -18,7 +18,6 @@ import shutil
 import time
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
 
 STEP_PREFIX = "step_"
 
@@ -67,6 +66,8 @@ def _optimizer_from_flat(
 def save_checkpoint(
     folder: str, *, model, reference, optimizer, rng_tensors: dict[str, torch.Tensor], state: dict
 ) -> None:
+    from safetensors.torch import save_file, save_model  # the train extra: imported when used (cli --help without it)
+
     partial = folder + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -84,6 +85,8 @@ def save_checkpoint(
 
 def load_checkpoint(folder: str, *, model, reference, optimizer) -> tuple[dict, dict[str, torch.Tensor]]:
     """Loads weights and optimizer state in place; returns (state.json, RNG tensors)."""
+    from safetensors.torch import load_file, load_model
+
     device = next(model.parameters()).device
     missing, unexpected = load_model(model, os.path.join(folder, "model.safetensors"), device=str(device))
     if missing or unexpected:

@@ -135,21 +135,38 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     return base.replace(**given), False
 
 
+# what the `train` extra installs (pyproject.toml), by import name: needed to train, not for --help
+TRAIN_EXTRA_MODULES = ("transformers", "safetensors", "matplotlib", "tqdm")
+INSTALL_TRAIN_EXTRA = 'pip install -e ".[train]" (from a clone; or pip install "grpo-kernels[train]")'
+
+
+def missing_train_extra() -> list[str]:
+    """The train extra's modules that do not import here."""
+    import importlib
+
+    missing = []
+    for name in TRAIN_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # unknown options and bad values: usage + exit 2
     try:
         config, resume = config_from_args(args)
-        from .trainer import TrainingError, TrainingInterrupted, train
     except (ValueError, FileNotFoundError) as exc:
         print(f"grpo-kernels train: error: {exc}", file=sys.stderr)
         return 2
-    except ImportError as exc:
-        print(
-            f"grpo-kernels train: error: {exc}; install the extra: pip install 'grpo-kernels[train]'",
-            file=sys.stderr,
-        )
+    missing = missing_train_extra()
+    if missing:
+        print(f"grpo-kernels train: error: training needs the `train` extra ({', '.join(missing)} not installed): "
+              f"{INSTALL_TRAIN_EXTRA}", file=sys.stderr)  # fmt: skip
         return 2
+    from .trainer import TrainingError, TrainingInterrupted, train
     try:
         train(config, resume=resume, progress=not args.no_progress)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:

@@ -18,7 +18,9 @@ from .reference import LMHeadStats
 # the per-tile Python overhead is negligible next to the matmul.
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_VOCAB_CHUNK = 8192
-NEG_BIG = -1.0e30  # the logit of a forbidden token (a -inf bias): exp of it minus any lse is exactly 0
+# the logit of a forbidden token (a -inf bias): exp of it minus any lse is exactly 0; the Triton kernels' value
+# (triton.py: 2^101 below every logit the functional layer lets through, |z| <= 2^100)
+NEG_BIG = -(2.0**102)
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,9 @@ def lm_head_forward(
                 z_target[idx] = z[idx, y[idx] - c0]
         log_s = torch.log(s)
         lse[rows] = m + log_s
-        logprobs[rows] = z_target - lse[rows]
+        # relative to the max first: z_target - lse would lose log_s next to a huge max (a row of forbidden
+        # tokens sits at NEG_BIG = -2^102, where m + log_s rounds to m)
+        logprobs[rows] = (z_target - m) - log_s
         expected_logit[rows] = m + u / s
         entropy[rows] = log_s - u / s
     return LMHeadStats(logprobs, entropy, lse, expected_logit)

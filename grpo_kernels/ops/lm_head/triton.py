@@ -35,9 +35,21 @@ from .reference import LMHeadStats
 # exp(x) is computed as exp2(x * LOG2E), which is what tl.exp lowers to (mul + ex2.approx.f32); written out,
 # it keeps the backward epilogue at 128 registers where tl.exp's lowering needed 192 (sm_90, 128x128 tile).
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-# Additive column term of logits outside [0, V): exp2 of it is exactly 0, and 0 * (it - max) is -0, never
-# NaN (which -inf would give). Finite logits are always far above it.
-NEG_BIG = -1.0e30
+# Logit magnitudes (README.md, "Numbers at the edges"). The functional layer refuses a call whose logits
+# could exceed LOGIT_LIMIT = 2^100 in magnitude (a soft cap / temperature above it, or a logit scale whose
+# bound on |z| is), so every constant below is finite, ordered, and at least 2^101 from every logit:
+#   a forbidden token (a -inf bias, no soft cap)   NEG_BIG = -2^102: p = 0 exactly, p * (z - max) = 0, not NaN
+#   a column outside [0, V) (a tile's padding)    PAD_LOGIT = -2^104: below a forbidden token too, so a row
+#                                                  whose every token is forbidden is uniform over V, as in
+#                                                  chunked.py, and never counts the padding columns
+#   the running max before the first tile         RUN_MAX_INIT = -2^105 (finite: (init - max) * 0 is 0)
+#   the lse of a row without upstream gradient    DEAD_LSE = 2^105 (p = exp(z - it) = 0 for every logit)
+# All differences of two of them stay below 2^106, finite in fp32; c_H (E[z] - z) next to a forbidden token
+# stays finite for |c_H| < 2^25 (dz's p multiplies it afterwards: the register-lean order).
+NEG_BIG: tl.constexpr = tl.constexpr(-(2.0**102))
+PAD_LOGIT: tl.constexpr = tl.constexpr(-(2.0**104))
+RUN_MAX_INIT: tl.constexpr = tl.constexpr(-(2.0**105))
+DEAD_LSE: tl.constexpr = tl.constexpr(2.0**105)
 
 # Backward workspace budget (plan_backward): mostly the [token_chunk, V] dL/dlogit slab in the input dtype.
 # 1 GiB holds 3328 tokens at V = 151936, H = 4096 in bf16, enough that re-reading the fp32 grad_weight
@@ -103,7 +115,7 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         # TMA kernel A: tiles at <= 128 registers x 256 threads (or 4 warps) and <= 113 KiB of shared memory,
         # so two CTAs share an SM and one's softmax epilogue runs while the other's wgmma pipeline is busy
         # (README §6). 128x128 needs 128 registers without bias, 135 with (the cap holds it at 128 without
-        # spills); the soft-cap's tanh needs 176 and would spill under the cap, so it runs uncapped, one
+        # spills); the soft-cap's tanh needs 155 (report) and would spill under the cap, so it runs uncapped, one
         # CTA per SM. Storing the fp32 tile adds 64 KiB of TMA staging: 64x128 tiles on one warpgroup.
         forward_tma=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3, max_registers=128),
         forward_tma_stored=TileConfig(64, 128, 64, 16, num_warps=4, num_stages=3),
@@ -438,37 +450,64 @@ def _logits_tile_acc(
     return acc
 
 
+# Taylor coefficients of tanh(u) / u in u^2 (2^2n (2^2n - 1) B_2n / (2n)!): for |u| < 1/4 the first term
+# left out (21844/6081075 u^12) is below 2.2e-10 of the sum (README.md, "Soft-capping", derives the error)
+TANH_C1: tl.constexpr = tl.constexpr(-1.0 / 3.0)
+TANH_C2: tl.constexpr = tl.constexpr(2.0 / 15.0)
+TANH_C3: tl.constexpr = tl.constexpr(-17.0 / 315.0)
+TANH_C4: tl.constexpr = tl.constexpr(62.0 / 2835.0)
+TANH_C5: tl.constexpr = tl.constexpr(-1382.0 / 155925.0)
+TANH_SERIES_BELOW: tl.constexpr = tl.constexpr(0.25)
+
+
 @triton.jit
-def _tanh(x):
-    """tanh from exp2 of -2|x| (no overflow for large |x|); absolute error ~2 ulp(1)."""
-    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))  # (this operand order: triton 3.9's interpreter rejects the other)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+def _softcap(x, cap_in, cap_out):
+    """cap_out tanh(cap_in x) with an error relative to the result, for any cap (README.md, "Soft-capping"):
+    z = u q cap_out, u = cap_in x, q = tanh(u) / u: for |u| >= 1/4 from e = exp2(-2|u| log2 e), (1 - e) /
+    ((1 + e) |u|) (no cancellation: 1 - e >= 0.39), for |u| < 1/4 from its series in u^2, so a small logit
+    keeps its relative precision even when cap_out is 1e30 (the old cap_out (1 - e) / (1 + e) had an error
+    of cap_out x eps there). x = -inf (a forbidden token) gives -cap_out."""
+    # u clamped to [-16, 16] (tanh(16) = 1 - 2.5e-14: 1 in fp32; x = -inf gives -1), then one ratio
+    # q = tanh(u) / u from either branch, so z = u q cap_out: few values live at once (the 128x256 sm_90
+    # forward stays at 255 registers without spills). A subnormal u (|x cap_in| < 2^-126) is off by at most
+    # 2^-150 cap_out <= 2^-50 in z (cap_out <= 2^100 by the functional layer's limits)
+    u = tl.minimum(tl.maximum(x * cap_in, -16.0), 16.0)
+    a = tl.abs(u)
+    s = u * u
+    r = TANH_C3 + s * (TANH_C4 + s * TANH_C5)  # Horner, innermost first
+    r = 1.0 + s * (TANH_C1 + s * (TANH_C2 + s * r))
+    e = tl.exp2(a * (-2.0 * LOG2E))  # (this operand order: triton 3.9's interpreter rejects the other)
+    q = tl.where(a < TANH_SERIES_BELOW, r, (1.0 - e) / ((1.0 + e) * a))
+    return u * q * cap_out
 
 
 @triton.jit
 def _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr):  # fmt: skip
     """z from the fp32 GEMM tile acc = hidden @ W^T: (acc + b) / T, or soft-capped cap_out tanh(cap_in (acc + b))
-    (cap_in = scale / cap, cap_out = cap / T); NEG_BIG outside the vocabulary."""
+    (cap_in = scale / cap, cap_out = cap / T); PAD_LOGIT outside the vocabulary."""
     if HAS_SOFTCAP:
-        x = acc + _column_term(bias_ptr, cols, vocab, 1.0, HAS_BIAS)[None, :]
-        return tl.where((cols < vocab)[None, :], cap_out * _tanh(x * cap_in), -1.0e30)
+        col_ok = cols < vocab
+        if HAS_BIAS:  # unclamped: a -inf bias gives -cap_out, as transformers' capped forward
+            x = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            x = acc
+        return tl.where(col_ok[None, :], _softcap(x, cap_in, cap_out), PAD_LOGIT)
     else:
         return acc * inv_temperature + _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS)[None, :]
 
 
 @triton.jit
 def _column_term(bias_ptr, cols, vocab, inv_temperature, HAS_BIAS: tl.constexpr):
-    # [BN] additive term of z: bias / T inside the vocabulary, NEG_BIG outside it.
+    # [BN] additive term of z: bias / T inside the vocabulary, PAD_LOGIT outside it.
     col_ok = cols < vocab
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * inv_temperature
         # a -inf bias (a forbidden token) becomes NEG_BIG: p = 0 exactly, and p * (z - max) is 0, not NaN
-        b = tl.maximum(b, -1.0e30)
+        b = tl.maximum(b, NEG_BIG)
     else:
         b = tl.zeros(cols.shape, dtype=tl.float32)
-    return tl.where(col_ok, b, -1.0e30)
+    return tl.where(col_ok, b, PAD_LOGIT)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "tiles_per_split", "num_splits"])
@@ -520,7 +559,7 @@ def lm_head_fwd_kernel_partial(
     split_lo = first_tile * BLOCK_N
     n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
 
-    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
+    run_max = tl.full((BLOCK_M,), RUN_MAX_INIT, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
     target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -541,7 +580,7 @@ def lm_head_fwd_kernel_partial(
             UPCAST_OPERANDS,
             DOT_PRECISION,
         )
-        # z = acc / T + bias / T, one FMA (or soft-capped); NEG_BIG outside the vocabulary
+        # z = acc / T + bias / T, one FMA (or soft-capped); PAD_LOGIT outside the vocabulary
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
         if STORE_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
             z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
@@ -632,7 +671,7 @@ def lm_head_fwd_kernel_partial_tma(
     n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
     k_tiles = tl.cdiv(hidden_size, BLOCK_K)
 
-    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
+    run_max = tl.full((BLOCK_M,), RUN_MAX_INIT, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
     target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -672,7 +711,7 @@ def lm_head_fwd_kernel_merge(
 ):
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = offs < n_tokens
-    run_max = tl.full((BLOCK_T,), -1.0e30, dtype=tl.float32)
+    run_max = tl.full((BLOCK_T,), RUN_MAX_INIT, dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
     run_dev = tl.zeros((BLOCK_T,), dtype=tl.float32)
     part = offs.to(tl.int64)  # split k of token t lives at k * N + t
@@ -762,7 +801,7 @@ def lm_head_fwd_kernel_stats_from_logits(
 def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr, targets_ptr,
                inv_temperature, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):  # fmt: skip
     """Per-row coefficients of dz (c_lp = g_lp / T, c_H = g_H / T), E[z], target, and which rows are live
-    (a nonzero upstream gradient). A row that is not contributes exactly 0: its lse is replaced by +1e30 so
+    (a nonzero upstream gradient). A row that is not contributes exactly 0: its lse is replaced by DEAD_LSE so
     p = 0 (its logits may be unrelated to lse: exp could overflow), and every coefficient multiplying p is 0."""
     lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
     live = tl.zeros(offs_m.shape, dtype=tl.int1)
@@ -778,7 +817,7 @@ def _row_stats(offs_m, row_ok, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, g
         c_h = tl.load(grad_entropy_ptr + offs_m, mask=row_ok, other=0.0) * inv_temperature
         mean_z = tl.load(expected_logit_ptr + offs_m, mask=row_ok, other=0.0)
         live = live | (c_h != 0.0)
-    lse = tl.where(live, lse, 1.0e30)
+    lse = tl.where(live, lse, DEAD_LSE)
     return lse, c_lp, c_h, mean_z, target, live
 
 
@@ -817,6 +856,7 @@ def lm_head_bwd_kernel_dlogits(
     dlogits_ptr,  # [n, V] (row stride stride_dlogits), input dtype: dL/d(hidden @ W.T + b)
     bias_grad_part_ptr,  # [cdiv(n, BM), V] fp32 column sums of dL/dlogit, or None
     stored_ptr,  # [n, V] fp32 z stored by the forward (row stride stride_stored), or None: recompute
+    dz_scale_ptr,  # [2] fp32 (S, 1 / S): the slab holds S dz (fp16: README.md, "dz precision"), or None
     n_rows,
     vocab,
     hidden_size,
@@ -834,6 +874,7 @@ def lm_head_bwd_kernel_dlogits(
     HAS_GRAD_ENTROPY: tl.constexpr,
     STORE_DLOGITS: tl.constexpr,
     STORE_BIAS_GRAD: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -860,7 +901,7 @@ def lm_head_bwd_kernel_dlogits(
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if FROM_STORED:  # the forward kept the fp32 logits of these rows: no GEMM here (one-pass schedule)
         z_in = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored + cols[None, :]
-        z = tl.load(z_in, mask=tile_ok, other=-1.0e30)
+        z = tl.load(z_in, mask=tile_ok, other=PAD_LOGIT)
     else:
         rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
         w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
@@ -883,7 +924,10 @@ def lm_head_bwd_kernel_dlogits(
 
     if STORE_DLOGITS:
         out = dlogits_ptr + offs_m.to(tl.int64)[:, None] * stride_dlogits + cols[None, :]
-        tl.store(out, dz.to(dlogits_ptr.dtype.element_ty), mask=tile_ok)
+        if SCALE_DZ:  # a power of two: exact, and the slab's fp16 keeps the small entries (host divides back)
+            tl.store(out, (dz * tl.load(dz_scale_ptr)).to(dlogits_ptr.dtype.element_ty), mask=tile_ok)
+        else:
+            tl.store(out, dz.to(dlogits_ptr.dtype.element_ty), mask=tile_ok)
     if STORE_BIAS_GRAD:
         col_sum = tl.sum(tl.where(tile_ok, dz, 0.0), axis=0)  # [BN] fp32, before any rounding
         tl.store(bias_grad_part_ptr + pid_m.to(tl.int64) * vocab + cols, col_sum, mask=col_ok)
@@ -902,10 +946,11 @@ def lm_head_bwd_kernel_grad_hidden_dz(
     weight_ptr,  # [V, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
     out_ptr,  # [n, H] fp32: grad_hidden (added into when ACCUMULATE)
+    dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ: the operand is S dz, the sum divided by S
     n_rows, vocab, hidden_size, stride_stored, stride_weight, stride_out,
     inv_temperature, cap_in, cap_out,
     HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    ACCUMULATE: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, SCALE_DZ: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """grad_hidden[rows, h] = sum_v dz[rows, v] W[v, h]: BLOCK_M token rows x BLOCK_N hidden columns, the
@@ -926,17 +971,21 @@ def lm_head_bwd_kernel_grad_hidden_dz(
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < vocab
         tile_ok = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=-1.0e30)
+        z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=PAD_LOGIT)
         dz = _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
                       HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
         dz = tl.where(tile_ok, dz, 0.0)
         w = tl.load(weight_ptr + cols.to(tl.int64)[:, None] * stride_weight + offs_h[None, :],
                     mask=col_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
+        if SCALE_DZ:
+            dz = dz * tl.load(dz_scale_ptr)
         a = dz.to(w.dtype)  # the operand dtype: the slab path's rounding of dz
         if UPCAST_OPERANDS:  # interpreter only (its bf16 dot is wrong; products of bf16 are exact in fp32)
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if SCALE_DZ:
+        acc = acc * tl.load(dz_scale_ptr + 1)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
     out_ok = row_ok[:, None] & h_ok[None, :]
     if ACCUMULATE:
@@ -950,10 +999,11 @@ def lm_head_bwd_kernel_grad_weight_dz(
     hidden_ptr,  # [n, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
     acc_ptr,  # [V, H] fp32 grad_weight accumulator (read, added to, written)
+    dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ
     n_rows, vocab, hidden_size, stride_stored, stride_hidden, stride_acc,
     inv_temperature, cap_in, cap_out,
     HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_DZ: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """grad_weight[v, h] += sum_rows dz[rows, v] X[rows, h]: BLOCK_M vocabulary rows x BLOCK_N hidden
@@ -974,17 +1024,21 @@ def lm_head_bwd_kernel_grad_weight_dz(
         )  # fmt: skip
         tile_ok = row_ok[:, None] & v_ok[None, :]
         z = tl.load(stored_ptr + rows.to(tl.int64)[:, None] * stride_stored + offs_v[None, :], mask=tile_ok,
-                    other=-1.0e30)  # fmt: skip  [BK rows, BM vocab]
+                    other=PAD_LOGIT)  # fmt: skip  [BK rows, BM vocab]
         dz = _dz_tile(z, offs_v, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
                       HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
         dz = tl.where(tile_ok, dz, 0.0)
         x = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * stride_hidden + offs_h[None, :],
                     mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip  [BK rows, BN]
+        if SCALE_DZ:
+            dz = dz * tl.load(dz_scale_ptr)
         a = tl.trans(dz.to(x.dtype))  # [BM vocab, BK rows] in the operand dtype
         if UPCAST_OPERANDS:
             acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a, x, acc, input_precision=DOT_PRECISION)
+    if SCALE_DZ:
+        acc = acc * tl.load(dz_scale_ptr + 1)
     out = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
     out_ok = v_ok[:, None] & h_ok[None, :]
     tl.store(out, acc + tl.load(out, mask=out_ok, other=0.0), mask=out_ok)
@@ -1352,6 +1406,25 @@ def gemm_path(device_type: str = "cuda") -> str:
     return "untried" if ok is None else ("fp32-out" if ok else "upcast")
 
 
+# fp16 dz is scaled by a power of two S before it is rounded (README.md, "dz precision"): S |dz| <= 2^14.
+DZ_SCALED_MAX = 2.0**14
+DZ_SCALE_RANGE = (2.0**-24, 2.0**64)
+
+
+def dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor: float) -> torch.Tensor:
+    """[2] fp32 (S, 1 / S) on the device, no host sync: S = 2^k with S max_j |dz_j| <= DZ_SCALED_MAX over the
+    call's rows. |dz_j| <= factor (|g_lp| + |g_H| max(H, 1)), H = lse - E_p[z] the row's entropy (README.md:
+    p_j |E[z] - z_j| <= H where z_j >= E[z], <= 1/e below), factor 1 / T or cap_in cap_out."""
+    bound = torch.zeros_like(lse)
+    if grad_logprobs is not None:
+        bound += grad_logprobs.abs()
+    if grad_entropy is not None:
+        bound += grad_entropy.abs() * (lse - expected_logit).clamp(min=1.0)
+    largest = bound.max() * factor
+    scale = torch.exp2(torch.floor(torch.log2(DZ_SCALED_MAX / largest))).clamp(*DZ_SCALE_RANGE)
+    return torch.stack([scale, 1.0 / scale]).float()
+
+
 def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
     """acc[V, H] += dlogits[n, V].T @ hidden[n, H]: the GEMM sums in fp32; an fp32 acc is never rounded to
     the inputs' dtype, an acc in the inputs' dtype (the in-place schedules' gradient buffer) is rounded
@@ -1519,6 +1592,13 @@ def lm_head_backward(
     )
     inv_t = 1.0 / float(temperature)
     flags = _kernel_flags(hidden, tile)
+    # fp16 dz: scaled by a power of two before its rounding so entries below fp16's range are kept (bf16 and
+    # fp32 have float32's exponent range: nothing to keep)
+    scale_dz = hidden.dtype == torch.float16 and (need_grad_hidden or need_grad_weight)
+    scales = None
+    if scale_dz:
+        factor = inv_t if softcap is None else float(softcap[0]) * float(softcap[1])
+        scales = dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor)
     if dz_in_gemm:
         _check(stored_logits is not None, "dz_in_gemm needs the forward's stored logits (stored_logits=)")
         per_row = dict(
@@ -1527,7 +1607,8 @@ def lm_head_backward(
             stride_stored=stored_logits.stride(0), inv_temperature=inv_t if softcap is None else 1.0,
             cap_in=1.0 if softcap is None else float(softcap[0]), cap_out=1.0 if softcap is None else float(softcap[1]),
             HAS_SOFTCAP=softcap is not None, HAS_GRAD_LOGPROBS=grad_logprobs is not None,
-            HAS_GRAD_ENTROPY=grad_entropy is not None, UPCAST_OPERANDS=flags["UPCAST_OPERANDS"],
+            HAS_GRAD_ENTROPY=grad_entropy is not None, dz_scale_ptr=scales, SCALE_DZ=scale_dz,
+            UPCAST_OPERANDS=flags["UPCAST_OPERANDS"],
             DOT_PRECISION=flags["DOT_PRECISION"], BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         )  # fmt: skip
@@ -1550,6 +1631,9 @@ def lm_head_backward(
                         tile.num_warps, tile.num_stages)  # fmt: skip
         if not need_grad_bias:  # else the loop below adds the bias sums (its kernel stores no slab here)
             return result
+    slab_scaled = scale_dz and store_dlogits
+    if slab_scaled and need_grad_weight:  # the accumulator in the slab's units for this call's GEMMs (exact: 2^k)
+        grad_weight_acc.mul_(scales[0])
     with _device_ctx(device):
         for r0 in range(0, n_tokens, rows):
             n = min(rows, n_tokens - r0)
@@ -1570,6 +1654,7 @@ def lm_head_backward(
                     dlogits_ptr=workspace,
                     bias_grad_part_ptr=bias_part,
                     stored_ptr=stored_logits[chunk] if stored_logits is not None else None,
+                    dz_scale_ptr=scales,
                     n_rows=n,
                     vocab=vocab,
                     hidden_size=hidden_size,
@@ -1587,6 +1672,7 @@ def lm_head_backward(
                     HAS_GRAD_ENTROPY=grad_entropy is not None,
                     STORE_DLOGITS=store_dlogits,
                     STORE_BIAS_GRAD=need_grad_bias,
+                    SCALE_DZ=scale_dz and store_dlogits,
                     **flags,
                 ),
                 tile.num_warps,
@@ -1596,7 +1682,13 @@ def lm_head_backward(
                 dlogits = workspace[:n, :vocab]  # [n, V]
                 if need_grad_hidden:
                     # [n, V] @ [V, H] -> [n, H]: fp32 over the whole vocabulary, rounded once
-                    if grad_hidden_acc is not None:  # fp32, summed over the caller's vocabulary slabs
+                    if slab_scaled:  # back from the slab's units (fp32, exact)
+                        chunk_grad = _grad_hidden_chunk(dlogits, weight).mul_(scales[1])
+                        if grad_hidden_acc is not None:
+                            grad_hidden_acc[chunk] += chunk_grad
+                        else:
+                            grad_hidden[chunk] = chunk_grad
+                    elif grad_hidden_acc is not None:  # fp32, summed over the caller's vocabulary slabs
                         _grad_hidden_accumulate(grad_hidden_acc[chunk], dlogits, weight)
                     else:
                         grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
@@ -1605,4 +1697,6 @@ def lm_head_backward(
                     _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk])
             if need_grad_bias:
                 grad_bias_acc += bias_part[: triton.cdiv(n, tile.block_m)].sum(0)
+    if slab_scaled and need_grad_weight:
+        grad_weight_acc.mul_(scales[1])
     return result

@@ -257,7 +257,8 @@ class _Normalizers:
     With global counts (num_tokens, num_sequences) the micro-batch losses of one optimizer step sum,
     and average over dp_size ranks, to the loss of the whole step. Without them the local counts are
     used, multiplied by grad_accum_steps (each micro-batch is a mean, accumulated steps average).
-    Every denominator is at least 1: an all-masked batch gives 0, never NaN.
+    Every local denominator is at least 1: an all-masked batch gives 0, never NaN. Given counts are taken as
+    they are (the functional layer refuses any that is not a finite number > 0).
     """
 
     def __init__(self, m, seq_index, seq_len, num_tokens, num_sequences, dp_size, grad_accum_steps, cfg):
@@ -273,12 +274,12 @@ class _Normalizers:
 
     def token_count(self):
         if self.num_tokens is not None:
-            return max(float(self.num_tokens), 1.0)
+            return float(self.num_tokens)
         return self.m.sum().clamp(min=1.0) * self.grad_accum_steps
 
     def sequence_count(self):
         if self.num_sequences is not None:
-            return max(float(self.num_sequences), 1.0)
+            return float(self.num_sequences)
         return (self.seq_len > 0).float().sum().clamp(min=1.0) * self.grad_accum_steps
 
     def aggregate(self, per_token, mode, count_mask=None):

@@ -564,12 +564,12 @@ def normalizer_tensor(valid, seq_len, cfg: PolicyLossConfig, num_tokens, num_seq
     [tokens, sequences, length-pow units, local entropy tokens]; every entry >= 1 (or > 0)."""
     m = valid.float()
     if num_tokens is not None:
-        n_tok = torch.full((), max(float(num_tokens), 1.0), device=valid.device)
+        n_tok = torch.full((), float(num_tokens), device=valid.device)  # validated finite > 0
     else:
         n_tok = m.sum().clamp(min=1.0) * grad_accum_steps
     nonempty = (seq_len > 0).float()
     if num_sequences is not None:
-        n_seq = torch.full((), max(float(num_sequences), 1.0), device=valid.device)
+        n_seq = torch.full((), float(num_sequences), device=valid.device)  # validated finite > 0
     else:
         n_seq = nonempty.sum().clamp(min=1.0) * grad_accum_steps
     units = (nonempty * seq_len.clamp(min=1.0) ** (1.0 - cfg.length_power)).sum().clamp(min=1e-30)
