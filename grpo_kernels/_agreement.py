@@ -41,7 +41,7 @@ SLOTS = (
     "hidden", "targets", "mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
     "is_weights", "token_weights", "logprobs", "entropy", "cu_seqlens", "bias_present", "temperature", "softcap",
     "logit_scale", "config", "num_tokens", "num_sequences", "dp_size", "grad_accum_steps", "ignore_index",
-    "compute_entropy", "check_finite", "batch_invariant", "backend", "schedule",
+    "compute_entropy", "check_finite", "batch_invariant", "backend", "schedule", "max_extra_memory",
 )  # fmt: skip
 HEADER = ("magic", "error", "size", "check_on", "function", "block_sample", "target_min", "target_max")
 WIDTH = len(HEADER) + len(SLOTS)

@@ -55,6 +55,7 @@ SCALARS = {  # shared by the functions that take them
     "batch_invariant": [1, None],
     "backend": ["cuda", None, 3],
     "schedule": ["fast", None],
+    "max_extra_memory": ["1GiB", 1.5, -1, True],  # bytes: an int >= 0 (or None)
     "num_tokens": ["8", True, 0, -1.5, INF, NAN, torch.tensor(INF), torch.ones(2)],
     "num_sequences": ["2", 0, -1, INF, NAN, 1],
     "dp_size": [1.5, 0, True, "2", INF, NAN, None],
@@ -65,8 +66,8 @@ TAKES = {
     LOGPROBS: ("temperature", "softcap", "logit_scale", "ignore_index", "compute_entropy", "check_finite",
                "batch_invariant", "backend"),
     LOSS: ("check_finite", "backend", "num_tokens", "num_sequences", "dp_size", "grad_accum_steps", "config"),
-    FUSED: ("softcap", "logit_scale", "check_finite", "batch_invariant", "backend", "schedule", "num_tokens",
-            "num_sequences", "dp_size", "grad_accum_steps", "config"),
+    FUSED: ("softcap", "logit_scale", "check_finite", "batch_invariant", "backend", "schedule", "max_extra_memory",
+            "num_tokens", "num_sequences", "dp_size", "grad_accum_steps", "config"),
 }  # fmt: skip
 
 TENSORS = {  # bad tensor arguments: (function(s), name, value or maker)

@@ -16,11 +16,8 @@ from pathlib import Path
 PACKAGE = "grpo_kernels"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-# Cycles other work is removing (issue 25 item 6), expected until it lands: remove each entry when
-# its fix is merged (the test fails on an entry that no longer holds, so the list cannot go stale).
-KNOWN_CYCLES = {
-    frozenset({"grpo_kernels.functional", "grpo_kernels._custom_ops"}),
-}
+# Cycles tolerated for now: none. An entry that no longer holds fails the test, so the list cannot go stale.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:
