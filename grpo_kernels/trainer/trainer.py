@@ -201,10 +201,9 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     else:
         sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
     loss_module = None
-    if ctx is not None and fsdp is not None:
+    if config.rollout_engine != "vllm":  # every group under its own seed, in every run (one seed, one run)
         sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
-    elif ctx is not None:
-        sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
+    if ctx is not None and fsdp is None:
         from torch.nn.parallel import DistributedDataParallel
 
         loss_module = DistributedDataParallel(
@@ -268,6 +267,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     log(f"task: {task.name} ({task.description}); reward: {reward_name}; preset: {config.preset}")
     dtype_name = str(compute.dtype).removeprefix("torch.")
     log(f"loss: {backend_description}; compute dtype {dtype_name}")
+    log(_describe_processes(ctx, config))
     log(f"run folder: {run_dir}")
     started = time.time()
     bar = _progress_bar(start_step, config.steps, progress)
@@ -367,7 +367,7 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         group["lr"] = config.lr * warmup
 
     # 1-2. rollouts and rewards (the hook and dynamic sampling act here)
-    if ctx is not None:
+    if isinstance(sampler, ShardedSampler):
         sampler.begin_step(step)
     sampler.sync_weights(policy)
     rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
@@ -869,6 +869,19 @@ def _describe_backend(backend: str, device: torch.device) -> str:
             raise ValueError(str(exc)) from None
     reasons = "; ".join(str(w.message).removeprefix("grpo_kernels: ") for w in caught)
     return f"grpo_kernels backend {resolved!r}" + (f" ({reasons})" if reasons else "")
+
+
+def _describe_processes(ctx: DistContext | None, config: TrainConfig) -> str:
+    """The startup line on processes, parallelism and the communication backend."""
+    seeds = ("each prompt group sampled under its own seed (the same batches with any number of processes)"
+             if config.rollout_engine != "vllm" else "vLLM samples under the run's seed")  # fmt: skip
+    if ctx is None:
+        return f"processes: 1 (not under torchrun), no data parallelism; {seeds}"
+    import torch.distributed as dist
+
+    parallelism = "FSDP2 (fully_shard per decoder layer)" if config.fsdp else "DDP"
+    return (f"processes: {ctx.world} (torchrun), data parallel with {parallelism}, "
+            f"{dist.get_backend()} backend; {seeds}")  # fmt: skip
 
 
 def _progress_bar(start: int, total: int, enabled: bool):
