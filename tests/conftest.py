@@ -1,11 +1,27 @@
-import warnings
+# ---- the test session owns its compiler caches ---------------------------------------------------------
+# Before anything imports triton or torch._inductor: Triton's cache (and its dump / override folders) and
+# inductor's cache live in a temporary folder of this session, removed at its end, so nothing another program
+# (or another checkout, or an older version) compiled into ~/.triton/cache or /tmp/torchinductor_$USER can
+# change an outcome. Why that matters: grpo_kernels/testing/aot.py's docstring; the test: test_aot_cache.py.
+# Subprocesses the tests start inherit these variables.
+import atexit
+import os
+import shutil
+import tempfile
 
-import pytest
-import torch
-from checkout import use_this_checkouts_integrations
-from parity_helpers import PINS, installed_version
+SESSION_CACHE = tempfile.mkdtemp(prefix="grpo_kernels_test_caches_")
+for _name in ("TRITON_CACHE_DIR", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    os.environ[_name] = os.path.join(SESSION_CACHE, _name.lower().removesuffix("_dir"))
+atexit.register(shutil.rmtree, SESSION_CACHE, ignore_errors=True)
 
-from grpo_kernels import BackendFallbackWarning
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from checkout import use_this_checkouts_integrations  # noqa: E402
+from parity_helpers import PINS, installed_version  # noqa: E402
+
+from grpo_kernels import BackendFallbackWarning  # noqa: E402
 
 use_this_checkouts_integrations()  # see checkout.py
 

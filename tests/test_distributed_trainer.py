@@ -1,9 +1,11 @@
-"""`torchrun --nproc_per_node=K -m grpo_kernels.train` on CPU (gloo): two processes with DDP, and with FSDP2
-(--fsdp) stopped after 2 steps and resumed to 3, against one process for 3 steps with the same seed and
-global batch. The per-step loss, KL, reward and grad norm, and the final parameters, agree to fp32
-rounding (the two ranks' gradient halves are summed by DDP's / FSDP's average instead of in one
-process: a few ulp per step; after 3 AdamW steps the parameters differ by < 1e-6 of their largest
-value). Files come from rank 0 only."""
+"""One seed, one run, however it is launched. `torchrun --nproc_per_node=K -m grpo_kernels.train` on CPU
+(gloo): two processes with DDP, and with FSDP2 (--fsdp) stopped after 2 steps and resumed to 3, against
+one process for 3 steps with the same seed and global batch; and a plain run (`python -m
+grpo_kernels.train`, no torchrun) against torchrun with one process. Every run samples each prompt group
+under its own seed, so the completions, hence the rewards, are the same exactly; the per-step loss, KL,
+entropy and grad norm, and the final parameters, agree to fp32 rounding (the two ranks' gradient halves
+are summed by DDP's / FSDP's average instead of in one process: a few ulp per step; after 3 AdamW steps
+the parameters differ by < 1e-6 of their largest value). Files come from rank 0 only."""
 
 from __future__ import annotations
 
@@ -42,13 +44,15 @@ def one_process(tmp_path_factory):
     return run_dir
 
 
-def assert_same_run(one: Path, two: Path):
+def assert_same_run(one: Path, two: Path, processes: int | None = 2):
     from safetensors.torch import load_file
 
     a, b = metrics(one), metrics(two)
-    assert [m["step"] for m in b] == [1, 2, 3] and all(m["processes"] == 2 for m in b)
+    assert [m["step"] for m in b] == [1, 2, 3] and all(m.get("processes") == processes for m in b)
     for m1, m2 in zip(a, b):
-        for key in ("reward", "loss", "kl", "entropy", "grad_norm", "tokens"):
+        for key in ("reward", "reward_std", "tokens"):  # the same completions: equal exactly
+            assert m1[key] == m2[key], (m1["step"], key, m1[key], m2[key])
+        for key in ("loss", "kl", "entropy", "grad_norm"):
             assert abs(m1[key] - m2[key]) <= 1e-5 * (1 + abs(m1[key])), (m1["step"], key, m1[key], m2[key])
     pa = load_file(one / "final_model" / "model.safetensors")
     pb = load_file(two / "final_model" / "model.safetensors")
@@ -61,7 +65,22 @@ def test_two_processes_ddp_equal_one_process(one_process, tmp_path):
     two = tmp_path / "ddp"
     run = torchrun(2, "--steps", "3", "--run-dir", str(two), *ARGS)
     assert run.stdout.count("run folder:") == 1  # rank 0 speaks, the other rank is quiet
+    assert "processes: 2 (torchrun), data parallel with DDP, gloo backend" in run.stdout, run.stdout
     assert_same_run(one_process, two)
+
+
+def test_plain_run_equals_torchrun_with_one_process(one_process, tmp_path):
+    """`grpo-kernels train --seed 3 ...` samples the completions torchrun does (per-group seeds in every
+    run), so the plain run is the torchrun run: same rewards exactly, losses to fp32 rounding."""
+    plain = tmp_path / "plain"
+    env = dict(os.environ, PYTHONPATH=str(CHECKOUT), OMP_NUM_THREADS="1")
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.train", "--steps", "3", "--run-dir", str(plain),
+                           *ARGS], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "processes: 1 (not under torchrun), no data parallelism" in proc.stdout, proc.stdout
+    assert_same_run(plain, one_process, processes=1)  # torchrun records its process count, a plain run none
 
 
 def test_two_processes_fsdp2_stopped_and_resumed_equal_one_process(one_process, tmp_path):

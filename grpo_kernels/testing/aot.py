@@ -13,6 +13,18 @@ Usage:
     with record_launches(module) as launches:
         module.some_host_function(meta_tensors...)
     results = [compile_launch(launch, arch=90) for launch in launches]
+
+Triton's on-disk cache and what a compile returns. `triton.compile` looks its result up under a key made of
+the kernel's source text and first line number (and its callees'), the signature, constants, options,
+Triton's own version and some environment variables, but NOT the path of the file the source came from;
+the PTX it returns carries that path in its line information (`.file 1 "/path/to/ops/lm_head/triton.py"`,
+and again in the `.debug_info` section). So an entry compiled by another copy of the same kernel (another
+checkout, a site-packages install, an older version whose kernel text is unchanged) is reused, and its PTX
+names the other path. That is why `ptx_sha256` digests the code only, without `.file` / `.loc` lines and
+`.debug_*` sections (`ptx_code`), and why the compile tools and the test session compile into a Triton
+cache of their own (`own_triton_cache`, tests/conftest.py): nothing another program left in
+~/.triton/cache can change a report or a test's outcome (tests/test_aot_cache.py pre-populates a cache
+that way and checks it).
 """
 
 from __future__ import annotations
@@ -28,6 +40,45 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import triton
+
+
+TRITON_CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR")
+
+
+@contextlib.contextmanager
+def own_triton_cache():
+    """Within the block, Triton compiles into (and reads from) a fresh temporary cache, removed afterwards;
+    child processes inherit it. Triton reads these variables at each compile, so this works after import."""
+    saved = {name: os.environ.get(name) for name in TRITON_CACHE_VARIABLES}
+    with tempfile.TemporaryDirectory(prefix="grpo_kernels_triton_") as folder:
+        for name in TRITON_CACHE_VARIABLES:
+            os.environ[name] = os.path.join(folder, name.removeprefix("TRITON_").removesuffix("_DIR").lower())
+        try:
+            yield folder
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def ptx_code(ptx: str) -> str:
+    """The PTX without its debug information: no `.file` / `.loc` lines and no `.section .debug_*` blocks
+    (they name the source file's path, which Triton's cache key ignores: see the module docstring)."""
+    kept, in_debug_section = [], False
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(".section") and ".debug_" in stripped:
+            in_debug_section = not stripped.endswith("}")  # `.section .debug_macinfo { }` is one line
+            continue
+        if in_debug_section:
+            in_debug_section = stripped != "}"
+            continue
+        if stripped.startswith((".file", ".loc")):
+            continue
+        kept.append(line)
+    return "\n".join(kept)
 
 
 @dataclass
@@ -81,7 +132,8 @@ class CompileResult:
     # an empty body, as a persistent warp-specialised loop can with triton 3.6 / 3.9)
     tma: bool  # operands or results moved by the tensor memory accelerator (cp.async.bulk.tensor)
     tma_store: bool  # a TMA store (cp.async.bulk.tensor ... global.shared): results leave through TMA
-    ptx_sha256: str  # of the PTX: two launches that compile to the same code have the same digest
+    ptx_sha256: str  # of the PTX's code (ptx_code: without line information, which names the source file's
+    # path): two launches that compile to the same code have the same digest, wherever the source lives
     seconds: float
     signature: dict = field(default_factory=dict)
     ttir: str = field(default="", repr=False)  # Triton IR before any lowering (not in as_dict)
@@ -183,7 +235,7 @@ def compile_launch(launch: RecordedLaunch, arch: int) -> CompileResult:
         global_stores=ptx.count("st.global"),
         tma="cp.async.bulk.tensor" in ptx,
         tma_store=any(".global.shared" in line for line in ptx.splitlines() if "cp.async.bulk.tensor" in line),
-        ptx_sha256=hashlib.sha256(ptx.encode()).hexdigest(),
+        ptx_sha256=hashlib.sha256(ptx_code(ptx).encode()).hexdigest(),
         seconds=seconds,
         signature={k: v for k, v in signature.items() if v != "constexpr"},
         ttir=compiled.asm["ttir"],

@@ -357,7 +357,10 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="compile_report_lm_head", help="report file name, without suffix")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args(argv)
-    rows = run_matrix(args.workers)
+    from .aot import own_triton_cache
+
+    with own_triton_cache():  # this source's compiles, not another copy's cached ones (aot.py's docstring)
+        rows = run_matrix(args.workers)
     md, js = write_report(rows, args.out, args.name)
     bad = [r["id"] for r in rows if "error" in r]
     spills = [r["id"] for r in rows if "error" not in r and r["picked"] and r["spills"]]

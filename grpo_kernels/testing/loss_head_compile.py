@@ -148,7 +148,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    rows = run_matrix()
+    from .aot import own_triton_cache
+
+    with own_triton_cache():  # this source's compiles, not another copy's cached ones (aot.py's docstring)
+        rows = run_matrix()
     write_report(rows, args.out)
     bad = [r["id"] for r in rows if "error" in r or r.get("spills")]
     print(f"{len(rows)} compiles, {len(bad)} with errors or spills: {bad}")

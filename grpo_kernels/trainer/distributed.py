@@ -3,8 +3,9 @@
 Data parallel, with every rank holding the same global batch and doing 1/K of the work:
   rollouts   the step's prompts are drawn on every rank alike; each rank generates its contiguous block
              of prompt groups, each group with a generator seeded by (seed, step, call, group), and the
-             completions are all-gathered: the global batch is the same whatever K is (also K = 1
-             under torchrun), so a K-process run reproduces the 1-process run
+             completions are all-gathered: the global batch is the same whatever K is, and the same as a
+             plain run's (one process without torchrun samples group by group under the same seeds), so
+             one seed is one run however it is launched
   rewards,   on the global batch, identically on every rank (cheap next to the model)
   advantages
   log-probs  old-policy / reference / entropy passes: each rank its block of rows, all-gathered
@@ -120,9 +121,11 @@ def group_seed(seed: int, step: int, call: int, group: int) -> int:
 
 class ShardedSampler:
     """Wraps a sampler: each rank generates its block of groups (consecutive rows of `group_rows`), each
-    group under its own seed, and every rank gets all the completions."""
+    group under its own seed, and every rank gets all the completions. Every run samples through it: with
+    ctx None (a plain run, one process) the one process generates every group under the same seeds, so a
+    plain run, torchrun with 1 process and torchrun with K processes draw the same completions."""
 
-    def __init__(self, inner, ctx: DistContext, group_rows: int, seed: int):
+    def __init__(self, inner, ctx: DistContext | None, group_rows: int, seed: int):
         self.inner, self.ctx, self.group_rows, self.seed = inner, ctx, group_rows, seed
         self.step, self.calls = 0, 0
 
@@ -135,7 +138,7 @@ class ShardedSampler:
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int):
         unit = self.group_rows if len(prompt_tokens) % self.group_rows == 0 else 1
         groups = [prompt_tokens[i : i + unit] for i in range(0, len(prompt_tokens), unit)]
-        mine = range(len(groups))[self.ctx.block(len(groups))]
+        mine = range(len(groups)) if self.ctx is None else range(len(groups))[self.ctx.block(len(groups))]
         call = self.calls
         self.calls += 1
         local = []
@@ -143,7 +146,8 @@ class ShardedSampler:
             torch.manual_seed(group_seed(self.seed, self.step, call, g))
             completions, truncated, logprobs = self.inner.generate(groups[g], max_new_tokens)
             local.append((completions, truncated, logprobs))
-        parts = [item for block in self.ctx.all_gather_objects(local) for item in block]
+        blocks = [local] if self.ctx is None else self.ctx.all_gather_objects(local)
+        parts = [item for block in blocks for item in block]
         completions = [c for part in parts for c in part[0]]
         truncated = [t for part in parts for t in part[1]]
         logprobs = None if any(part[2] is None for part in parts) else [x for part in parts for x in part[2]]
