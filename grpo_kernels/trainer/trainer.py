@@ -209,7 +209,10 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     else:
         sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
     loss_module = None
-    if config.rollout_engine != "vllm":  # every group under its own seed, in every run (one seed, one run)
+    # every group under its own seed (one seed, one run however it is launched); a single vLLM engine samples
+    # the whole batch in one call (its requests seeded in turn from the run's generator), several engines
+    # under torchrun their blocks of groups, each group under its own seed
+    if config.rollout_engine != "vllm" or ctx is not None:
         sampler = ShardedSampler(sampler, ctx, config.group_size * hook.sample_multiplier, config.seed)
     if ctx is not None and fsdp is None:
         from torch.nn.parallel import DistributedDataParallel
@@ -918,7 +921,8 @@ def _describe_backend(backend: str, device: torch.device) -> str:
 def _describe_processes(ctx: DistContext | None, config: TrainConfig) -> str:
     """The startup line on processes, parallelism and the communication backend."""
     seeds = ("each prompt group sampled under its own seed (the same batches with any number of processes)"
-             if config.rollout_engine != "vllm" else "vLLM samples under the run's seed")  # fmt: skip
+             if config.rollout_engine != "vllm" or ctx is not None
+             else "the vLLM engine samples the whole batch under the run's seed")  # fmt: skip
     if ctx is None:
         return f"processes: 1 (not under torchrun), no data parallelism; {seeds}"
     import torch.distributed as dist
