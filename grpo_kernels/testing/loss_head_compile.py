@@ -4,8 +4,9 @@ The kernel has one compiled variant per code path (loss type, ratio level, KL es
 aggregation modes, which inputs exist); CASES below covers every value of every constexpr at least
 once. Launches are recorded from the real host launcher (`loss_head_triton`) running on small CPU
 tensors (its host-side selections need values; the kernel launch itself is recorded, not run), then
-compiled for sm_90 and sm_80 with the whole Triton toolchain, and cuobjdump reports registers and
-spills. Nothing here needs a GPU.
+compiled for each architecture of aot.ARCHS (sm_90, sm_80, sm_100a, sm_120; one this Triton cannot
+target is a row with its skip reason) with the whole Triton toolchain, and cuobjdump reports registers
+and spills. The kernel has no tl.dot: no MMA is expected on any architecture. Nothing here needs a GPU.
 
     python -m grpo_kernels.testing.loss_head_compile --out benchmarks/results   # writes the report
 """
@@ -20,8 +21,9 @@ from pathlib import Path
 import torch
 
 from ..config import PolicyLossConfig as C
+from . import aot
 
-ARCHS = (90, 80)
+ARCHS = aot.ARCHS
 
 # name -> (config, which optional inputs are present)
 ALL = ("old", "ref", "rollout", "entropy")
@@ -98,13 +100,18 @@ def record_case(name: str, need_grad: bool = True):
 
 
 def run_matrix(names=None) -> list[dict]:
-    from .aot import compile_launch
+    from .aot import compile_launch, target_blocker
 
     rows = []
     for name in names or CASES:
         launch = record_case(name)
         for arch in ARCHS:
             row = dict(id=f"{name}-sm{arch}", case=name, arch=arch)
+            blocker = target_blocker(arch)
+            if blocker is not None:
+                row["skipped"] = blocker
+                rows.append(row)
+                continue
             try:
                 result = compile_launch(launch, arch)
                 row.update(result.as_dict())
@@ -128,18 +135,19 @@ def write_report(rows: list[dict], out_dir, name: str = "compile_report_loss_hea
         f"torch {versions['torch']}); one row per code path and architecture, the kernel's only "
         "configuration (BLOCK = 256 tokens, 4 warps). REG = registers per thread, STACK / LOCAL = spill "
         "bytes per thread (0 = no spills); st.global = global store instructions in the PTX (0 would mean a "
-        "kernel that writes nothing). From cuobjdump on the cubin; no GPU was used.",
+        "kernel that writes nothing); mma = tensor-core instructions (none: the kernel has no matrix "
+        "product). From cuobjdump on the cubin; no GPU was used. " + aot.targets_sentence(),
         "",
-        "| case | arch | REG | STACK | LOCAL | smem B | st.global | compile s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | arch | REG | STACK | LOCAL | smem B | st.global | mma | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | sm_{r['arch']} | ERROR: {r['error'][:120].replace('|', '/')} | | | | | |")
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['case']} | sm_{r['arch']} | {aot.skip_or_error_cells(r)} | | | | | | |")
             continue
         lines.append(
             f"| {r['case']} | sm_{r['arch']} | {r['registers']} | {r['stack']} | {r['local']} | "
-            f"{r['shared']} | {r['global_stores']} | {r['seconds']:.1f} |"
+            f"{r['shared']} | {r['global_stores']} | {aot.mma_cell(r)} | {r['seconds']:.1f} |"
         )
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
@@ -147,11 +155,14 @@ def write_report(rows: list[dict], out_dir, name: str = "compile_report_loss_hea
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="compile_report_loss_head", help="report file name, without suffix")
     args = parser.parse_args(argv)
     rows = run_matrix()
-    write_report(rows, args.out)
-    bad = [r["id"] for r in rows if "error" in r or r.get("spills")]
-    print(f"{len(rows)} compiles, {len(bad)} with errors or spills: {bad}")
+    write_report(rows, args.out, args.name)
+    bad = [r["id"] for r in rows if "error" in r or r.get("spills") or r.get("shared_fits") is False]
+    skipped = sorted({f"sm_{r['arch']}: {r['skipped']}" for r in rows if "skipped" in r})
+    print(f"{sum('skipped' not in r for r in rows)} compiles, {len(bad)} with errors, spills or too much shared "
+          f"memory: {bad}; skipped: {skipped}")  # fmt: skip
     return 1 if bad else 0
 
 
