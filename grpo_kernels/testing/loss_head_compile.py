@@ -14,7 +14,10 @@ and spills. The kernel has no tl.dot: no MMA is expected on any architecture. No
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
+import multiprocessing
+import os
 import platform
 from pathlib import Path
 
@@ -99,26 +102,38 @@ def record_case(name: str, need_grad: bool = True):
     return launch
 
 
-def run_matrix(names=None) -> list[dict]:
+def compile_case(name: str) -> list[dict]:
+    """Record one case's launch and compile it for every architecture: its report rows ("error" instead of
+    resources where the compiler raises, "skipped" with the reason where this Triton cannot target it)."""
     from .aot import compile_launch, target_blocker
 
+    launch = record_case(name)
     rows = []
-    for name in names or CASES:
-        launch = record_case(name)
-        for arch in ARCHS:
-            row = dict(id=f"{name}-sm{arch}", case=name, arch=arch)
-            blocker = target_blocker(arch)
-            if blocker is not None:
-                row["skipped"] = blocker
-                rows.append(row)
-                continue
-            try:
-                result = compile_launch(launch, arch)
-                row.update(result.as_dict())
-            except Exception as exc:  # reported per row; the test fails on it
-                row["error"] = f"{type(exc).__name__}: {exc}"
+    for arch in ARCHS:
+        row = dict(id=f"{name}-sm{arch}", case=name, arch=arch)
+        blocker = target_blocker(arch)
+        if blocker is not None:
+            row["skipped"] = blocker
             rows.append(row)
+            continue
+        try:
+            result = compile_launch(launch, arch)
+            row.update(result.as_dict())
+        except Exception as exc:  # reported per row; the test fails on it
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
     return rows
+
+
+def run_matrix(names=None, workers: int | None = None) -> list[dict]:
+    """Every case x architecture, cases spread over `workers` processes (default: one per CPU)."""
+    todo = list(names or CASES)
+    workers = workers or min(len(todo), os.cpu_count() or 1)
+    if workers <= 1:
+        return [row for name in todo for row in compile_case(name)]
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch / triton state
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        return [row for rows in pool.map(compile_case, todo) for row in rows]
 
 
 def write_report(rows: list[dict], out_dir, name: str = "compile_report_loss_head"):
