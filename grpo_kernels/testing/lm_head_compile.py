@@ -378,6 +378,7 @@ def main(argv=None) -> int:
     bad = [r["id"] for r in rows if "error" in r]
     compiled = [r for r in rows if "error" not in r and "skipped" not in r]
     spills = [r["id"] for r in compiled if r["picked"] and (r["spills"] or not r["shared_fits"])]
+    bad += [r["id"] for r in compiled if r["global_stores"] == 0]  # compiled to an empty body
     skipped = sorted({f"sm_{r['arch']}: {r['skipped']}" for r in rows if "skipped" in r})
     print(f"{len(compiled)} compiles, {len(bad)} errors, {len(spills)} picked configs with spills or over the "
           f"shared-memory limit -> {md}, {js}")  # fmt: skip
