@@ -1,11 +1,16 @@
-"""Tier 3: the LM-head Triton kernels compiled ahead of time for sm_90 and sm_80, without a GPU.
+"""Tier 3: the LM-head Triton kernels compiled ahead of time for sm_90, sm_80, sm_100a (B200) and sm_120
+(RTX 50xx), without a GPU.
 
-Every kernel in every tile configuration goes through the whole Triton toolchain down to a cubin
-(grpo_kernels/testing/lm_head_compile.py holds the matrix, ~50 compiles, ~1 min on 2 cores); cuobjdump reports
-registers and spills. Asserted: everything compiles; the configurations the dispatcher picks spill nothing
-on sm_90 and sm_80 and use the architecture's tensor-core instruction; 2-D operands are addressed with
+Every kernel in the tile configurations each architecture's dispatcher picks (and, on sm_90 / sm_80, the
+other's) goes through the whole Triton toolchain down to a cubin (grpo_kernels/testing/lm_head_compile.py
+holds the matrix, ~190 compiles); cuobjdump reports registers, shared memory and the SASS's local-memory
+accesses. Asserted: everything compiles; the configurations the dispatcher picks spill nothing, fit the
+architecture's shared memory per block and use its tensor-core instruction (aot.TARGETS: wgmma, mma.sync,
+tcgen05.mma, mma.sync); every kernel is compiled for every architecture; 2-D operands are addressed with
 int64 offsets; and the host-side planning at N = 65536, V = 256000 (recorded on meta tensors, nothing
-allocated) keeps every launch argument and grid inside int32 and the workspace inside its budget.
+allocated) keeps every launch argument and grid inside int32 and the workspace inside its budget. An
+architecture the installed Triton cannot target is skipped with the reason naming the version (and fails
+in CI, whose Triton versions target them all).
 
 The report goes to benchmarks/results/compile_report_lm_head.{md,json} when GRPO_KERNELS_WRITE_REPORTS=1,
 else to pytest's tmp dir; `python -m grpo_kernels.testing.lm_head_compile` regenerates the committed one.
@@ -20,6 +25,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from grpo_kernels.testing import aot  # noqa: E402
 from grpo_kernels.testing import lm_head_compile as matrix  # noqa: E402
 
 pytestmark = [
@@ -30,7 +36,7 @@ pytestmark = [
 ]
 
 CASES = matrix.cases()
-MMA = {90: "wgmma", 80: "mma.sync"}
+MMA = {arch: target.mma for arch, target in aot.TARGETS.items()}
 INT32_MAX = 2**31 - 1
 
 
@@ -47,16 +53,17 @@ def rows(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[matrix.case_id(c) for c in CASES])
 def test_lm_head_kernel_compiles(case, rows):
-    r = rows[matrix.case_id(case)]
-    assert "error" not in r, r["error"]
+    r = _compiled(rows, case)
     assert r["registers"] > 0
     # a kernel can compile to nothing (an empty body): every one of these writes its results
     assert r["global_stores"] > 0, f"{r['id']}: no st.global in the PTX"
     if case["picked"]:
         assert not r["spills"], (
-            f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']} -- a configuration the "
-            "dispatcher picks must not spill"
+            f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']}, {r['local_memory_ops']} "
+            "local-memory loads / stores in the SASS -- a configuration the dispatcher picks must not spill"
         )
+        limit = aot.TARGETS[case["arch"]].block_shared_kib
+        assert r["shared_fits"], f"{r['id']}: {r['shared']} B of shared memory, sm_{case['arch']} allows {limit} KiB"
         if case["kernel"] in matrix.STREAM_KERNELS:  # streams the logits cuBLAS wrote: no GEMM here
             assert r["mma"] == "none", f"{r['id']}: expected no MMA, got {r['mma']}"
         elif case["kernel"] == "bwd" and case.get("stored"):
@@ -68,6 +75,62 @@ def test_lm_head_kernel_compiles(case, rows):
             )
 
 
+def _compiled(rows, case) -> dict:
+    """The case's row; skips (naming the Triton version) where this Triton cannot target its architecture."""
+    r = rows[matrix.case_id(case)]
+    if "skipped" in r:
+        _skip_or_fail_in_ci(r["skipped"])
+    assert "error" not in r, r["error"]
+    return r
+
+
+def _skip_or_fail_in_ci(reason: str) -> None:
+    if os.environ.get("CI") == "true":  # CI installs triton 3.6 and 3.9: both target every architecture
+        pytest.fail(f"CI's Triton must target every architecture of the compile tier: {reason}")
+    pytest.skip(reason)
+
+
+def test_every_kernel_is_compiled_for_every_architecture():
+    """aot.ARCHS is the one list of targets: each kernel of the matrix is compiled for each of them, in the
+    same code paths of its picked configurations (the TMA kernel A where the picked tiles have TMA entries;
+    the WARP_SPECIALIZE probe where it is asked)."""
+
+    def paths(arch):
+        return {matrix.case_id({**c, "arch": 0, "config": ("", c["config"][1])}) for c in CASES
+                if c["arch"] == arch and c["picked"] and c["kernel"] not in matrix.TMA_KERNELS}  # fmt: skip
+
+    assert set(matrix.ARCHS) == set(aot.TARGETS) == {90, 80, 100, 120}
+    reference = paths(90)
+    for arch in matrix.ARCHS:
+        assert paths(arch) == reference, (arch, paths(arch) ^ reference)
+        has_tma = tri_configs()[(matrix.ARCH_CLASS[arch], "16bit")].forward_tma is not None
+        assert any(c["kernel"] == "fwd_tma" and c["arch"] == arch for c in CASES) == has_tma, arch
+
+
+def tri_configs():
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    return tri.CONFIGS
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_installed_triton_targets_the_architecture(arch):
+    """Says, per architecture, whether the installed Triton compiles for it (the other tests skip with this
+    reason where it does not)."""
+    reason = aot.target_blocker(arch)
+    if reason is not None:
+        _skip_or_fail_in_ci(reason)
+
+
+def test_target_blocker_names_the_version():
+    assert aot.target_blocker(90, "3.2.0") is None
+    reason = aot.target_blocker(100, "3.2.0")
+    assert reason is not None and "triton 3.2.0" in reason and "sm_100a" in reason
+    reason = aot.target_blocker(120, "3.6.0", ("/x/ptxas", (12, 6)))
+    assert reason is not None and "triton 3.6.0" in reason and "CUDA 12.6" in reason and "sm_120a" in reason
+    assert aot.target_blocker(120, "3.6.0", ("/x/ptxas", (12, 8))) is None
+
+
 TMA_CASES = [c for c in CASES if c["kernel"] in matrix.TMA_KERNELS]
 
 
@@ -76,12 +139,12 @@ def test_tma_kernel_a_moves_operands_by_tma_and_fits_two_ctas_per_sm(case, rows)
     """The TMA kernel A (use_forward_kernel("tma")): its operands arrive by TMA (cp.async.bulk.tensor), the
     stored logits leave by a TMA store, it still holds its wgmma and its partials' stores, and two CTAs fit
     on an SM (registers and shared memory) so one's epilogue overlaps the other's MMAs, except with the
-    soft-cap (uncapped registers: one CTA, as the cp.async kernel A always runs)."""
-    r = rows[matrix.case_id(case)]
-    assert "error" not in r, r["error"]
+    soft-cap (uncapped registers: one CTA, as the cp.async kernel A always runs). On sm_100a likewise with
+    tcgen05.mma, its accumulator in tensor memory (counted in CTAs per SM)."""
+    r = _compiled(rows, case)
     assert r["tma"], f"{r['id']}: no cp.async.bulk.tensor in the PTX"
     assert r["tma_store"] == case["stored"], f"{r['id']}: TMA store {r['tma_store']}, stored logits {case['stored']}"
-    assert r["mma"] == "wgmma" and r["global_stores"] > 0 and not r["spills"], r
+    assert r["mma"] == MMA[case["arch"]] and r["global_stores"] > 0 and not r["spills"], r
     assert r["ctas_per_sm"] >= (1 if case["softcap"] and not case["stored"] else 2), (
         f"{r['id']}: {r['ctas_per_sm']} CTA(s) per SM at {r['registers']} registers x {r['num_warps']} warps, "
         f"{r['shared'] / 1024:.0f} KiB of shared memory"
@@ -93,9 +156,9 @@ def test_warp_specialize_is_ignored_on_sm90(stored, rows):
     """WARP_SPECIALIZE=True on the vocabulary-tile loop of the TMA kernel A compiles to the very same PTX as
     without it (Triton's sm_90 warp specialisation does not take this loop), and not to an empty body. The
     lm_head README says so; if this fails, Triton has started to specialise the loop: time it on a GPU."""
-    plain = next(r for r in rows.values() if r["kernel"] == "fwd_tma" and r["stored"] == stored
+    plain = next(r for r in rows.values() if r["kernel"] == "fwd_tma" and r["stored"] == stored and r["arch"] == 90
                  and not r["bias"] and not r["softcap"] and r["H"] == matrix.SHAPE["H"] and r["dtype"] == "bfloat16")  # fmt: skip
-    probe = next(r for r in rows.values() if r["kernel"] == "fwd_tma_ws" and r["stored"] == stored)
+    probe = next(r for r in rows.values() if r["kernel"] == "fwd_tma_ws" and r["stored"] == stored and r["arch"] == 90)
     assert probe["mma"] == "wgmma" and probe["global_stores"] > 0, probe
     assert probe["ptx_sha256"] == plain["ptx_sha256"], (probe["id"], plain["id"])
 

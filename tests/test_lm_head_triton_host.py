@@ -187,11 +187,13 @@ def test_lm_head_runtime_values_are_not_compile_time_constants():
     ("capability", "expected"),
     [
         ((9, 0), "sm90"),
-        ((10, 0), "sm90"),
+        ((10, 0), "sm100"),
+        ((10, 3), "sm100"),
         ((8, 0), "sm80"),
         ((8, 6), "sm80"),
         ((8, 9), "sm80"),
-        ((12, 0), "sm80"),
+        ((12, 0), "sm120"),
+        ((12, 1), "sm120"),
     ],
 )
 def test_lm_head_arch_class(capability, expected):
@@ -212,6 +214,11 @@ def test_lm_head_pick_config(monkeypatch):
     assert tri.pick_config(cuda, torch.bfloat16, aligned=False).name == "unaligned-16bit"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert tri.pick_config(cuda, torch.bfloat16).name == "sm80-16bit"
+    for capability, arch in (((10, 0), "sm100"), ((12, 0), "sm120")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert tri.pick_config(cuda, torch.bfloat16).name == f"{arch}-16bit"
+        assert tri.pick_config(cuda, torch.float32).name == f"{arch}-fp32"
+        assert tri.pick_config(cuda, torch.bfloat16, aligned=False).name == "unaligned-16bit"
     assert tri.pick_config(torch.device("cpu"), torch.float32).name == "interpreter"
 
 

@@ -1,8 +1,11 @@
-"""Tier 3: the loss-head Triton kernel compiled ahead of time for sm_90 and sm_80, without a GPU,
-in every code path of grpo_kernels/testing/loss_head_compile.py (every value of every constexpr at
-least once). Asserted: each compiles through the whole toolchain to a cubin, and none spills
-(cuobjdump STACK = LOCAL = 0). The report goes to benchmarks/results/compile_report_loss_head.{md,json}
-when GRPO_KERNELS_WRITE_REPORTS=1, else to pytest's tmp dir."""
+"""Tier 3: the loss-head Triton kernel compiled ahead of time for sm_90, sm_80, sm_100a and sm_120 (the
+architectures of grpo_kernels.testing.aot.TARGETS), without a GPU, in every code path of
+grpo_kernels/testing/loss_head_compile.py (every value of every constexpr at least once). Asserted: each
+compiles through the whole toolchain to a cubin, writes its results (st.global), spills nothing (no
+local-memory load or store in the SASS) and fits the architecture's shared memory per block. An
+architecture the installed Triton cannot target is skipped with the reason naming the version (a failure
+in CI). The report goes to benchmarks/results/compile_report_loss_head.{md,json} when
+GRPO_KERNELS_WRITE_REPORTS=1, else to pytest's tmp dir."""
 
 from __future__ import annotations
 
@@ -36,10 +39,18 @@ def rows(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(matrix.CASES))
 def test_loss_head_kernel_compiles_without_spills(case, arch, rows):
     r = rows[f"{case}-sm{arch}"]
+    if "skipped" in r:
+        if os.environ.get("CI") == "true":  # CI's triton 3.6 and 3.9 target every architecture
+            pytest.fail(f"CI's Triton must target every architecture of the compile tier: {r['skipped']}")
+        pytest.skip(r["skipped"])
     assert "error" not in r, r["error"]
     assert r["registers"] > 0
     assert r["global_stores"] > 0, f"{r['id']}: no st.global in the PTX (an empty kernel body?)"
-    assert not r["spills"], f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']}"
+    assert not r["spills"], (
+        f"{r['id']}: REG {r['registers']} STACK {r['stack']} LOCAL {r['local']}, "
+        f"{r['local_memory_ops']} local-memory loads / stores in the SASS"
+    )
+    assert r["shared_fits"], f"{r['id']}: {r['shared']} B of shared memory"
 
 
 def test_cases_cover_every_code_path():

@@ -99,8 +99,9 @@ class LMHeadTritonConfig:
 
 
 # Every configuration the dispatcher can return. The compile tier (tests/test_lm_head_compile.py) AOT-compiles
-# each of them for sm_90 and sm_80 and asserts no spills in the ones picked for Hopper; README.md explains
-# the numbers. Keys: (architecture class, operand class).
+# the ones picked for each architecture it targets (sm_90, sm_80, sm_100a, sm_120) in every code path and
+# asserts no spills, the shared memory within the architecture's limit and its MMA instruction; README.md
+# §6 explains the numbers. Keys: (architecture class, operand class).
 CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
     # Hopper (H100/H200, 228 KiB smem, wgmma). Forward: a 128x256 fp32 accumulator over two warpgroups
     # (wgmma m64n256k16), 3 stages x 48 KiB = 144 KiB of operand pipeline, one CTA per SM. Backward:
@@ -126,7 +127,28 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
         forward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
         backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
     ),
-    # Ampere and every other sm_8x / sm_12x part (mma.sync, >= 99 KiB smem): 128x128x32 tiles, 8 warps,
+    # Data-centre Blackwell (B200/GB200, sm_100a: tcgen05.mma, the accumulator in tensor memory, 228 KiB
+    # smem). Hopper's tiles except where they spill there: the 128x256 forward reads its accumulator out of
+    # tensor memory into 128 fp32 registers per thread and spills with a bias (255 + 128 B with triton 3.6,
+    # + 192 B with 3.9), so the forward is 128x128x64 (165-191 registers); the TMA kernel A spills under the
+    # 128-register cap (and with triton 3.9's ptxas even uncapped, with the soft-cap), so it runs 64x128
+    # tiles on one warpgroup, uncapped (96-168 registers, 72 KiB, three CTAs per SM by registers, shared
+    # memory and tensor memory), as its stored-logits variant already does on Hopper.
+    ("sm100", "16bit"): LMHeadTritonConfig(
+        "sm100-16bit",
+        forward=TileConfig(128, 128, 64, 16, num_warps=8, num_stages=3),
+        backward=TileConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
+        forward_tma=TileConfig(64, 128, 64, 16, num_warps=4, num_stages=3),
+        forward_tma_stored=TileConfig(64, 128, 64, 16, num_warps=4, num_stages=3),
+    ),
+    # fp32 operands: Hopper's 128x128x32 forward compiles to an empty kernel (4 registers, no store) on
+    # sm_100a with triton 3.6 when H is not a multiple of 32 (the ragged-K path, tf32x3); 128x128x16 does not
+    ("sm100", "fp32"): LMHeadTritonConfig(
+        "sm100-fp32",
+        forward=TileConfig(128, 128, 16, 8, num_warps=8, num_stages=3),
+        backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
+    ),
+    # Ampere and Ada (sm_80 / sm_86 / sm_89: mma.sync, >= 99 KiB smem): 128x128x32 tiles, 8 warps,
     # 4 stages (Triton keeps 3 buffers: 48 KiB, fits the 99 KiB parts too).
     ("sm80", "16bit"): LMHeadTritonConfig(
         "sm80-16bit",
@@ -137,6 +159,20 @@ CONFIGS: dict[tuple[str, str], LMHeadTritonConfig] = {
     # hundreds of bytes; 64x64x16 needs 125 registers.
     ("sm80", "fp32"): LMHeadTritonConfig(
         "sm80-fp32",
+        forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+        backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
+    ),
+    # Consumer / workstation Blackwell (RTX 50xx, RTX PRO 6000; sm_120 / sm_121: mma.sync like Ampere, no
+    # wgmma or tcgen05, 99 KiB smem per block). Ampere's tiles, except the forward's K slice: 128x128x32
+    # with bias and soft-cap spills there with triton 3.6 (its ptxas for sm_100+ is not sm_80's: 255
+    # registers + 32 B), 128x128x16 does not (164-252 registers, 24 KiB).
+    ("sm120", "16bit"): LMHeadTritonConfig(
+        "sm120-16bit",
+        forward=TileConfig(128, 128, 16, 8, num_warps=8, num_stages=4),
+        backward=TileConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
+    ),
+    ("sm120", "fp32"): LMHeadTritonConfig(
+        "sm120-fp32",
         forward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
         backward=TileConfig(64, 64, 16, 8, num_warps=4, num_stages=4),
     ),
@@ -180,9 +216,13 @@ def arch_class(capability: tuple[int, int]) -> str:
             f"lm_head Triton kernels need an Ampere-or-newer GPU (sm_80+), got sm_{major}{minor}; "
             "use backend='torch'"
         )
-    if major in (9, 10):  # H100/H200/GH200 and B200/GB200: wgmma-class tensor cores, >= 228 KiB smem
+    if major == 9:  # H100/H200/GH200: wgmma, 228 KiB smem
         return "sm90"
-    return "sm80"
+    if major == 10:  # B200/GB200/B300 (sm_100 / sm_103): tcgen05 and tensor memory, 228 KiB smem
+        return "sm100"
+    if major == 12:  # RTX 50xx / RTX PRO 6000 / GB10 (sm_120 / sm_121): mma.sync, 99 KiB smem per block
+        return "sm120"
+    return "sm80"  # Ampere, Ada, and any other part: mma.sync tiles that fit 99 KiB
 
 
 def is_aligned(*tensors: torch.Tensor) -> bool:
