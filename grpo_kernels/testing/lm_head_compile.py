@@ -341,7 +341,8 @@ def write_report(
             )
             continue
         tile = r.get("tile") or {}
-        tile_s = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) if tile else "-"
+        # the streaming statistics kernel has no K loop: its tile is BLOCK_M x BLOCK_N
+        tile_s = "x".join(str(tile[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in tile) if tile else "-"
         lines.append(
             f"| sm_{r['arch']} | {r['config']} | {r['kernel_name']} | {r['dtype']} | "
             f"{r['precision'] or ''} | "
