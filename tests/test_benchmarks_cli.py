@@ -29,7 +29,6 @@ from grpo_kernels.bench.shapes import resolve_presets
 from grpo_kernels.bench.timing import _quantile
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_LIMIT_S = 60.0
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,12 +63,6 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tiny_cli_run_is_fast_enough(tiny_run):
-    assert tiny_run["seconds"] < CPU_LIMIT_S, (
-        f"the tiny CPU run took {tiny_run['seconds']:.1f} s (limit {CPU_LIMIT_S})"
-    )
-
-
 @pytest.mark.slow
 def test_tiny_cli_run_prints_one_table_per_op(tiny_run):
     stdout = tiny_run["proc"].stdout

@@ -113,11 +113,15 @@ CALL1_PROVIDERS = (  # the core headline, in this order, after the floor
     "grpo_kernels-one-pass",
     "grpo_kernels-two-pass",
     "grpo_kernels-low-memory",
+    # kernel A against the cuBLAS forward with grad_weight summed in place: "auto" (above) runs the cuBLAS
+    # one at the target head by its time model; these two rows are what that choice should be checked by
+    "grpo_kernels-one-pass-inplace",
+    "grpo_kernels-one-pass-cublas",
     "torch-eager",
     "trl",
     "liger-chunked",  # compiles its loss inside the row: last
 )
-SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")  # auto against the schedule it replaces there
+SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")  # auto (in place in bf16) against fp32 accumulation
 OPT_IN_SCHEDULES = ("one_pass_dz",)  # call 2 only (README: estimated ~2x slower than one_pass)
 # Not in any call: verl's wheel brings too much to carry; grpo_kernels-torch is the CPU backend.
 EXCLUDED_PROVIDERS = ("verl", "verl-torch", "grpo_kernels-torch")
