@@ -12,7 +12,10 @@ Triton backend   one tile configuration per device and dtype (not chosen by alig
                  and without stored logits), and a fixed split of the vocabulary (SPLIT_TILES tiles per
                  split, not chosen from the SM count or N): each token's dot products run the same K loop
                  in the same tile, each split folds its tiles in order, and the merge adds the splits in
-                 order. A tensor-core MMA computes each row of a tile independently of the other rows.
+                 order. A tensor-core MMA computes each row of a tile independently of the other rows;
+                 the interpreter's tl.dot (np.matmul, CPU BLAS) does not: a row's sum order depends on
+                 its place in the tile, i.e. on the token's offset in the batch, so under the
+                 interpreter kernel A forms the tile as per-element sums of products instead.
 
 Gradients are deterministic (run to run) on both backends in this mode: no atomics, fixed chunking.
 What cannot be batch-invariant: a loss aggregated over the batch (a token mean divides by the batch's
@@ -30,14 +33,17 @@ SPLIT_TILES = 32  # vocabulary tiles per split of the Triton forward in this mod
 
 def invariant_config(device, dtype):
     """The Triton tile configuration of the mode: the dispatcher's aligned one for the device and dtype,
-    with the forward tile that can also store logits used for both forward variants (of either kernel A)."""
+    with the forward tile that can also store logits used for both forward variants (of either kernel A),
+    and under the interpreter kernel A's tile product without np.matmul (row_independent_dot)."""
+    from ..._backend import interpreter_enabled
     from .triton import pick_config
 
     base = pick_config(device, dtype, aligned=True)
     tile = base.forward_stored or base.forward
     tma_tile = base.forward_tma_stored or base.forward_tma  # the TMA kernel A likewise: one tile for both
     return dataclasses.replace(base, name=f"{base.name}-batch-invariant", forward=tile, forward_stored=None,
-                               forward_tma=tma_tile, forward_tma_stored=None)  # fmt: skip
+                               forward_tma=tma_tile, forward_tma_stored=None,
+                               row_independent_dot=interpreter_enabled())  # fmt: skip
 
 
 class BatchInvariant:

@@ -96,6 +96,12 @@ class LMHeadTritonConfig:
     # the logits store; None where the architecture has no TMA (the cp.async kernel runs)
     forward_tma: TileConfig | None = None
     forward_tma_stored: TileConfig | None = None
+    # kernel A's logits tile as per-element sums of products instead of tl.dot (the interpreter in the
+    # batch-invariant mode only): the interpreter's tl.dot is np.matmul, and CPU BLAS (OpenBLAS 0.3.29 on
+    # AMD EPYC) sums a row's products in an order that depends on the row's place in the [BM, BK] tile
+    # (its micro-kernel's row blocking), so a token's logits changed with its offset in the batch; an MMA
+    # on a GPU computes every row alike
+    row_independent_dot: bool = False
 
 
 # Every configuration the dispatcher can return. The compile tier (tests/test_lm_head_compile.py) AOT-compiles
@@ -460,6 +466,7 @@ def _logits_tile_acc(
     EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_INDEPENDENT_DOT: tl.constexpr,
 ):
     # [BM, H] @ [H, BN] -> [BM, BN] fp32. Row and column indices are clamped by the caller, so the
     # pipelined loop runs unmasked over the whole BLOCK_K slices; a ragged last slice is peeled off
@@ -474,7 +481,7 @@ def _logits_tile_acc(
         if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = _tile_dot(x, w, acc, DOT_PRECISION, ROW_INDEPENDENT_DOT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not EVEN_K:
@@ -486,7 +493,19 @@ def _logits_tile_acc(
             if UPCAST_OPERANDS:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            acc = _tile_dot(x, w, acc, DOT_PRECISION, ROW_INDEPENDENT_DOT)
+    return acc
+
+
+@triton.jit
+def _tile_dot(x, w, acc, DOT_PRECISION: tl.constexpr, ROW_INDEPENDENT_DOT: tl.constexpr):
+    # acc [BM, BN] + x [BM, BK] @ w [BN, BK]^T. ROW_INDEPENDENT_DOT (interpreter, batch-invariant mode):
+    # each element its own sum over BK of a [BM, BN, BK] product, the same for a row wherever it sits in
+    # the tile, which np.matmul's BLAS kernels are not (LMHeadTritonConfig.row_independent_dot)
+    if ROW_INDEPENDENT_DOT:
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -582,6 +601,7 @@ def lm_head_fwd_kernel_partial(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ROW_INDEPENDENT_DOT: tl.constexpr = False,  # LMHeadTritonConfig.row_independent_dot (interpreter only)
 ):
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
@@ -619,6 +639,7 @@ def lm_head_fwd_kernel_partial(
             EVEN_K,
             UPCAST_OPERANDS,
             DOT_PRECISION,
+            ROW_INDEPENDENT_DOT,
         )
         # z = acc / T + bias / T, one FMA (or soft-capped); PAD_LOGIT outside the vocabulary
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
@@ -690,6 +711,7 @@ def lm_head_fwd_kernel_partial_tma(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    ROW_INDEPENDENT_DOT: tl.constexpr = False,  # LMHeadTritonConfig.row_independent_dot (interpreter only)
 ):
     """lm_head_fwd_kernel_partial with its operands brought by the tensor memory accelerator (Hopper and
     newer): same programs, same partials, same fold. The descriptors bound every access: rows past N or V
@@ -725,7 +747,7 @@ def lm_head_fwd_kernel_partial_tma(
             if UPCAST_OPERANDS:  # interpreter only: its bf16 tl.dot is wrong, fp32 products of bf16 are exact
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+            acc = _tile_dot(x, w, acc, DOT_PRECISION, ROW_INDEPENDENT_DOT)
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
         if STORE_LOGITS:  # the fp32 tile through shared memory, one bulk store clipped to [N, V]
             logits_desc.store([m0, n0], z)
@@ -957,6 +979,7 @@ def lm_head_bwd_kernel_dlogits(
             EVEN_K,
             UPCAST_OPERANDS,
             DOT_PRECISION,
+            False,  # the recompute for the gradients (repeatable, not batch-invariant)
         )
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
     dz = _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
@@ -1284,6 +1307,7 @@ def lm_head_forward(
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
         STORE_LOGITS=logits_out is not None,
+        ROW_INDEPENDENT_DOT=cfg.row_independent_dot,
     )
     with _device_ctx(device):
         launch_forward = _launch_forward_tma if use_tma else _launch_forward_cp_async
