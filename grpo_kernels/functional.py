@@ -335,7 +335,7 @@ def _type_name(x) -> str:  # builtins.list, numpy.ndarray, torch.Tensor: where t
 
 
 def _check_argument_types(*, tensors=None, optional_tensors=None, floats=None, optional_floats=None, ints=None,
-                          optional_ints=None, counts=None, optional_counts=None, flags=None,
+                          optional_bytes=None, counts=None, optional_counts=None, flags=None,
                           strings=None) -> None:  # fmt: skip
     """The arguments' Python types, before anything converts them, named in the error. The same function
     runs eager and while torch.compile traces (where a failure becomes grpo_kernels::refuse, raising this
@@ -356,9 +356,9 @@ def _check_argument_types(*, tensors=None, optional_tensors=None, floats=None, o
     for name, x in (ints or {}).items():
         if isinstance(x, bool) or not isinstance(x, int):
             chk.fail(f"{name} must be a Python int, got {_type_name(x)}")
-    for name, x in (optional_ints or {}).items():
+    for name, x in (optional_bytes or {}).items():  # a number of bytes: an int (its range checked later)
         if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
-            chk.fail(f"{name} must be a Python int or None, got {_type_name(x)}")
+            chk.fail(f"{name} must be None or a number of bytes (a Python int), got {_type_name(x)}")
     for name, x in (counts or {}).items():
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             chk.fail(f"{name} must be a number, got {_type_name(x)}")
@@ -1011,7 +1011,7 @@ def fused_linear_grpo_loss(
             floats=dict(logit_scale=logit_scale), optional_floats=dict(softcap=softcap),
             counts=dict(dp_size=dp_size, grad_accum_steps=grad_accum_steps),
             optional_counts=dict(num_tokens=num_tokens, num_sequences=num_sequences),
-            strings=dict(backend=backend, schedule=schedule), optional_ints=dict(max_extra_memory=max_extra_memory),
+            strings=dict(backend=backend, schedule=schedule), optional_bytes=dict(max_extra_memory=max_extra_memory),
             flags=dict(check_finite=check_finite, batch_invariant=batch_invariant),
         )  # fmt: skip
         if torch.compiler.is_compiling():

@@ -1489,13 +1489,16 @@ def dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor: float) ->
     return torch.stack([scale, 1.0 / scale]).float()
 
 
-def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """acc[V, H] += dlogits[n, V].T @ hidden[n, H]: the GEMM sums in fp32; an fp32 acc is never rounded to
-    the inputs' dtype, an acc in the inputs' dtype (the in-place schedules' gradient buffer) is rounded
-    once per call (cuBLAS: fp32 epilogue alpha A B + beta C, one rounding to C's dtype)."""
+def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor,
+                            alpha: float = 1.0) -> None:  # fmt: skip
+    """acc[V, H] += alpha dlogits[n, V].T @ hidden[n, H]: the GEMM sums in fp32; an fp32 acc is never rounded
+    to the inputs' dtype, an acc in the inputs' dtype (the in-place schedules' gradient buffer) is rounded
+    once per call (cuBLAS: fp32 epilogue alpha A B + beta C, one rounding to C's dtype). alpha != 1 only
+    for that in-place buffer (1 / S of a scaled fp16 slab, a power of two: exact)."""
     if dlogits.dtype == torch.float32 or acc.dtype == dlogits.dtype:
-        acc.addmm_(dlogits.T, hidden)
+        acc.addmm_(dlogits.T, hidden, alpha=alpha)
         return
+    assert alpha == 1.0, "alpha is for an accumulator in the inputs' dtype"
     if _mm_out_fp32(dlogits.T, hidden, acc) is not None:
         return
     hidden32 = hidden.float()
@@ -1696,7 +1699,12 @@ def lm_head_backward(
         if not need_grad_bias:  # else the loop below adds the bias sums (its kernel stores no slab here)
             return result
     slab_scaled = scale_dz and store_dlogits
-    if slab_scaled and need_grad_weight:  # the accumulator in the slab's units for this call's GEMMs (exact: 2^k)
+    # an fp32 accumulator is taken to the slab's units for this call's GEMMs and back (exact: 2^k); the
+    # in-place schedules' fp16 gradient buffer cannot be (S times its sums may overflow fp16): its GEMM
+    # takes alpha = 1 / S instead, read once per call (fp16 in place is opt-in: auto never picks it)
+    acc_rescaled = slab_scaled and need_grad_weight and grad_weight_acc.dtype == torch.float32
+    weight_alpha = float(scales[1]) if slab_scaled and need_grad_weight and not acc_rescaled else 1.0
+    if acc_rescaled:
         grad_weight_acc.mul_(scales[0])
     with _device_ctx(device):
         for r0 in range(0, n_tokens, rows):
@@ -1758,9 +1766,9 @@ def lm_head_backward(
                         grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
                 if need_grad_weight:
                     # [V, n] @ [n, H] added into the fp32 [V, H] accumulator
-                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk])
+                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk], alpha=weight_alpha)
             if need_grad_bias:
                 grad_bias_acc += bias_part[: triton.cdiv(n, tile.block_m)].sum(0)
-    if slab_scaled and need_grad_weight:
+    if acc_rescaled:
         grad_weight_acc.mul_(scales[1])
     return result
