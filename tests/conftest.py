@@ -35,6 +35,17 @@ def _seed_and_quiet_fallback():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_chunk_tokens():
+    # case helpers set the fused schedules' chunk size to a few tokens (several chunks at small shapes);
+    # one run in this process must not change the chunk plans the memory-model tests compute after it
+    from grpo_kernels.ops.fused import function
+
+    saved = function.ONE_PASS_CHUNK_TOKENS
+    yield
+    function.ONE_PASS_CHUNK_TOKENS = saved
+
+
 def pytest_report_header(config):
     """torch / triton versions, and the peer versions the parity suite ran against (marker `parity`)."""
     import importlib.metadata as md

@@ -93,7 +93,9 @@ BAD_BACKWARD = [
     pytest.param(dict(lse=meta(8, dtype=torch.bfloat16)), "lse must be fp32", id="lse-dtype"),
     pytest.param(dict(g_lp=meta(9, dtype=torch.float32)), "grad_logprobs must be [N]", id="grad-shape"),
     pytest.param(dict(g_h=meta(8, dtype=torch.int64)), "grad_entropy must be floating", id="grad-dtype"),
-    pytest.param(dict(grad_weight_acc=meta(100, 64)), "grad_weight_acc must be fp32", id="acc-dtype"),
+    # fp32, or the weight's own dtype (the in-place schedules' gradient buffer); anything else is refused
+    pytest.param(dict(grad_weight_acc=meta(100, 64, dtype=torch.float16)), "grad_weight_acc must be fp32 or",
+                 id="acc-dtype"),
     pytest.param(
         dict(grad_weight_acc=meta(100, 63, dtype=torch.float32)),
         "grad_weight_acc must be fp32",

@@ -105,9 +105,10 @@ def lm_head_forward(
                 z_target[idx] = z[idx, y[idx] - c0]
         log_s = torch.log(s)
         lse[rows] = m + log_s
-        # relative to the max first: z_target - lse would lose log_s next to a huge max (a row of forbidden
-        # tokens sits at NEG_BIG = -2^102, where m + log_s rounds to m)
-        logprobs[rows] = (z_target - m) - log_s
+        # z_target - lse; a row of forbidden tokens only (every logit at NEG_BIG = -2^102, where m + log_s
+        # rounds to m) relative to the max first, which keeps log_s: -log V there, as the Triton kernels give.
+        # Every other row keeps z - lse's rounding (the peers' parity tests compare to a few ulp)
+        logprobs[rows] = torch.where(m <= NEG_BIG, (z_target - m) - log_s, z_target - lse[rows])
         expected_logit[rows] = m + u / s
         entropy[rows] = log_s - u / s
     return LMHeadStats(logprobs, entropy, lse, expected_logit)
