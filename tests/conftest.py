@@ -35,15 +35,19 @@ def _seed_and_quiet_fallback():
         yield
 
 
-@pytest.fixture(autouse=True)
-def _restore_chunk_tokens():
-    # case helpers set the fused schedules' chunk size to a few tokens (several chunks at small shapes);
-    # one run in this process must not change the chunk plans the memory-model tests compute after it
-    from grpo_kernels.ops.fused import function
+from grpo_kernels.ops.fused import function as _fused_function  # noqa: E402
 
-    saved = function.ONE_PASS_CHUNK_TOKENS
+_CHUNK_TOKENS_DEFAULT = _fused_function.ONE_PASS_CHUNK_TOKENS  # the library's value, before any test ran
+
+
+@pytest.fixture(autouse=True)
+def _default_chunk_tokens():
+    # case helpers set the fused schedules' chunk size to a few tokens (several chunks at small shapes); a
+    # change made in this process (also by a module-scoped fixture, set up before this one) must not reach
+    # the chunk plans another test computes: every test starts and ends with the library's value
+    _fused_function.ONE_PASS_CHUNK_TOKENS = _CHUNK_TOKENS_DEFAULT
     yield
-    function.ONE_PASS_CHUNK_TOKENS = saved
+    _fused_function.ONE_PASS_CHUNK_TOKENS = _CHUNK_TOKENS_DEFAULT
 
 
 def pytest_report_header(config):
