@@ -108,8 +108,11 @@ TARGETS = {
 # What runs where. Providers are names of grpo_kernels/bench/providers.py's REGISTRY; a provider the
 # registry gains is measured in call 2 until its name is added to CALL1_PROVIDERS (one line), and a
 # schedule fused/function.py's SCHEDULES gains is smoke-tested in call 1 unless it is in OPT_IN_SCHEDULES.
-CALL1_PROVIDERS = (  # the core headline, in this order, after the floor
+CALL1_PROVIDERS = (  # the core headline, in this order, after the floor: the verdict's rows first
     "grpo_kernels",  # schedule="auto"
+    "trl",
+    "liger-chunked",  # compiles its loss inside the row
+    "torch-eager",
     "grpo_kernels-one-pass",
     "grpo_kernels-two-pass",
     "grpo_kernels-low-memory",
@@ -117,9 +120,6 @@ CALL1_PROVIDERS = (  # the core headline, in this order, after the floor
     # one at the target head by its time model; these two rows are what that choice should be checked by
     "grpo_kernels-one-pass-inplace",
     "grpo_kernels-one-pass-cublas",
-    "torch-eager",
-    "trl",
-    "liger-chunked",  # compiles its loss inside the row: last
 )
 SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")  # auto (in place in bf16) against fp32 accumulation
 OPT_IN_SCHEDULES = ("one_pass_dz",)  # call 2 only (README: estimated ~2x slower than one_pass)
@@ -217,10 +217,10 @@ def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Par
                       smoke_keys("smoke", schedules, False, rehearsal), row_limit or SMOKE_ROW_LIMIT_S)]),
             rows("micro", "per-kernel microbenchmarks (core kernels, cuBLAS at the same shapes, ceilings)", 45,
                  [Job("micro", ["micro", *common("micro")], micro_keys("micro", False), row_limit or ROW_LIMIT_S)]),
-            rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(providers)}", 170,
+            rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(providers)}", 200,
                  [_bench_job("headline", p, HEADLINE_OPS, head, common("headline"), row_limit)
                   for p in (FLOOR, *providers)]),
-            rows("sweep", f"fused_grpo over {sweep}: floor, {', '.join(sweepers)}", 90,
+            rows("sweep", f"fused_grpo over {sweep}: floor, {', '.join(sweepers)}", 60,
                  [_bench_job("sweep", p, ("fused_grpo",), sweep, common("sweep", sweep_timing), row_limit)
                   for p in (FLOOR, *sweepers)]),
             Part("gpu-tests", "GPU test tier: tests/test_gpu.py", 60, "tests",
