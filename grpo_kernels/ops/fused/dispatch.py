@@ -26,9 +26,11 @@ import logging
 import torch
 
 from . import accuracy, cost, memory
+from ..lm_head.chunked import LogitsStore
 from .function import (
     ONE_PASS_VARIANTS,
     SCHEDULES,
+    TORCH_LOGITS_BYTES,
     choose_schedule,
     fused_grpo_forward,
     fused_grpo_forward_one_pass,
@@ -131,6 +133,20 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
             cublas_ok=not _is_batch_invariant(lm_impl), transform_writes=bias is not None or transform,
             base_reason=reason,
         )  # fmt: skip
+    logits_store = None
+    if backend == "torch" and chosen == "two_pass" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (flat_hidden, weight, bias)):  # fmt: skip
+        # C reads A's fp32 logits instead of recomputing them where they fit the budget (3 GEMM units, not 4)
+        n_valid = int(batch.valid.sum())
+        kept = LogitsStore.nbytes(n_valid, weight.shape[0])
+        if kept <= TORCH_LOGITS_BYTES:
+            def logits_store(rows):
+                return LogitsStore(rows, weight.shape[0], flat_hidden.dtype, flat_hidden.device)
+
+            reason += f"; A's logits kept for C ({kept / 2**20:.1f} MiB)"
+        else:
+            reason += (f"; C recomputes the logits (keeping them would take {kept / 2**20:.0f} MiB, over "
+                       f"{TORCH_LOGITS_BYTES / 2**20:.0f} MiB)")  # fmt: skip
     logger.debug("fused_linear_grpo_loss: %s schedule (%s; LM head %s)", chosen, reason, lm_impl.__name__)
     # autocast off: the LM-head tiles accumulate in fp32 by construction (an active autocast would
     # round them to half precision); the loss head is fp32 O(N) work
@@ -139,7 +155,7 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
             return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
                                                chunks, variant=chosen)  # fmt: skip
         return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
-                                  low_memory=chosen == "low_memory")  # fmt: skip
+                                  low_memory=chosen == "low_memory", logits_store=logits_store)  # fmt: skip
 
 
 def auto_schedule_at(n_valid: int, hidden: int, vocab: int, dtype: torch.dtype = torch.bfloat16, *,

@@ -8,7 +8,8 @@ Three stages (docs/design.md §1) on the valid rows (masked tokens are never mul
 The schedules give the same result (the in-place ones up to their per-chunk rounding):
   two-pass  A over the whole batch, B over the whole batch, C over the whole batch. Exact for every
             variant, including those whose loss needs statistics of the whole batch (top-entropy
-            quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it.
+            quantile, Clip-Cov / KL-Cov, group DPO). The PyTorch backend always uses it, keeping A's fp32
+            logits of the valid rows for C (3 GEMM units instead of 4) when they fit TORCH_LOGITS_BYTES.
   one-pass  chunks of tokens, A -> B -> C per chunk with the batch's normalizers; A keeps the
             chunk's fp32 logits and C reads them instead of recomputing them, so the work is 3 GEMM
             units (logits, grad_hidden, grad_weight) instead of 4; the loss head's per-sequence
@@ -83,6 +84,11 @@ ONE_PASS_VARIANTS = {
 # and the slab's fp32 grad_weight block, within LOW_MEMORY_SLAB_BYTES; plus grad_hidden in fp32 [N, H].
 LOW_MEMORY_SLAB_BYTES = 256 * 2**20
 LOW_MEMORY_DZ_ROWS = 8192
+# The PyTorch backend's two-pass schedule keeps A's fp32 logits of the valid rows for C when they take at
+# most this many bytes (4 N V: 768 MiB is 1290 tokens at V = 151936, 6291 at V = 32000), the one-pass
+# chunk's budget; above it C recomputes them. The bf16 backward forms dz in their place and frees half of
+# them before its GEMMs (ops/lm_head/chunked.py, LogitsStore).
+TORCH_LOGITS_BYTES = ONE_PASS_LOGITS_BYTES
 
 
 def stored_logits_row_stride(vocab: int) -> int:
@@ -171,9 +177,12 @@ def lm_head_grads_vocab_outer(lm_impl, hidden_rows, weight, bias, targets_rows, 
     return grad_hidden, grad_weight, grad_bias
 
 
-def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, low_memory=False):
+def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, low_memory=False,
+                       logits_store=None):  # fmt: skip
     """Returns (loss, metrics, logprobs [N], entropy [N]); loss is differentiable w.r.t. hidden,
-    weight and bias when they require grad and grad mode is on."""
+    weight and bias when they require grad and grad mode is on. `logits_store(n_valid_rows)`: a buffer
+    for A's logits that C reads instead of recomputing them (the PyTorch backend's LogitsStore), or None
+    where they are recomputed."""
     valid = batch.valid
     n_tokens = valid.shape[0]
     all_valid = bool(valid.all())
@@ -182,9 +191,15 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     targets_rows = (flat_targets if all_valid else flat_targets.index_select(0, rows)).long()
     temperature = float(cfg.temperature)
 
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (flat_hidden, weight, bias)
+    )
+    keep = logits_store is not None and needs_grad and not low_memory
+    store = logits_store(hidden_rows.shape[0]) if keep else None
+    kept = {} if store is None else {"logits_out": store}
     # A: statistics of the valid rows
     stats = lm_impl.lm_head_forward(hidden_rows.detach(), weight.detach(),
-                                    None if bias is None else bias.detach(), targets_rows, temperature)  # fmt: skip
+                                    None if bias is None else bias.detach(), targets_rows, temperature, **kept)  # fmt: skip
 
     def to_tokens(x):  # [Nv] -> [N], 0 on masked tokens
         if all_valid:
@@ -194,9 +209,6 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     logprobs = to_tokens(stats.logprobs)
     entropy = to_tokens(stats.entropy)
 
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (flat_hidden, weight, bias)
-    )
     # B: the loss head on leaves, so autograd gives dL/dlogp and dL/dH per token
     lp_leaf = logprobs.clone().requires_grad_(needs_grad)
     ent_leaf = entropy.clone().requires_grad_(needs_grad and cfg.entropy_coef != 0)
@@ -226,12 +238,14 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
         saved.grad_hidden, saved.grad_weight, saved.grad_bias = grad_hidden, grad_weight, grad_bias
         loss = FusedLinearGRPOLossFunction.apply(hidden_rows, weight, bias, out.loss.detach(), saved)
         return loss, out.metrics, logprobs, entropy
+    kept = {} if store is None else {"stored_logits": store}
     grad_hidden, grad_weight, grad_bias = lm_impl.lm_head_backward(
         hidden_rows.detach(), weight.detach(), None if bias is None else bias.detach(), targets_rows, temperature,
         stats.lse, stats.expected_logit, to_rows(g_lp), to_rows(g_ent),
         need_grad_hidden=flat_hidden.requires_grad, need_grad_weight=weight.requires_grad,
-        need_grad_bias=bias is not None and bias.requires_grad,
+        need_grad_bias=bias is not None and bias.requires_grad, **kept,
     )  # fmt: skip
+    del store, kept  # the logits (dz by now) go before the gradients' casts below
     saved.grad_hidden = grad_hidden
     saved.grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
     saved.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
