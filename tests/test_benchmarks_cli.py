@@ -105,7 +105,8 @@ def test_tiny_cli_run_json(tiny_run):
             assert {c["name"] for c in r["parity"]["checks"]} <= set(OPS[op].compared)
             t = r["time"]
             assert t["p20_ms"] <= t["median_ms"] <= t["p80_ms"] and t["iters"] == 3
-            assert r["memory"] is None  # not measured off CUDA
+            # on a CPU from the profiler's allocation record: the call's own peak, gradients included
+            assert r["memory"]["peak_extra_bytes"] > 0 and r["memory"]["grad_bytes"] >= 0
             assert r["x_floor"] > 0 and r["ours_speedup"] > 0
         ours = [r for r in rows if r["provider"] == "grpo_kernels"]
         assert len(ours) == len(shapes) and all(r["ours_speedup"] == pytest.approx(1.0) for r in ours)
@@ -217,6 +218,56 @@ def test_parity_gate_reports_a_wrong_provider_and_does_not_time_it(monkeypatch):
     assert crash["status"] == "error" and crash["time"] is None and "kernel launch failed" in crash["reason"]
     text = bench_report.console_report(report)
     assert "parity-failed" in text and "error: RuntimeError: kernel launch failed" in text
+
+
+def test_interleaved_timing_and_a_baseline_timed_despite_its_gate(monkeypatch):
+    """--interleave: every provider gated first, then timed in turns; a provider registered as a baseline
+    (timed_despite_parity) is timed with its failed gate kept in the row, any other is not timed."""
+    monkeypatch.setitem(
+        REGISTRY.providers, "wrong", Provider("wrong", "test", {"loss_head": _broken_loss_head})
+    )
+    monkeypatch.setitem(
+        REGISTRY.providers, "baseline",
+        Provider("baseline", "test", {"loss_head": _broken_loss_head}, timed_despite_parity="a known error"),
+    )  # fmt: skip
+    settings = dataclasses.replace(_settings(), interleave=True, iters=3)
+    report = run_suite(["loss_head"], resolve_presets(["tiny"])[:1], ["grpo_kernels", "wrong", "baseline"],
+                       settings, ["tiny"])  # fmt: skip
+    rows = {r["provider"]: r for r in report["results"]}
+    assert rows["grpo_kernels"]["time"]["iters"] == 3 and "interleaved" in rows["grpo_kernels"]["time"]["timer"]
+    assert rows["grpo_kernels"]["memory"]["peak_extra_bytes"] > 0  # measured on a CPU too
+    assert rows["wrong"]["status"] == "parity-failed" and rows["wrong"]["time"] is None
+    baseline = rows["baseline"]
+    assert baseline["status"] == "ok" and baseline["time"]["iters"] == 3
+    assert not baseline["parity"]["passed"] and "timed anyway: a known error" in baseline["parity_note"]
+    assert report["settings"]["interleaved"] is True
+
+
+def _cpu_preset_files() -> list[Path]:
+    files = sorted((ROOT / "benchmarks" / "results").glob("cpu_*.json"))
+    return [f for f in files if bench_report.is_cpu_preset(json.loads(f.read_text()))]
+
+
+def test_readme_cpu_table_is_the_committed_results():
+    """The README's CPU table is what `--readme-table` renders from the committed `cpu`-preset results files
+    (both dtypes), never typed: re-measure with the command in the table, then regenerate it."""
+    text = (ROOT / "README.md").read_text()
+    assert bench_report.README_CPU_START in text and bench_report.README_CPU_END in text
+    block = text.split(bench_report.README_CPU_START, 1)[1].split(bench_report.README_CPU_END, 1)[0].strip()
+    files = _cpu_preset_files()
+    assert files, "no committed cpu-preset results in benchmarks/results/"
+    reports = [bench_report.load_json(f) for f in files]
+    assert sorted(r["settings"]["dtype"] for r in reports) == ["bf16", "fp32"]
+    source = ", ".join(str(f.relative_to(ROOT)) for f in files)
+    table = bench_report.readme_cpu_table(reports, source)
+    assert block == table, (
+        "README CPU table differs from the committed results: run python -m benchmarks --readme-table "
+        f"{source.replace(', ', ' ')} --write-readme README.md"
+    )
+    for r in reports:  # every row measured: the timed providers passed (or, the baseline, were timed anyway)
+        for row in r["results"]:
+            if row["provider"] != "floor":
+                assert row["status"] == "ok" and row["time"] and row["memory"], (row["provider"], row["reason"])
 
 
 def test_unavailable_providers_say_why():

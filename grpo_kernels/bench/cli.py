@@ -6,9 +6,13 @@
   python -m benchmarks --list                           # ops, shape presets, providers and availability
   python -m benchmarks --readme-table benchmarks/results/X.json [--write-readme README.md]
 
-On CPU only the tiny preset is meant to run: it proves the suite works; its timings are not the
-product's numbers. A full GPU run (--shapes full, all ops) takes tens of minutes: split it by --op
-and pass all its JSON files to --readme-table.
+  python -m benchmarks --op fused_grpo --shapes cpu --providers grpo_kernels,trl-materialised,trl \
+      --threads 2 --dtype fp32 --iters 5     # the PyTorch backend against TRL on a CPU (README's CPU table)
+
+On CPU the tiny preset proves the suite works (its timings are not the product's numbers); the cpu preset
+measures the PyTorch backend, the path of every machine without CUDA, against TRL's. A full GPU run
+(--shapes full, all ops) takes tens of minutes: split it by --op and pass all its JSON files to
+--readme-table.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU runs: torch intra-op threads (default 1: the tiny shapes gain nothing from more, "
                         "and OpenMP spin-waits dominate on a busy machine)")  # fmt: skip
+    p.add_argument("--interleave", action="store_true",
+                   help="time the providers of a shape in turns, one call each per round (a shared machine's "
+                        "drifting load then reaches each of them alike); the `cpu` preset's default")  # fmt: skip
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the torch-compile provider ('aot_eager' traces without "
                         "code generation: a quick check of the provider on CPU)")  # fmt: skip
@@ -84,6 +91,7 @@ def _settings(args):
         iters=args.iters if args.iters is not None else (10 if cuda else 3),
         compile_backend=args.compile_backend, seed=args.seed,
         explicit=frozenset(_csv(args.providers)) if args.providers != "all" else frozenset(),
+        interleave=args.interleave or (args.shapes is not None and "cpu" in _csv(args.shapes)),
     )  # fmt: skip
 
 
@@ -109,9 +117,19 @@ def _list(settings) -> int:
 
 
 def _readme(args) -> int:
-    from .report import load_json, merge_reports, readme_table, write_readme
+    from .report import (README_CPU_END, README_CPU_START, is_cpu_preset, load_json, merge_reports,
+                         readme_cpu_table, readme_table, write_readme)  # fmt: skip
 
-    report = merge_reports([load_json(Path(path)) for path in args.readme_table])
+    reports = [load_json(Path(path)) for path in args.readme_table]
+    if all(is_cpu_preset(r) for r in reports):  # the `cpu` preset: the README's CPU table, its own block
+        table = readme_cpu_table(reports, ", ".join(args.readme_table))
+        if args.write_readme:
+            write_readme(Path(args.write_readme), table, README_CPU_START, README_CPU_END)
+            print(f"wrote the CPU benchmark table into {args.write_readme}")
+        else:
+            print(table)
+        return 0
+    report = merge_reports(reports)
     table = readme_table(report, ", ".join(args.readme_table))
     if args.write_readme:
         if report["device"]["type"] != "cuda" and not args.allow_cpu:

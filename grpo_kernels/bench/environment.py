@@ -21,6 +21,10 @@ CPU_NOTE = (
     "CPU run: these timings show that the suite works end to end; they are NOT grpo_kernels' performance "
     "numbers, which are measured on H100 / H200 GPUs (docs/design.md §7)."
 )
+CPU_PRESET_NOTE = (
+    "CPU run of the `cpu` preset: the PyTorch backend, the path of every machine without CUDA, against TRL's on "
+    "the same inputs; GPU performance is measured on H100 / H200 (docs/design.md §7)."
+)
 VERSIONED = ("torch", "triton", "numpy", "transformers", *PINS)
 
 
@@ -78,12 +82,15 @@ def device_info(device: torch.device) -> dict:
             "driver": driver,
             "cuda_runtime": torch.version.cuda,
         }
-    return {
+    info = {
         "type": device.type,
         "name": _cpu_name(),
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
     }
+    if hasattr(os, "getloadavg"):  # a shared machine's load at the start of the run (1, 5, 15 minutes)
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return info
 
 
 def device_slug(info: dict) -> str:
@@ -117,6 +124,7 @@ def describe(settings: RunSettings, op_names, provider_names, presets) -> dict:
             "providers": list(provider_names),
             "compile_backend": settings.compile_backend,
             "seed": settings.seed,
+            "interleaved": settings.interleave,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "loss": ops.BENCH_LOSS_SUMMARY,
             "loss_config": dataclasses.asdict(ops.BENCH_LOSS_CONFIG),
@@ -133,10 +141,12 @@ def describe(settings: RunSettings, op_names, provider_names, presets) -> dict:
             },
             "timing": "cuda-events" if settings.device.type == "cuda" else "perf_counter",
             "memory": "peak allocated during one call minus allocated before it"
-            if settings.device.type == "cuda"
-            else "not measured off CUDA",
+            + ("" if settings.device.type == "cuda" else " (torch CPU allocations, from the profiler's record)")
+            if settings.device.type in ("cuda", "cpu")
+            else "not measured on this device",
         },
-        "notes": [CPU_NOTE] if settings.device.type != "cuda" else [],
+        "notes": [] if settings.device.type == "cuda" else [
+            CPU_PRESET_NOTE if list(presets) == ["cpu"] else CPU_NOTE],
         "skipped": [],
         "results": [],
         "stem": f"{device_slug(device)}_{now.strftime('%Y-%m-%d_%H%M%S')}",

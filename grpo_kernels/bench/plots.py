@@ -51,8 +51,11 @@ def caption(report: dict, family: str) -> str:
     """Two lines: what and where, then the software (one line of it all was cut at both ends)."""
     v, sha = report["versions"], (report["git"]["sha"] or "unknown")[:10]
     cpu = report["device"]["type"] != "cuda"
-    first = f"{family} | {report['device']['name']} | {report['date'][:10]}"
-    return first + (" | CPU: not the product's numbers" if cpu else "") + (
+    threads = f" ({report['device'].get('threads')} threads)" if cpu and report["device"].get("threads") else ""
+    first = f"{family} | {report['device']['name']}{threads} | {report['date'][:10]}"
+    note = " | CPU: the PyTorch backend" if report.get("settings", {}).get("presets") == ["cpu"] else (
+        " | CPU: not the product's numbers")
+    return first + (note if cpu else "") + (
         f"\ntorch {v['torch']}, triton {v['triton']} | grpo_kernels {sha}")
 
 
@@ -67,7 +70,6 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in report["results"]:
         groups[(r["op"], _family(r))].append(r)
-    cpu = report["device"]["type"] != "cuda"
     for (op, family), rows in groups.items():
         fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=FIGSIZE)
         lines: dict[str, list[tuple[int, dict]]] = defaultdict(list)
@@ -89,8 +91,8 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         ax_mem.set(xscale="log", xlabel="tokens N", ylabel="peak MiB beyond inputs and gradients",
                    title=f"{op}: extra memory")  # fmt: skip
         if not ax_mem.lines:
-            empty_panel(ax_mem, "no memory figures: peak memory is measured on CUDA only\n(torch.cuda's allocator "
-                        "statistics); this run is on " + report["device"]["type"].upper() if cpu else
+            empty_panel(ax_mem, "no memory figures: peak memory is measured on CUDA and CPU only;\nthis run is on "
+                        + report["device"]["type"].upper() if report["device"]["type"] not in ("cuda", "cpu") else
                         "no memory figures: no row measured its peak memory")  # fmt: skip
         for ax in (ax_time, ax_mem):
             ax.grid(True, which="both", alpha=0.3)

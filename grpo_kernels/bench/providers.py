@@ -49,6 +49,7 @@ class RunSettings:
     compile_backend: str = "inductor"
     explicit: frozenset = frozenset()  # provider names the user asked for by name
     seed: int = 0
+    interleave: bool = False  # time the providers of a shape in turns (runner.run_interleaved)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Provider:
     needs_cuda: str | None = None  # why it needs a CUDA device, if it does
     cuda_ops: tuple[str, ...] | None = None  # the ops needs_cuda applies to (None: all)
     extra_check: Callable[[RunSettings], str | None] | None = None
+    # timed even when its parity gate fails (the row keeps the failed gate and says so): a baseline whose
+    # error is known and is the point of the comparison (TRL's materialised bf16 path), never grpo_kernels
+    timed_despite_parity: str | None = None
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -414,6 +418,37 @@ def _trl_setups() -> dict:
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
 
 
+def _trl_materialised_lm_head(hidden, weight, targets):
+    """TRL's path without the fused head (trl 1.16.0): the model's lm_head gives [B, T, V] logits in the input
+    dtype (F.linear, as transformers runs it), then trl.trainer.utils.selective_log_softmax_and_entropy
+    (utils.py:672-712: a log-softmax per row in the logits' dtype, the entropy logged without a gradient, as
+    GRPOTrainer logs it). On CUDA TRL's Triton loss kernel takes the logits instead."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    logits = torch.nn.functional.linear(hidden, weight)
+    return selective_log_softmax_and_entropy(logits, targets, entropy_requires_grad=False)
+
+
+def _trl_materialised_setups() -> dict:
+    def logprobs(inp, s):
+        def fn():
+            lp, ent = _trl_materialised_lm_head(inp.hidden[None], inp.weight, inp.targets[None])
+            return lp[0], ent[0]
+
+        return Forward(fn, "[B, T, V] logits in the input dtype, selective_log_softmax_and_entropy")
+
+    def fused(inp, s):
+        b, t = _bt(inp)
+
+        def per_token():
+            return _trl_materialised_lm_head(inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t))
+
+        return Forward(_trl_loss(inp, per_token),
+                       "[B, T, V] logits in the input dtype, selective_log_softmax_and_entropy")  # fmt: skip
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
+
+
 def _trl_impl(device: torch.device) -> str:
     from trl.kernels.chunked_logprob import _use_triton
 
@@ -729,6 +764,17 @@ REGISTRY.add(
         "TRL 1.16: ChunkedLogProbFunction (as add_fused_lm_head calls it) + GRPOTrainer._compute_loss",
         _trl_setups(),
         dist="trl",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "trl-materialised",
+        "TRL 1.16 without the fused head: lm_head logits [B, T, V] in the input dtype, "
+        "selective_log_softmax_and_entropy + GRPOTrainer._compute_loss",
+        _trl_materialised_setups(),
+        dist="trl",
+        timed_despite_parity=("TRL's log-softmax runs in the logits' dtype (bf16: ~10x PyTorch's own error): timed "
+                              "anyway, as the baseline the CPU table compares with, its error shown beside"),
     )
 )
 REGISTRY.add(

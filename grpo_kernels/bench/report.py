@@ -11,6 +11,12 @@ from .runner import FLOOR, OURS
 
 README_START = "<!-- bench-table:start -->"
 README_END = "<!-- bench-table:end -->"
+# the CPU table (the `cpu` preset: the PyTorch backend against TRL), its own block
+README_CPU_START = "<!-- cpu-bench-table:start -->"
+README_CPU_END = "<!-- cpu-bench-table:end -->"
+CPU_PRESET = "cpu"
+CPU_BASELINE = "trl-materialised"  # what the time and memory ratios divide by
+CPU_COLUMNS = ("grpo_kernels", "trl-materialised", "trl")
 HEADLINE = ("Qwen3-8B", 16384)  # docs/design.md §7: N=16384, H=4096, V=151936
 
 
@@ -232,10 +238,101 @@ def readme_table(report: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: Path, table: str) -> None:
+def is_cpu_preset(report: dict) -> bool:
+    """A CPU run of the `cpu` preset alone: the README's CPU table, not its GPU table."""
+    return report["device"]["type"] == "cpu" and report["settings"]["presets"] == [CPU_PRESET]
+
+
+def _gib(nbytes) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f}"
+
+
+def _grad_error(r: dict) -> float | None:
+    """The larger relative L2 error of the two gradients against the fp32 reference (the parity gate's)."""
+    if not r.get("parity"):
+        return None
+    errors = [c["error"] for c in r["parity"]["checks"] if c["name"].startswith("grad_")]
+    return max(errors) if errors else None
+
+
+def readme_cpu_table(reports: list[dict], source: str) -> str:
+    """The README's CPU table from `cpu`-preset runs (one per dtype): per head and dtype, the median time and
+    the peak memory of grpo_kernels (backend "auto" = the PyTorch backend on a CPU) and of TRL's two paths, and
+    the ratios to TRL's materialised path."""
+    first = reports[0]
+    device, v = first["device"], first["versions"]
+    shas = sorted({(r["git"]["sha"] or "unknown")[:10] for r in reports})
+    dtypes = [r["settings"]["dtype"] for r in reports]
+    iters = sorted({r["settings"]["iters"] for r in reports})
+    loads = [r["device"].get("load_average") for r in reports if r["device"].get("load_average")]
+    load = ""
+    if loads:  # the 1-minute load average when each run started (a shared machine)
+        load = f"; load average {min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f} at the runs' starts"
+    lines = [
+        f"Measured on {device['name']} with {device.get('threads')} threads ({device.get('cpus')} cores{load}), "
+        f"{max(r['date'] for r in reports)[:10]}, torch {v['torch']}, TRL {v.get('trl')}, grpo_kernels "
+        f"{', '.join(shas)}, {' and '.join(dtypes)}; from `{source}` (`python -m benchmarks --op fused_grpo --shapes "
+        f"cpu --providers {','.join(CPU_COLUMNS)} --threads {device.get('threads')} --dtype DTYPE`). fused_grpo: "
+        f"hidden states -> GRPO loss ({BENCH_LOSS_SUMMARY}) -> grads of hidden states and weight; median of "
+        f"{'/'.join(str(i) for i in iters)} calls, interleaved; peak = torch allocations during one call beyond "
+        "what was allocated before it, gradients included; grad error = the larger relative L2 error of the two "
+        "gradients against the fp32 reference. TRL materialised: the model's [B, T, V] logits in the input dtype "
+        "and `selective_log_softmax_and_entropy`; TRL fused head: its GRPOTrainer's `ChunkedLogProbFunction`.",
+        "",
+        "| head, tokens | dtype | grpo_kernels ms | TRL materialised ms | TRL fused head ms | time / TRL materialised "
+        "| grpo_kernels peak GiB | TRL materialised peak GiB | TRL fused head peak GiB | memory / TRL materialised "
+        "| grad error: grpo_kernels / TRL materialised |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    labels = []
+    for report in reports:
+        for r in report["results"]:
+            if r["shape_label"] not in labels and r["op"] == "fused_grpo":
+                labels.append(r["shape_label"])
+    for label in labels:
+        for report in reports:
+            rows = {r["provider"]: r for r in report["results"]
+                    if r["op"] == "fused_grpo" and r["shape_label"] == label}  # fmt: skip
+            if not rows:
+                continue
+            shape = next(iter(rows.values()))["shape"]
+
+            def ms(name):
+                r = rows.get(name)
+                return None if not r or r["status"] != "ok" or not r["time"] else r["time"]["median_ms"]
+
+            def peak(name):
+                r = rows.get(name)
+                return None if not r or not r.get("memory") else r["memory"]["peak_extra_bytes"]
+
+            def ratio(a, b):
+                return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+            def time_cell(name):
+                r = rows.get(name)
+                if r is None:
+                    return "not run"
+                if r["status"] != "ok" or not r["time"]:
+                    return f"{r['status']}: {r['reason'][:60]}"
+                t = r["time"]
+                return f"{_ms(t['median_ms'])} ({_ms(t['p20_ms'])}-{_ms(t['p80_ms'])})"
+
+            ours, base = CPU_COLUMNS[0], CPU_BASELINE
+            errors = [_grad_error(rows[n]) if n in rows else None for n in (ours, base)]
+            error_cell = " / ".join("n/a" if e is None else f"{e:.1e}" for e in errors)
+            lines.append(
+                f"| {shape['model']}: H={shape['hidden']} V={shape['vocab']}, N={shape['tokens']} | "
+                f"{report['settings']['dtype']} | {time_cell(ours)} | {time_cell(base)} | {time_cell('trl')} | "
+                f"**{ratio(ms(ours), ms(base))}** | {_gib(peak(ours))} | {_gib(peak(base))} | {_gib(peak('trl'))} | "
+                f"**{ratio(peak(ours), peak(base))}** | {error_cell} |"
+            )
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, table: str, start: str = README_START, end: str = README_END) -> None:
     text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme} has no {README_START} ... {README_END} block to replace")
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{table}\n{README_END}{tail}")
+    if start not in text or end not in text:
+        raise ValueError(f"{readme} has no {start} ... {end} block to replace")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import sys
+import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from .ops import OPS, BenchInputs, build_inputs, compulsory_bytes, make_floor, o
 from .parity import check_outputs
 from .providers import REGISTRY, Provider, ProviderSkip, RunSettings
 from .shapes import BenchShape
-from .timing import free_memory, peak_extra_bytes, time_call
+from .timing import free_memory, peak_extra_bytes, stats_of, synchronize, time_call
 
 OURS = "grpo_kernels"
 FLOOR = "floor"
@@ -201,7 +202,9 @@ def gate(provider: Provider, ctx: ShapeContext, settings: RunSettings):
     return call, forward, parity
 
 
-def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -> dict:
+def _gated(provider: Provider, ctx: ShapeContext, settings: RunSettings):
+    """(row, call): the provider set up and checked against the truth; call is None when it is not to be timed
+    (skipped, failed, or its parity gate failed: the row says why)."""
     inp = ctx.inputs
     row = _row(inp.op.name, inp.shape, provider.name)
     try:
@@ -209,7 +212,7 @@ def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -
             call, forward, parity = gate(provider, ctx, settings)
     except ProviderSkip as exc:
         row.update(status="skipped", reason=str(exc))
-        return row
+        return row, None
     except Exception as exc:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
         row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc))
         _log(
@@ -217,29 +220,89 @@ def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -
         )
         reset_grads(inp)
         free_memory(settings.device)
-        return row
+        return row, None
     row.update(impl=forward.impl, parity=parity.as_dict(), parity_summary=parity.summary())
-    if not parity.passed:
+    if not parity.passed and provider.timed_despite_parity:
+        row["parity_note"] = (f"parity gate failed ({parity.summary()}); timed anyway: "
+                              f"{provider.timed_despite_parity}")
+        _log(f"    {provider.name}: parity gate failed, timed anyway (a baseline)\n{parity.failure_message()}")
+    elif not parity.passed:
         row.update(status="parity-failed", reason=parity.summary())
         _log(f"    {provider.name}: parity FAILED, not timed\n{parity.failure_message()}")
         free_memory(settings.device)
+        return row, None
+    return row, call
+
+
+def _measure_memory(row: dict, call, ctx: ShapeContext, settings: RunSettings) -> None:
+    inp = ctx.inputs
+    extra = peak_extra_bytes(call, functools.partial(reset_grads, inp), settings.device)
+    if extra is not None:
+        grads = inp.grad_bytes()
+        row["memory"] = {
+            "peak_extra_bytes": extra,
+            "grad_bytes": grads,
+            "beyond_grads_bytes": extra - grads,
+        }
+
+
+def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -> dict:
+    inp = ctx.inputs
+    row, call = _gated(provider, ctx, settings)
+    if call is None:
         return row
     reset = functools.partial(reset_grads, inp)
     try:
         row["time"] = time_call(call, reset, settings.device, settings.warmup, settings.iters).as_dict()
-        extra = peak_extra_bytes(call, reset, settings.device)
-        if extra is not None:
-            grads = inp.grad_bytes()
-            row["memory"] = {
-                "peak_extra_bytes": extra,
-                "grad_bytes": grads,
-                "beyond_grads_bytes": extra - grads,
-            }
+        _measure_memory(row, call, ctx, settings)
     except Exception as exc:  # noqa: BLE001
         row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
     reset_grads(inp)
     free_memory(settings.device)
     return row
+
+
+def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunSettings) -> list[dict]:
+    """Every provider gated first, then timed in turns (one call of each per round, `iters` rounds after
+    `warmup`), then its memory: on a shared machine whose load drifts, each provider sees the same drift."""
+    inp = ctx.inputs
+    gated = [(p, *_gated(p, ctx, settings)) for p in providers]
+    live = [(p, row, call) for p, row, call in gated if call is not None]
+    reset = functools.partial(reset_grads, inp)
+    samples: dict[str, list[float]] = {p.name: [] for p, _, _ in live}
+    failed: set[str] = set()
+    for round_ in range(settings.warmup + settings.iters):
+        for p, row, call in live:
+            if p.name in failed:
+                continue
+            try:
+                reset()
+                synchronize(settings.device)
+                t0 = time.perf_counter()
+                call()
+                synchronize(settings.device)
+                if round_ >= settings.warmup:
+                    samples[p.name].append((time.perf_counter() - t0) * 1e3)
+            except Exception as exc:  # noqa: BLE001
+                row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
+                failed.add(p.name)
+                reset()
+                free_memory(settings.device)
+    for p, row, call in live:
+        if p.name in failed:
+            continue
+        row["time"] = stats_of(samples[p.name], settings.warmup, "perf_counter (interleaved)").as_dict()
+        try:
+            _measure_memory(row, call, ctx, settings)
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
+        reset()
+        free_memory(settings.device)
+    rows = [row for _, row, _ in gated]
+    for r in rows:
+        shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
+        _log(f"    {r['provider']:<28} {shown}")
+    return rows
 
 
 def add_ratios(rows: list[dict], inp: BenchInputs) -> None:
@@ -295,11 +358,14 @@ def _run_ops(report: dict, ops: list[str], shapes: list[BenchShape], provider_na
             _log(f"[{op}] {shape.label}")
             ctx = prepare_shape(op, shape, settings)
             rows = [measure_floor(ctx, settings)]
-            for provider in providers:
-                rows.append(run_provider(provider, ctx, settings))
-                r = rows[-1]
-                shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
-                _log(f"    {provider.name:<28} {shown}")
+            if settings.interleave:
+                rows += run_interleaved(providers, ctx, settings)
+            else:
+                for provider in providers:
+                    rows.append(run_provider(provider, ctx, settings))
+                    r = rows[-1]
+                    shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
+                    _log(f"    {provider.name:<28} {shown}")
             add_ratios(rows, ctx.inputs)
             report["results"] += rows
             del ctx

@@ -49,6 +49,10 @@ SEQ_LEN = 1024  # completion length of the real-model presets: B = N / 1024 sequ
 
 # tiny: CPU smoke shapes. V = 1000 is not a multiple of any tile size (exercises the masked edges);
 # H = 128 is the smallest hidden size verl's kernel accepts (H % 128 == 0).
+# cpu: the PyTorch backend against TRL's paths on a CPU, at two heads a CPU user trains: a small head with a
+# Llama-2-sized vocabulary (H = 1024, V = 32000, 2048 tokens) and Qwen2.5-3B's (H = 2048, V = 151936, 512
+# tokens), as (model, H, V, N, T)
+CPU_SHAPES = (("H1024-V32000", 1024, 32000, 2048, 1024), ("Qwen2.5-3B", 2048, 151936, 512, 512))
 TINY = ("tiny", 128, 1000)
 TINY_TOKENS = (64, 256)
 TINY_SEQ_LEN = 32
@@ -72,6 +76,7 @@ PRESETS: dict[str, list[BenchShape]] = {
     "sweep": _model_shapes(QWEN3_8B, SWEEP_TOKENS),
     "session-sweep": _model_shapes(QWEN3_8B, SESSION_SWEEP_TOKENS),
     "loss-sweep": _model_shapes(QWEN3_8B, LOSS_SWEEP_TOKENS),
+    "cpu": [BenchShape(*shape) for shape in CPU_SHAPES],
 }
 PRESETS["full"] = PRESETS["qwen2.5-7b"] + PRESETS["llama3-8b"] + PRESETS["sweep"] + PRESETS["loss-sweep"]
 
@@ -84,6 +89,8 @@ PRESET_HELP = {
     "session-sweep": f"Qwen3-8B head, N in {SESSION_SWEEP_TOKENS} (the GPU session's sweep)",
     "loss-sweep": f"N in {LOSS_SWEEP_TOKENS}, for loss_head only (the LM-head ops stop at 65536 tokens)",
     "full": "qwen2.5-7b + llama3-8b + sweep + loss-sweep (the committed GPU run)",
+    "cpu": "H=1024 V=32000 N=2048 and Qwen2.5-3B H=2048 V=151936 N=512: the PyTorch backend against TRL on a CPU "
+           "(fused_grpo; minutes per dtype)",
 }
 
 

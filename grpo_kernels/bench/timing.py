@@ -5,9 +5,11 @@ quantiles [0.5, 0.2, 0.8]). On CUDA each call is bracketed by CUDA events on the
 device time of the call, including any host syncs it makes); elsewhere by time.perf_counter.
 `reset` (gradients set to None) runs before every call, outside the timed window.
 
-Memory (CUDA only): one more call after torch.cuda.reset_peak_memory_stats; the peak is
+Memory: one more call. On CUDA after torch.cuda.reset_peak_memory_stats; the peak is
 max_memory_allocated minus the memory allocated before the call (inputs, reference tensors and
-whatever else the process holds), so it is what the call itself adds, gradients included.
+whatever else the process holds), so it is what the call itself adds, gradients included. On a CPU the
+same quantity from the profiler's record of every torch allocation and free during the call, replayed in
+time order (grpo_kernels.testing.memory: torch tensors only, a BLAS library's own workspace is not seen).
 """
 
 from __future__ import annotations
@@ -70,14 +72,27 @@ def time_call(call, reset, device: torch.device, warmup: int, iters: int) -> Tim
             call()
             samples.append((time.perf_counter() - t0) * 1e3)
         timer = "perf_counter"
-    samples.sort()
+    return stats_of(samples, warmup, timer)
+
+
+def stats_of(samples: list[float], warmup: int, timer: str) -> TimeStats:
+    """Median and 20th / 80th percentiles of the timed calls (ms)."""
+    samples = sorted(samples)
     return TimeStats(
-        _quantile(samples, 0.5), _quantile(samples, 0.2), _quantile(samples, 0.8), iters, warmup, timer
+        _quantile(samples, 0.5), _quantile(samples, 0.2), _quantile(samples, 0.8), len(samples), warmup, timer
     )
 
 
 def peak_extra_bytes(call, reset, device: torch.device) -> int | None:
-    """Peak memory the call adds on top of what is allocated before it; None off CUDA."""
+    """Peak memory the call adds on top of what is allocated before it (CUDA and CPU; None elsewhere)."""
+    if device.type == "cpu":
+        from ..testing.memory import peak_allocated_bytes
+
+        reset()
+        gc.collect()
+        out, peak, _ = peak_allocated_bytes(call)
+        del out
+        return peak
     if device.type != "cuda":
         return None
     reset()
