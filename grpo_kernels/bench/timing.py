@@ -9,7 +9,8 @@ Memory: one more call. On CUDA after torch.cuda.reset_peak_memory_stats; the pea
 max_memory_allocated minus the memory allocated before the call (inputs, reference tensors and
 whatever else the process holds), so it is what the call itself adds, gradients included. On a CPU the
 same quantity from the profiler's record of every torch allocation and free during the call, replayed in
-time order (grpo_kernels.testing.memory: torch tensors only, a BLAS library's own workspace is not seen).
+time order (grpo_kernels.testing.memory.peak_bytes_from_allocations: torch's allocator only, a BLAS library's
+own workspace is not seen).
 """
 
 from __future__ import annotations
@@ -86,11 +87,11 @@ def stats_of(samples: list[float], warmup: int, timer: str) -> TimeStats:
 def peak_extra_bytes(call, reset, device: torch.device) -> int | None:
     """Peak memory the call adds on top of what is allocated before it (CUDA and CPU; None elsewhere)."""
     if device.type == "cpu":
-        from ..testing.memory import peak_allocated_bytes
+        from ..testing.memory import peak_bytes_from_allocations
 
         reset()
         gc.collect()
-        out, peak, _ = peak_allocated_bytes(call)
+        out, peak = peak_bytes_from_allocations(call)
         del out
         return peak
     if device.type != "cuda":

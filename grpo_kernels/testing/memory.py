@@ -26,3 +26,21 @@ def peak_allocated_bytes(fn):
         live += delta
         peak = max(peak, live)
     return result, peak, live
+
+
+def peak_bytes_from_allocations(fn):
+    """(result of fn(), peak bytes alive at once during it): every torch allocation and free the profiler
+    records while fn runs (its `[memory]` events, each with its size: + allocated, - freed), replayed in time
+    order. Unlike peak_allocated_bytes it sees the temporaries an op allocates and frees inside itself (a
+    GEMM's workspace, an autograd Function's backward), so it is the figure to compare implementations by."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")  # fmt: skip
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return result, peak
