@@ -38,10 +38,12 @@ DEFAULT_VOCAB_CHUNK = 8192
 # the logit of a forbidden token (a -inf bias): exp of it minus any lse is exactly 0; the Triton kernels' value
 # (triton.py: 2^101 below every logit the functional layer lets through, |z| <= 2^100)
 NEG_BIG = -(2.0**102)
-# Half-precision operands: each GEMM takes a slice of the weight narrow enough that its fp32 copy (and the
-# fp32 grad_weight tile of the backward) stays within this many bytes (2048 rows at H = 2048); whole
-# 128-row multiples. The softmax still folds vocab_chunk columns at a time.
-HALF_TILE_BYTES = 16 * 2**20
+# Half-precision operands: each GEMM takes a slice of the weight whose fp32 copy (and the fp32 grad_weight
+# tile of the backward) is an eighth of the weight's own bytes, within [HALF_SLICE_MIN_BYTES,
+# HALF_TILE_BYTES] (Qwen2.5-3B's head: 8192 rows, 64 MiB; H = 1024, V = 32000: 2048 rows, 8 MiB); whole
+# 128-row multiples: few GEMM calls at large heads, a copy small next to the weight at small ones.
+HALF_TILE_BYTES = 64 * 2**20
+HALF_SLICE_MIN_BYTES = 4 * 2**20
 # Element-wise work that needs scratch (the softmax fold, dz with an entropy gradient or a soft cap) runs
 # over blocks of at most this many elements (16 MiB of fp32 per scratch buffer): few enough torch ops that
 # each one's thread fork / join stays small next to its work (on a busy machine a fork waits for the other
@@ -111,8 +113,10 @@ class _Operands:
         self.bf16_math = self.dtype == torch.bfloat16 and hidden.device.type == "cpu"
         n_tokens, hidden_size = hidden.shape
         self.tile = vocab_chunk  # weight rows per GEMM
-        if self.half:  # the fp32 copy of one weight slice within HALF_TILE_BYTES
-            self.tile = min(vocab_chunk, max(128, HALF_TILE_BYTES // (4 * hidden_size) // 128 * 128))
+        if self.half:  # the fp32 copy of one weight slice: an eighth of the weight, within the bounds
+            weight_bytes = weight.numel() * weight.element_size()
+            slice_bytes = min(HALF_TILE_BYTES, max(HALF_SLICE_MIN_BYTES, weight_bytes // 8))
+            self.tile = max(128, slice_bytes // (4 * hidden_size) // 128 * 128)
         self._w32 = None
         self._w32_cols = None
         self._h32 = None
@@ -414,10 +418,16 @@ def lm_head_forward(
         if idx.numel():
             z_target[r0 + idx] = z[idx, y[idx] - c0]
 
+    # the fold's tiles: vocab_chunk columns (fp32: the arithmetic the results are pinned to); half precision,
+    # wide enough that a chunk's tile is ~ELEMENTWISE_BLOCK elements (fewer, larger element-wise ops)
+    fold_cols = vocab_chunk
+    if ops.half:
+        rows = max(r1 - r0 for r0, r1, _ in chunks)
+        fold_cols = max(vocab_chunk, ELEMENTWISE_BLOCK // rows // 128 * 128)
     with ops.math():
         if store is not None:  # vocabulary-outer: each weight slice read (half precision: upcast) once
-            for c0 in range(0, vocab, vocab_chunk):
-                c1 = min(c0 + vocab_chunk, vocab)
+            for c0 in range(0, vocab, fold_cols):
+                c1 = min(c0 + fold_cols, vocab)
                 for g0 in range(c0, c1, ops.tile):
                     g1 = min(g0 + ops.tile, c1)
                     for r0, r1, stored in chunks:
@@ -426,8 +436,8 @@ def lm_head_forward(
                     fold(r0, r1, c0, c1, stored[:, c0:c1])
         else:  # token-outer: a tile of scratch logits at a time
             for r0, r1, _ in chunks:
-                for c0 in range(0, vocab, vocab_chunk):
-                    c1 = min(c0 + vocab_chunk, vocab)
+                for c0 in range(0, vocab, fold_cols):
+                    c1 = min(c0 + fold_cols, vocab)
                     z = bufs.get("z", r1 - r0, c1 - c0)
                     ops.logits(r0, r1, c0, c1, out=z)
                     fold(r0, r1, c0, c1, z)
