@@ -499,27 +499,42 @@ def train(trainer_class, path, tmp_path, **overrides):
 
 
 TRAIN_CASES = {
-    # name: (model, GRPOConfig overrides). Each reaches a different Unsloth log-prob route.
-    "qwen2-dapo-kl": ("qwen2", {}),
+    # name: (model, GRPOConfig overrides, what some kernel call must have received). Each reaches a different
+    # Unsloth log-prob route: the entropy bonus the recompute scorer with the entropy's gradient, the top-entropy
+    # mask the entropy without it; Granite's logits_scaling arrives as logit_scale_divide, Gemma 2's soft-cap as
+    # logit_softcapping, the temperature as itself.
+    "qwen2-dapo-kl": ("qwen2", {}, {}),
     "qwen2-grpo-sequence-delta": ("qwen2", dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5,
-                                                beta=0.0)),  # fmt: skip
-    "qwen2-bnpo-entropy-bonus": ("qwen2", dict(loss_type="bnpo", entropy_coef=0.05)),  # entropy with its gradient
-    "qwen2-cispo-top-entropy": ("qwen2", dict(loss_type="cispo", top_entropy_quantile=0.5, beta=0.0)),
-    "granite-temperature": ("granite", dict(loss_type="dr_grpo", temperature=0.7)),
-    "gemma2-softcap": ("gemma2", dict(loss_type="sapo")),
+                                                beta=0.0), {}),  # fmt: skip
+    "qwen2-bnpo-entropy-bonus": ("qwen2", dict(loss_type="bnpo", entropy_coef=0.05),
+                                 dict(return_entropy=True, entropy_requires_grad=True)),  # fmt: skip
+    "qwen2-cispo-top-entropy": ("qwen2", dict(loss_type="cispo", top_entropy_quantile=0.5, beta=0.0),
+                                dict(return_entropy=True, entropy_requires_grad=False)),  # fmt: skip
+    "granite-temperature": ("granite", dict(loss_type="dr_grpo", temperature=0.7),
+                            dict(logit_scale_divide=4.0, temperature=0.7)),  # fmt: skip
+    "gemma2-softcap": ("gemma2", dict(loss_type="sapo"), dict(logit_softcapping=3.0)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
-def test_training_matches_unsloths_trainer(case, model_dirs, tmp_path):
-    kind, overrides = TRAIN_CASES[case]
+def test_training_matches_unsloths_trainer(case, model_dirs, tmp_path, monkeypatch):
+    kind, overrides, expected_call = TRAIN_CASES[case]
     calls_before = dict(unsloth_kernel_module.CALLS)
     stock, stock_grads = train(trl.GRPOTrainer, model_dirs[kind], tmp_path / "stock", **overrides)
     assert unsloth_kernel_module.CALLS["logprobs"] > calls_before["logprobs"], "the stock run used Unsloth's kernel"
+    seen = []
+    kernel_call = gk_unsloth.UnslothLogProbsKernel.__call__
+
+    def recording(self, hidden, weight, targets, **kwargs):
+        seen.append(kwargs)
+        return kernel_call(self, hidden, weight, targets, **kwargs)
+
+    monkeypatch.setattr(gk_unsloth.UnslothLogProbsKernel, "__call__", recording)
     ours, our_grads = train(gk_unsloth.GRPOKernelsTrainer, model_dirs[kind], tmp_path / "ours", **overrides)
     assert isinstance(ours, trl.GRPOTrainer) and type(stock).__name__ == "UnslothGRPOTrainer"
-    assert ours.grpo_kernels_kernel.calls > 0
+    assert ours.grpo_kernels_kernel.calls == len(seen) > 0
+    assert any(all(call.get(k) == v for k, v in expected_call.items()) for call in seen), (expected_call, seen[:3])
     assert unsloth_kernel_module.fused_linear_logprobs is UNSLOTH_KERNEL  # restored after every step
     # every logged value
     assert len(stock.state.log_history) == len(ours.state.log_history)

@@ -106,6 +106,15 @@ def test_verl_install_changes_come_from_the_record():
     assert record["changed"] and all(c["from"] != c["to"] for c in record["changed"])
 
 
+def test_unsloth_install_changes_come_from_the_record():
+    """The README's sentence on what [unsloth] changes on top of the base install is generated from a real resolve."""
+    script = record_script("unsloth_install_record")
+    spans = record_script("readme_spans")
+    record = json.loads((RECORDS / "unsloth_install.json").read_text())
+    assert spans.read_span("unsloth-install") == script.readme_sentence(record)
+    assert any(a["name"] == "trl" for a in record["added"])
+
+
 def test_ci_runs_the_readme_test_line_with_its_pins():
     """.ci/run takes the README's test line as it is; the pins a newcomer gets are in that line, and CI
     installs no other Triton or numpy before it."""
