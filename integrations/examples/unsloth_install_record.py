@@ -30,15 +30,22 @@ GPU_STACK = ("xformers", "bitsandbytes", "torchvision", "torchao", "diffusers", 
 
 def readme_sentence(record: dict) -> str:
     """The README's sentence on what installing [unsloth] on top of the base changes (generated, never typed)."""
-    changes = ", ".join(f"{c['name']} {c['from']} -> {c['to']}" for c in record["changed"]) or "nothing installed"
+
+    def change(c):
+        why = "; ".join(c["required_by"]) or "the resolver's choice"
+        return f"{c['name']} {c['from']} -> {c['to']} ({why})"
+
+    changes = ", ".join(change(c) for c in record["changed"]) or "nothing installed"
     added = {a["name"]: a["version"] for a in record["added"]}
     gpu = ", ".join(f"{name} {added[name]}" for name in GPU_STACK if name in added)
+    cuda = sum(1 for name in added if name.startswith(("nvidia-", "cuda-")))
     return (
-        f"On top of the base install (torch {record['torch']}), `[unsloth]` changes {changes} and adds "
+        f"On top of the base install (torch {record['torch']}), `[unsloth]` changes {changes}, and adds "
         f"{len(record['added'])} packages: trl {added.get('trl', '?')}, transformers {added.get('transformers', '?')}, "
-        f"Unsloth's GPU stack ({gpu}), ...; a real resolve with pip {record['pip']}, recorded in "
-        "`docs/records/unsloth_install.json` by `python integrations/examples/unsloth_install_record.py`. CI builds "
-        "its CPU-only Unsloth environment with `--no-deps` and explicit lists instead (`.ci/steps/unsloth.sh`)."
+        f"Unsloth's GPU stack ({gpu}) and {cuda} CUDA runtime packages, ...: a real resolve with pip {record['pip']}, "
+        "recorded in `docs/records/unsloth_install.json` by `python integrations/examples/unsloth_install_record.py`. "
+        "That is what `pip install unsloth` gives a GPU machine; on a CPU machine, or to keep your torch, build "
+        "the separate environment below."
     )
 
 

@@ -3,10 +3,10 @@ grpo_kernels' in its place, and compare every outcome.
 
     python integrations/examples/unsloth_suite.py --tests PATH/TO/unsloth-zoo/tests [--ref COMMIT] [--out DIR]
 
-PATH is the tests/ folder of an unsloth-zoo checkout: the wheels ship no tests. The chosen test files (and the
-folder's helpers and conftest) are copied into OUT/stock and OUT/swapped, each with a link named unsloth_zoo to
-the *installed* package, so the tests run against the installed unsloth_zoo (also those that read its source
-files). Both runs load a pytest plugin that records each test's outcome; in the swapped run it also puts
+PATH is the tests/ folder of an unsloth-zoo (or unsloth) checkout: the wheels ship no tests. The chosen test files
+(`--files`; default unsloth-zoo's GRPO log-prob and loss tests, DEFAULT_FILES) and the folder's helpers and
+conftest are copied into OUT/stock and OUT/swapped, each with links named unsloth_zoo and unsloth to the
+*installed* packages, so the tests run against them (also those that read their source files). Both runs load a pytest plugin that records each test's outcome; in the swapped run it also puts
 `grpo_kernels.integrations.unsloth.UnslothLogProbsKernel` in `unsloth_zoo.fused_losses.fused_linear.fused_linear_logprobs`
 before every test (every Unsloth caller looks it up there when it runs) and counts, per test, the calls that
 reached it (the stock run must reach none). Writes OUT/unsloth_suite.json: versions, the files run, per-test
@@ -85,8 +85,7 @@ def pytest_sessionfinish(session):
 def prepare(work: Path, tests: Path, files: list[str]) -> None:
     import importlib.util
 
-    spec = importlib.util.find_spec("unsloth_zoo")  # located, not imported (importing it needs Unsloth's setup)
-    if spec is None:
+    if importlib.util.find_spec("unsloth_zoo") is None:
         raise SystemExit("unsloth_zoo is not installed")
     if work.exists():
         shutil.rmtree(work)
@@ -94,7 +93,10 @@ def prepare(work: Path, tests: Path, files: list[str]) -> None:
     for path in tests.iterdir():  # helpers and conftest as they are; only the chosen test files
         if path.is_file() and (not path.name.startswith("test_") or path.name in files):
             shutil.copy2(path, work / "tests" / path.name)
-    (work / "unsloth_zoo").symlink_to(Path(spec.origin).parent)
+    for package in ("unsloth_zoo", "unsloth"):  # located, not imported (importing needs Unsloth's setup)
+        spec = importlib.util.find_spec(package)
+        if spec is not None:
+            (work / package).symlink_to(Path(spec.origin).parent)
     (work / "grpo_kernels_unsloth_suite.py").write_text(PLUGIN)
 
 
@@ -137,7 +139,7 @@ def _installed(dist: str) -> str | None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", required=True, type=Path, help="an unsloth-zoo checkout's tests/ folder")
+    parser.add_argument("--tests", required=True, type=Path, help="an unsloth-zoo or unsloth checkout's tests/ folder")
     parser.add_argument("--ref", default=None, help="the checkout's commit, recorded")
     parser.add_argument("--out", type=Path, default=Path("unsloth_suite_out"))
     parser.add_argument("--files", nargs="*", default=list(DEFAULT_FILES), help="test files to run (names)")
