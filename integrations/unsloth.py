@@ -156,7 +156,8 @@ def _is_correction_on(settings: dict) -> bool:
 
 def unmapped_settings(settings: dict) -> list[str]:
     """The options in `settings` (loss_settings' keys) that no PolicyLossConfig computes, one line each,
-    naming the option and why. Empty: policy_loss_config reproduces Unsloth's loss."""
+    naming the option and why. Empty: policy_loss_config reproduces Unsloth's loss. The options that wait
+    for a grpo_kernels loss variant are named with it (AWAITING_VARIANTS)."""
     problems = []
     loss_type = settings.get("loss_type", "grpo")
     if loss_type not in LOSS_AGG_MODE:
@@ -249,7 +250,9 @@ def policy_loss_config(settings: dict) -> gk.PolicyLossConfig:
 def loss_normalizers(settings: dict, batch_size: int, num_items_in_batch=None, *, training: bool = True,
                      grad_accum_steps: int = 1, steps_per_generation: int | None = None,
                      num_processes: int = 1) -> dict:  # fmt: skip
-    """The normalizer keywords of grpo_kernels' loss functions that reproduce grpo_compute_loss's division.
+    """The normalizer keywords of grpo_kernels' loss functions that reproduce grpo_compute_loss's division, for
+    the loss options `settings` (loss_settings' keys), a micro-batch of `batch_size` rows and Unsloth's
+    `num_items_in_batch`, `training`, `grad_accum_steps`, `steps_per_generation` and `num_processes`.
 
     GA = grad_accum_steps: Unsloth's current_gradient_accumulation_steps in training, 1 in eval (its
     `_unsloth_grpo_accumulation_steps`); it divides the entropy bonus too.
@@ -285,7 +288,7 @@ class KernelOptions:
     self-checks and the training pass then agree exactly)."""
 
     backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"
-    batch_invariant: bool = False
+    batch_invariant: bool = False  # fused_linear_logprobs(batch_invariant=): fixed reduction orders
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -383,6 +386,8 @@ _active: list = []  # the kernels installed by use_grpo_kernels, innermost last
 def use_grpo_kernels(backend: str = "auto", batch_invariant: bool = False, *, kernel=None):
     """Within the block, Unsloth's log-prob kernel (`unsloth_zoo.fused_losses.fused_linear.fused_linear_logprobs`,
     looked up by its callers at call time) is an `UnslothLogProbsKernel` on grpo_kernels; restored on exit.
+    `backend` ("auto", "triton", "torch") and `batch_invariant` configure it (KernelOptions), or pass your
+    own `kernel`.
     Re-entrant (an inner block keeps the outer kernel). Yields the kernel (its `calls` counts the calls).
     Any Unsloth code in the block is affected: Unsloth's DPO / KTO / GKD routes ask for statistics the
     kernel refuses, so keep them outside the block (GRPOKernelsTrainer scopes it to its own steps)."""

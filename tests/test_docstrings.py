@@ -22,6 +22,9 @@ INTEGRATIONS = {
                                       "unsupported_settings", "KernelOptions", "check_fsdp2_head"),
     "grpo_kernels.integrations.verl": ("policy_loss", "register_policy_losses", "linear_cross_entropy",
                                        "install_linear_cross_entropy"),
+    "grpo_kernels.integrations.unsloth": ("use_grpo_kernels", "UnslothLogProbsKernel", "KernelOptions",
+                                          "bypass_reasons", "loss_settings", "policy_loss_config",
+                                          "loss_normalizers", "unmapped_settings"),
 }  # fmt: skip
 
 
