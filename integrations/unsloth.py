@@ -30,7 +30,7 @@ What it gains: Unsloth's kernel already avoids the [tokens, V] logits, so the me
 backward is of the same order (docs/guides/unsloth.md has the measured numbers). The gains are
 grpo_kernels' accuracy (fp32 logits and statistics everywhere: Unsloth's kernel rounds the logits to
 the compute dtype except on CUDA GPUs that have an fp32-output GEMM), one kernel shared with the TRL
-and verl adapters, and its batch-invariant mode. Speed on a GPU against Unsloth's Triton kernel is
+and verl adapters, and its batch-invariant mode (for the LM head; the hidden states are Unsloth's). Speed on a GPU against Unsloth's Triton kernel is
 not measured.
 
 The loss options. `loss_settings(trainer)` reads what Unsloth's loss will use (the trainer's
@@ -284,8 +284,8 @@ def loss_normalizers(settings: dict, batch_size: int, num_items_in_batch=None, *
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the adapter calls grpo_kernels: the backend, and the batch-invariant mode (each token's log-prob
-    bitwise independent of the batch it is scored in: Unsloth's old-policy pass, its packed and per-row
-    self-checks and the training pass then agree exactly)."""
+    from the LM head bitwise independent of the other rows of the call; the hidden states are still those
+    of Unsloth's forward, packed or not)."""
 
     backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"
     batch_invariant: bool = False  # fused_linear_logprobs(batch_invariant=): fixed reduction orders
@@ -433,7 +433,7 @@ def bypass_reasons(trainer=None) -> list[str]:
 
 
 def _check_versions():
-    import importlib.metadata as metadata
+    from importlib import metadata
 
     found = {}
     for name, wanted in (("unsloth", SUPPORTED_UNSLOTH), ("unsloth_zoo", SUPPORTED_UNSLOTH_ZOO)):

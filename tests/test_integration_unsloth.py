@@ -54,6 +54,7 @@ import unsloth.models.rl as unsloth_rl  # noqa: E402
 
 unsloth_rl._patch_trl_rl_trainers_impl("grpo_trainer")  # what Unsloth does on a GPU machine at import
 
+import grpo_kernels.integrations.unsloth as gk_unsloth  # noqa: E402
 import trl  # noqa: E402
 import unsloth_zoo.fused_losses.fused_linear as unsloth_kernel_module  # noqa: E402
 import unsloth_zoo.rl_replacements as unsloth_rl_replacements  # noqa: E402
@@ -61,7 +62,6 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import grpo_kernels as gk  # noqa: E402
-import grpo_kernels.integrations.unsloth as gk_unsloth  # noqa: E402
 from grpo_kernels.testing import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -183,7 +183,7 @@ def test_kernel_half_precision_keeps_fp32_logits(dtype):
     """Half-precision inputs: ours keeps the logits in fp32 (error within fp32 rounding of the float64 truth of the
     same rounded inputs); Unsloth's PyTorch path (CPU, and GPUs without an fp32-output GEMM) rounds the logits to
     the half dtype first, so its error is of half precision's order. Measured, not assumed: asserted below."""
-    h, w, b, t, mask, kw = kernel_inputs("gemma-softcap-scale-temperature", dtype)
+    h, w, b, t, _, kw = kernel_inputs("gemma-softcap-scale-temperature", dtype)
     logp64, _, z64 = reference64(h.double(), w.double(), t, None if b is None else b.double(), None,
                                  kw["temperature"], kw["logit_scale_multiply"], kw["logit_scale_divide"],
                                  kw["logit_softcapping"])  # fmt: skip
@@ -212,7 +212,7 @@ def test_kernel_follows_autocast_like_unsloths():
 
 
 def test_kernel_entropy_requires_grad_false_detaches_and_empty_input_stays_connected():
-    h, w, b, t, _, kw = kernel_inputs("plain", torch.float32)
+    h, w, _, t, _, kw = kernel_inputs("plain", torch.float32)
     h.requires_grad_(True)
     kernel = gk_unsloth.UnslothLogProbsKernel()
     _, entropy = kernel(h, w, t, return_entropy=True, entropy_requires_grad=False, **kw)
@@ -224,9 +224,20 @@ def test_kernel_entropy_requires_grad_false_detaches_and_empty_input_stays_conne
     assert kernel.calls == 2
 
 
+def test_kernel_batch_invariant_option_reaches_grpo_kernels():
+    """grpo_kernels_batch_invariant: a row's log-prob and entropy scored alone are bitwise those it gets among
+    others (grpo_kernels' batch-invariant mode, which the option must reach)."""
+    h, w, b, t, _, kw = kernel_inputs("gemma-softcap-scale-temperature", torch.float32)
+    kernel = gk_unsloth.UnslothLogProbsKernel(gk_unsloth.KernelOptions(backend="torch", batch_invariant=True))
+    with torch.no_grad():
+        batch_logp, batch_ent = kernel(h, w, t, bias=b, return_entropy=True, **kw)
+        alone_logp, alone_ent = kernel(h[1, 3:9], w, t[1, 3:9], bias=b, return_entropy=True, **kw)
+    assert torch.equal(alone_logp, batch_logp[1, 3:9]) and torch.equal(alone_ent, batch_ent[1, 3:9])
+
+
 @pytest.mark.parametrize("flag", ["return_mean_logits", "return_log_sum_sq_probs", "return_is_top1"])
 def test_kernel_refuses_statistics_it_does_not_compute(flag):
-    h, w, b, t, _, kw = kernel_inputs("plain", torch.float32)
+    h, w, _, t, _, kw = kernel_inputs("plain", torch.float32)
     with pytest.raises(NotImplementedError, match=flag):
         gk_unsloth.UnslothLogProbsKernel()(h, w, t, **{flag: True}, **kw)
 
@@ -238,13 +249,12 @@ def test_use_grpo_kernels_swaps_the_module_attribute_and_restores_it():
         with gk_unsloth.use_grpo_kernels() as inner:  # re-entrant: the outer kernel stays
             assert inner is kernel
         # Unsloth's GRPO scorer reaches it through its call-time import
-        h, w, b, t, _, kw = kernel_inputs("plain", torch.float32)
+        h, w, _, t, _, _ = kernel_inputs("plain", torch.float32)
         unsloth_rl_replacements.grpo_chunked_hidden_states_logprobs(h.unsqueeze(0), w, t.unsqueeze(0))
         assert kernel.calls == 1
     assert unsloth_kernel_module.fused_linear_logprobs is UNSLOTH_KERNEL
-    with pytest.raises(ValueError, match="backend"):
-        with gk_unsloth.use_grpo_kernels(backend="cuda"):
-            pass
+    with pytest.raises(ValueError, match="backend"), gk_unsloth.use_grpo_kernels(backend="cuda"):
+        pass
 
 
 def test_bypass_reasons_name_what_routes_around_the_kernel(monkeypatch):

@@ -80,7 +80,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
     import unsloth_zoo.fused_losses.fused_linear as unsloth_kernel
-
     from grpo_kernels.integrations.unsloth import UnslothLogProbsKernel
 
     kernels = {"unsloth": unsloth_kernel.fused_linear_logprobs, "grpo_kernels": UnslothLogProbsKernel(backend_options())}
