@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "records" / "unsloth_kernel.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
+    # unsloth_zoo writes generated modules into ./unsloth_compiled_cache unless told otherwise
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth_compiled_cache_"))
     import unsloth_zoo.fused_losses.fused_linear as unsloth_kernel
     from grpo_kernels.integrations.unsloth import UnslothLogProbsKernel
 
