@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rehearsal", action="store_true", help="CPU, tiny shape, no profiles: the flow only")
+    parser.add_argument("--only", choices=("fused", "logprobs"), default=None, help="one part only")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,16 @@ def main(argv=None) -> int:
         print(f"  {name:48s} {r.get('median_ms', float('nan')):9.3f} ms  {r.get('error', '')}", flush=True)
         return r
 
-    # fused loss: the floor, auto at three memory goals, and the default's profile
+    if args.only != "logprobs":
+        _fused_part(record, row, save, device, shape, gpu)
+    if args.only != "fused":
+        _logprobs_part(record, row, save, device, shape, gpu)
+    _summary(record)
+    return 0
+
+
+def _fused_part(record, row, save, device, shape, gpu):
+    """The floor, auto at three memory goals, and the default's profile."""
     inp = build_inputs(OPS["fused_grpo"], shape, torch.bfloat16, device)
     floor = make_floor(inp)
     row("fused floor (3 cuBLAS GEMMs)", floor, lambda: None)
@@ -133,7 +143,10 @@ def main(argv=None) -> int:
     del inp, floor
     torch.cuda.empty_cache() if gpu else None
 
-    # logprobs without grad: kernel A against cuBLAS chunks
+
+
+def _logprobs_part(record, row, save, device, shape, gpu):
+    """logprobs without grad (kernel A against cuBLAS chunks at three budgets), then with grad."""
     inp = build_inputs(OPS["logprobs"], shape, torch.bfloat16, device)
     x, w, y = inp.hidden, inp.weight, inp.targets
     row("logprobs floor (1 cuBLAS GEMM)", make_floor(inp), lambda: None)
@@ -161,7 +174,7 @@ def main(argv=None) -> int:
             save()
         del r
     tri.DEFAULT_WORKSPACE_BYTES = GIB
-    del inp, x, w, y
+    del inp
     torch.cuda.empty_cache() if gpu else None
 
     # logprobs with grad
@@ -187,6 +200,8 @@ def main(argv=None) -> int:
     record["logprobs_grad_cublas_vs_triton_rel_l2"] = rel
     save()
 
+
+def _summary(record):
     print("\nprofile of fused auto (ms per call):", flush=True)
     p = record["profiles"].get("fused auto", {"wall_ms_per_iter": 0.0, "kernels_ms_per_iter": 0.0, "kernels": []})
     print(f"  wall {p['wall_ms_per_iter']:.2f}, kernels {p['kernels_ms_per_iter']:.2f}")
@@ -198,12 +213,11 @@ def main(argv=None) -> int:
             print(f"{name}: wall {p['wall_ms_per_iter']:.2f}, kernels {p['kernels_ms_per_iter']:.2f}")
             for k in p["kernels"][:6]:
                 print(f"  {k['ms_per_iter']:8.3f} ms x{k['calls_per_iter']:5.1f}  {k['name'][:100]}")
-    print(f"\ngrads cublas vs triton (rel L2): {rel}")
+    print(f"\ngrads cublas vs triton (rel L2): {record.get('logprobs_grad_cublas_vs_triton_rel_l2')}")
     print("\nrows:")
     for r in record["rows"]:
         print(f"  {r['name']:48s} {r.get('median_ms', float('nan')):9.3f} ms  peak extra "
               f"{r.get('peak_extra_gib') or 0:6.3f} GiB  {r.get('max_abs_err_vs_fp32', '')} {r.get('error', '')}")
-    return 0
 
 
 if __name__ == "__main__":
