@@ -234,12 +234,13 @@ def test_the_stamp_names_the_commit_only_for_the_tree_it_was_made_from(tmp_path)
     if gpu_session._git("rev-parse", "HEAD") is None:
         pytest.skip("not a git checkout")
     stamp = gpu_session.stamp_source(tmp_path)
-    assert stamp["tree"] and stamp["sha"] == gpu_session._git("rev-parse", "HEAD")
+    assert stamp["digest"] and stamp["sha"] == gpu_session._git("rev-parse", "HEAD")
+    assert "grpo_kernels/bench/gpu_session.py" in stamp["files"] and not any(f.startswith(".whl") for f in stamp["files"])
     fake = dict(stamp, sha="f" * 40)
     (tmp_path / "SOURCE.json").write_text(json.dumps(fake))
     info = gpu_session._source_info(tmp_path / "SOURCE.json")
-    assert info["sha"] == "f" * 40 and "tree digest equal" in info["from"]  # what a GPU machine's old git gets
-    (tmp_path / "SOURCE.json").write_text(json.dumps(dict(fake, tree="0" * 40)))
+    assert info["sha"] == "f" * 40 and "digest equal" in info["from"]  # what a GPU machine's old git gets
+    (tmp_path / "SOURCE.json").write_text(json.dumps(dict(fake, digest="0" * 64)))
     info = gpu_session._source_info(tmp_path / "SOURCE.json")
     assert info["sha"] == stamp["sha"] and info["from"] == "git" and "differ" in info["stamp_ignored"]
 

@@ -1056,29 +1056,31 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _tree_digest() -> str | None:
-    """The git tree hash of the working tree as it is (tracked and untracked-not-ignored files, through a
-    temporary index): equal on two machines exactly when the files that travel are equal."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
-        try:
-            subprocess.run(["git", "add", "-A"], cwd=ROOT, env=env, capture_output=True, timeout=120, check=True)
-            out = subprocess.run(["git", "write-tree"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                 timeout=60, check=True)  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
+def _files_digest(paths: list[str]) -> str | None:
+    """sha256 over the paths and contents of `paths` (relative to the repository), in order; None if one is
+    missing. Pure Python: the GPU machine needs no git history (its own git, if any, is older)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for rel in paths:
+        path = ROOT / rel
+        if not path.is_file():
             return None
-    return out.stdout.strip() or None
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def stamp_source(dest: Path) -> dict:
-    """.whl/SOURCE.json: the commit, whether the tree differs from it, and the tree's digest. The GPU
-    machine gets the tree without this checkout's history (its git, if any, is older), so the session
-    trusts the stamp exactly when the digest of the files it has equals the stamp's."""
+    """.whl/SOURCE.json: the commit, whether the tree differs from it, the files that travel and their
+    digest. The GPU machine gets the tree without this checkout's history (its git, if any, is older), so
+    the session trusts the stamp exactly when the digest of those files there equals the stamp's."""
     sha = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
     wheels = sorted(p.name for p in dest.glob("*.whl")) if dest.exists() else []
-    data = {"sha": sha, "dirty": dirty, "tree": _tree_digest(), "wheels": wheels,
-            "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+    listed = _git("ls-files", "--cached", "--others", "--exclude-standard")  # what travels: tracked + not ignored
+    files = sorted(f for f in (listed or "").splitlines() if (ROOT / f).is_file())
+    data = {"sha": sha, "dirty": dirty, "digest": _files_digest(files) if files else None, "files": files,
+            "wheels": wheels, "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "SOURCE.json").write_text(json.dumps(data, indent=1) + "\n")
     return data
@@ -1086,14 +1088,15 @@ def stamp_source(dest: Path) -> dict:
 
 def _source_info(stamp_path: Path | None = None) -> dict:
     """The commit the tree came from. .whl/SOURCE.json (stamp_source) when the files here are the stamped
-    ones (same tree digest): the GPU machine's own git, if any, knows only an older commit. Else git here
-    (a checkout: its HEAD and whether the tree differs), else the stamp marked unverified, else unknown."""
+    ones (same digest): the GPU machine's own git, if any, knows only an older commit. Else git here (a
+    checkout: its HEAD and whether the tree differs), else the stamp marked unverified, else unknown."""
     recorded = stamp_path or ROOT / ".whl" / "SOURCE.json"
     stamp = json.loads(recorded.read_text()) if recorded.exists() else None
     sha = _git("rev-parse", "HEAD")
-    tree = _tree_digest() if stamp and stamp.get("tree") and sha else None
-    if stamp and stamp.get("sha") and tree is not None and tree == stamp.get("tree"):
-        return {"sha": stamp["sha"], "dirty": stamp.get("dirty"), "from": ".whl/SOURCE.json (tree digest equal)",
+    same = bool(stamp and stamp.get("sha") and stamp.get("digest")
+                and _files_digest(stamp.get("files", [])) == stamp["digest"])  # fmt: skip
+    if same:
+        return {"sha": stamp["sha"], "dirty": stamp.get("dirty"), "from": ".whl/SOURCE.json (files digest equal)",
                 "git_head_here": sha}  # fmt: skip
     if sha:
         info = {"sha": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "from": "git"}
