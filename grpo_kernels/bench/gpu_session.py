@@ -244,10 +244,11 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
         # importing every provider's modules takes ~10-20 s on a GPU machine, longer on a loaded CPU
         rows("preflight", "versions, GPU and peaks, each provider's imports, profilers", 90 if rehearsal else 40,
              [Job("preflight", ["preflight", "--providers", ",".join(every), "--call-key", f"call{call}",
-                               *common("preflight")],
+                               "--import-timeout", "80" if rehearsal else "30", *common("preflight")],
                   [f"preflight|call{call}"], 90 if rehearsal else 60)]),
+        # (a rehearsal's headline imports TRL in each of its processes and may restart after a planted fault)
         rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(headline)} (the verdict, "
-             "rewritten after each row)", 120, bench("headline", (FLOOR, *headline))),
+             "rewritten after each row)", 240 if rehearsal else 120, bench("headline", (FLOOR, *headline))),
         rows("smoke", f"kernel A, backward, loss head, schedules {', '.join(schedules)} vs the PyTorch "
              "backend (bf16), small then target shape; stops at the first wrong", 45,
              [Job("smoke", ["smoke", "--schedules", ",".join(schedules), *common("smoke")],
@@ -602,7 +603,7 @@ class Session:
         """verdict.json and headline.json from every row on disk now (after each headline row, so that a
         later fault or kill keeps the verdict of the rows measured before it)."""
         rows = read_rows(self.results)
-        report = assemble(rows, ("headline", "sweep"))
+        report = assemble(rows, ("headline", "sweep"), self.record["calls"])
         if report is not None:
             _write_json(self.out / "headline.json", report)
         self.record["verdict"] = verdict_of(report, self.record.get("skipped_providers", {}))
@@ -621,7 +622,7 @@ class Session:
             if part.name not in ("headline", "schedules", "sweep", "opt-in"):
                 return
             self._write_verdict()
-            report = assemble(rows, ("headline", "sweep"))
+            report = assemble(rows, ("headline", "sweep"), self.record["calls"])
             if report is None:
                 return
             entry["files"] = ["verdict.json", "headline.json"]
@@ -685,9 +686,11 @@ def _exit_text(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def assemble(rows: list[dict], parts: tuple[str, ...]) -> dict | None:
+def assemble(rows: list[dict], parts: tuple[str, ...], calls: list[dict] | None = None) -> dict | None:
     """The benchmark report (the schema of `python -m benchmarks`' JSON) of the bench rows of `parts`,
-    with the ratios to the floor and to grpo_kernels per (part, op, shape)."""
+    with the ratios to the floor and to grpo_kernels per (part, op, shape). `calls` (session.json's): the
+    report's git is the source the last call verified (the rows' own may be a GPU machine's older git),
+    every call's listed in `sources`."""
     from .ops import OPS, compulsory_bytes, op_flops
     from .shapes import BenchShape
 
@@ -723,6 +726,10 @@ def assemble(rows: list[dict], parts: tuple[str, ...]) -> dict | None:
     report["skipped"] = [{"op": r["op"], "provider": r["provider"], "reason": r["reason"]}
                          for r in results if r["status"] == "skipped"]  # fmt: skip
     report["date"] = max(m["date"] for m in metas)
+    sources = [c.get("source") for c in calls or [] if c.get("source") and c["source"].get("sha")]
+    if sources:
+        report["git"] = {"sha": sources[-1]["sha"], "dirty": sources[-1].get("dirty")}
+        report["sources"] = [{"call": c.get("call"), **c["source"]} for c in calls if c.get("source")]
     return report
 
 
@@ -917,7 +924,13 @@ def headline_plot(report: dict, path: Path, part: str = "headline") -> Path:
         ax.set_title(f"{op} ({part}): N={shape.get('tokens')} H={shape.get('hidden')} V={shape.get('vocab')}",
                      fontsize=10)  # fmt: skip
         ax.set_ylabel("median ms (bar label: x GEMM floor)")
-        ax.set_ylim(0, top * 1.25)
+        positive = [t for t in times if t > 0]
+        if positive and top / min(positive) > 8:  # one slow provider would flatten every other bar
+            ax.set_yscale("log")
+            ax.set_ylim(min(positive) * 0.5, top * 2.0)
+            ax.set_ylabel("median ms, log scale (bar label: x GEMM floor)")
+        else:
+            ax.set_ylim(0, top * 1.25)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(caption_lines(report), fontsize=9)
     fig.tight_layout()

@@ -205,33 +205,50 @@ def job_preflight(args) -> int:
         except Exception as exc:  # noqa: BLE001
             record.setdefault("imports", {})[module] = f"not importable: {type(exc).__name__}: {str(exc)[:160]}"
     # each provider of the plan: the modules its setups import (a lazy top-level package is not enough:
-    # a missing dependency of trl.trainer.grpo_trainer shows only there); the session skips a provider
-    # whose import fails, with this reason, before attempting its rows
-    import importlib
-
+    # a missing dependency of trl.trainer.grpo_trainer shows only there), one process per provider, all
+    # at once (the imports are seconds each; the GPU machine has cores to spare); the session skips a
+    # provider whose import fails, with this reason, before attempting its rows
     from .providers import REGISTRY
 
-    record["providers"] = {}
+    record["providers"], record["import_seconds"] = {}, {}
+    checks = {}
     for name in [p for p in args.providers.split(",") if p]:
         provider = REGISTRY.providers.get(name)
         if provider is None:
             record["providers"][name] = "not in the registry"
+        elif not provider.imports:
+            record["providers"][name] = "ok"
+        else:
+            code = ("import importlib, sys, time; t = time.perf_counter()\n"
+                    "for m in sys.argv[1:]:\n"
+                    "    try:\n        importlib.import_module(m)\n"
+                    "    except Exception as exc:\n"
+                    "        print(f'not importable: {m}: {type(exc).__name__}: {str(exc)[:200]}'); sys.exit(3)\n"
+                    "print(f'ok {time.perf_counter() - t:.1f}')")  # fmt: skip
+            checks[name] = (time.perf_counter(), subprocess.Popen([sys.executable, "-c", code, *provider.imports],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
+    for name, (started, proc) in checks.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, args.import_timeout - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            record["providers"][name] = f"not importable: the import did not finish within {args.import_timeout:.0f} s"
             continue
-        status = "ok"
-        for module in provider.imports:
-            try:
-                importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001 - any failure to import is a reason to skip it
-                status = f"not importable: {module}: {type(exc).__name__}: {str(exc)[:200]}"
-                break
-        record["providers"][name] = status
-        if provider.dist:
+        line = (out or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        if proc.returncode == 0 and line[0].startswith("ok "):
+            record["providers"][name] = "ok"
+            record["import_seconds"][name] = float(line[0][3:])  # the import's own time, in its process
+        else:
+            record["providers"][name] = line[0]
+    for name in record["providers"]:
+        dist = REGISTRY.providers[name].dist if name in REGISTRY.providers else None
+        if dist and dist not in record["imports"]:
             try:
                 from importlib.metadata import version
 
-                record["imports"][provider.dist] = version(provider.dist)
+                record["imports"][dist] = version(dist)
             except Exception:  # noqa: BLE001
-                record["imports"][provider.dist] = "not installed"
+                record["imports"][dist] = "not installed"
     record["profilers"] = {"torch.profiler": True, "ncu": shutil.which("ncu"), "nsys": shutil.which("nsys")}
     append(args.jsonl, record)
     print(json.dumps(record, indent=1))
@@ -552,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="", help="smoke: comma-separated schedules of the fused loss")
     parser.add_argument("--providers", default="", help="preflight: the providers whose imports to check")
     parser.add_argument("--call-key", default="call1", help="preflight: the row's key suffix (one per call)")
+    parser.add_argument("--import-timeout", type=float, default=50.0,
+                        help="preflight: seconds the providers' imports may take (in parallel)")  # fmt: skip
     parser.add_argument("--opt-in", action="store_true", help="smoke / micro: the opt-in kernels")
     parser.add_argument(
         "--tool-timeout", type=float, default=90.0, help="profile: seconds per ncu / nsys run"
