@@ -54,6 +54,7 @@ _KL = {"k1": "k1", "k2": "k2", "k3": "low_var_kl", "abs": "abs"}  # SkyRL's k3 c
 
 _registered: list[str] = []
 _installed: set[str] = set()
+_originals: dict = {}  # (owner, attribute) -> SkyRL's own function, restored by uninstall()
 
 
 def _check_version() -> None:
@@ -510,6 +511,8 @@ def _install_logprobs() -> None:
         return call.logprobs
 
     forward._grpo_kernels = True
+    _originals[(model_wrapper.HFModelWrapper, "forward")] = original_forward
+    _originals[(model_wrapper, "logprobs_from_logits")] = original_logprobs
     model_wrapper.HFModelWrapper.forward = forward
     model_wrapper.logprobs_from_logits = logprobs_from_logits
 
@@ -542,7 +545,16 @@ def _install_fused() -> None:
             _local.result = None
 
     _forward_backward_micro._grpo_kernels = True
+    _originals[(base, "_forward_backward_micro")] = original
     base._forward_backward_micro = _forward_backward_micro
+
+
+def uninstall() -> None:
+    """Put SkyRL's own head and worker functions back in this process (the registered losses stay)."""
+    for (owner, attribute), function in _originals.items():
+        setattr(owner, attribute, function)
+    _originals.clear()
+    _installed.clear()
 
 
 def install(mode: str) -> None:
