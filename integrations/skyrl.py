@@ -227,6 +227,11 @@ def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, to
     return keep, rollout_for_tis, metrics
 
 
+class SkyRLAssertionError(ValueError, AssertionError):
+    """A refusal where SkyRL's own loss asserts: an AssertionError as SkyRL's (its callers and tests catch
+    that), and a ValueError as every grpo_kernels refusal."""
+
+
 class _Prepared:
     """One call's grpo_kernels inputs, from SkyRL's (config, tensors)."""
 
@@ -250,7 +255,7 @@ class _Prepared:
         self.metrics: dict = {}
         if skyrl_type == "cispo" and config.cispo.cispo_anchor == "rollout":
             if rollout is None:
-                raise ValueError("gk_cispo: rollout_logprobs are required for cispo with cispo_anchor='rollout'")
+                raise SkyRLAssertionError("gk_cispo: rollout_logprobs are required for cispo with cispo_anchor='rollout'")
             if config.off_policy_correction.tis_ratio_type is not None:
                 raise ValueError(
                     "cispo_anchor='rollout' is already rollout-anchored and performs the off-policy correction; TIS "

@@ -9,12 +9,14 @@
 * torchtitan's ``torchtitan/experiments/rl/__init__.py`` imports vLLM; the tests only need its losses:
   ``torchtitan.experiments.rl`` is made a bare package. The adapter imports neither.
 
-Each ``require_*`` skips the calling module, naming what to install, when the trainer is absent.
+Each ``require_*`` skips the calling module, naming what to install, when the trainer is absent; with
+``GRPO_KERNELS_REQUIRE_TRAINERS=1`` (CI's trainers step, .ci/steps/trainers.sh) it fails instead.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import sys
 import types
 from importlib import metadata
@@ -28,6 +30,12 @@ SKYRL_INSTALL = ("skyrl==0.4.0 is not installed: bash .ci/steps/trainers.sh buil
                  "'Use with SkyRL')")
 TORCHTITAN_INSTALL = ('torchtitan==0.3.0 is not installed: pip install -e ".[torchtitan]" (README, '
                       "'Use with torchtitan')")
+
+
+def _absent(reason: str):
+    if os.environ.get("GRPO_KERNELS_REQUIRE_TRAINERS") == "1":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
 
 
 def _version(dist: str) -> str | None:
@@ -72,9 +80,9 @@ def skyrl_shims() -> None:
 def require_skyrl():
     version = _version("skyrl")
     if version is None:
-        pytest.skip(SKYRL_INSTALL, allow_module_level=True)
+        _absent(SKYRL_INSTALL)
     if version != SKYRL_PIN:
-        pytest.skip(f"skyrl=={version} is installed; the adapter is pinned to {SKYRL_PIN}", allow_module_level=True)
+        _absent(f"skyrl=={version} is installed; the adapter is pinned to {SKYRL_PIN}")
     skyrl_shims()
     from skyrl.backends.skyrl_train.utils import ppo_utils
 
@@ -90,10 +98,9 @@ def torchtitan_shims() -> None:
 def require_torchtitan():
     version = _version("torchtitan")
     if version is None:
-        pytest.skip(TORCHTITAN_INSTALL, allow_module_level=True)
+        _absent(TORCHTITAN_INSTALL)
     if version != TORCHTITAN_PIN:
-        pytest.skip(f"torchtitan=={version} is installed; the adapter is pinned to {TORCHTITAN_PIN}",
-                    allow_module_level=True)  # fmt: skip
+        _absent(f"torchtitan=={version} is installed; the adapter is pinned to {TORCHTITAN_PIN}")
     torchtitan_shims()
     from torchtitan.experiments.rl import losses
 
