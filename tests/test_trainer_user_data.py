@@ -264,6 +264,22 @@ def test_padded_ids_get_no_probability_in_the_hf_sampler(models):
     assert masked and max(masked) < V
 
 
+def test_a_padded_model_trains_on_the_tokenizers_ids_only(models, tmp_path, monkeypatch):
+    """Whatever path the trainer samples by, no completion of the padded model holds an id >= 16."""
+    real, sampled = trainer_module._collect_rollouts, []
+
+    def collect(*args, **kwargs):
+        rollouts, rewards, stats = real(*args, **kwargs)
+        sampled.extend(t for row in rollouts.completion_tokens for t in row)
+        return rollouts, rewards, stats
+
+    monkeypatch.setattr(trainer_module, "_collect_rollouts", collect)
+    config = TrainConfig(**{**SMALL, "prompts_per_step": 4, "group_size": 4}, model=models["padded"],
+                         run_dir=str(tmp_path / "run"))  # fmt: skip
+    train(config, progress=False, log=lambda *a: None)
+    assert len(sampled) >= 2 * 16 and max(sampled) < V
+
+
 def test_vocabulary_mask_sets_minus_infinity_beyond_the_limit():
     scores = torch.randn(3, 10)
     masked = VocabularyMask(6)(None, scores)

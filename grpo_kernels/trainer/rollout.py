@@ -210,10 +210,10 @@ class HFSampler:
     `vocab`: sample only ids below it (a padded vocabulary, VocabularyMask)."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], temperature: float, autocast, vocab: int | None = None):
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import GenerationConfig
 
         self.model, self.tokenizer, self.eos_ids, self.autocast = model, tokenizer, eos_ids, autocast
-        self.logits_processor = LogitsProcessorList([VocabularyMask(vocab)] if vocab is not None else [])
+        self.vocabulary_mask = VocabularyMask(vocab) if vocab is not None else None  # first of the processors
         # Every processor that would change the distribution the loss assumes (softmax(z / T)) is set to its
         # neutral value explicitly, so the model's own generation_config (top_k, top_p, ...) cannot apply.
         self.generation_config = lambda max_new_tokens: GenerationConfig(
@@ -238,6 +238,8 @@ class HFSampler:
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int):
         """([B] completion token lists cut after the first EOS, [B] truncated flags, None: no sampler
         log-probs)."""
+        from transformers import LogitsProcessorList
+
         device = next(self.model.parameters()).device
         ids, mask = _pad(prompt_tokens, self.tokenizer.pad_token_id, left=True)
         was_training = self.model.training
@@ -247,7 +249,7 @@ class HFSampler:
                 input_ids=ids.to(device),
                 attention_mask=mask.long().to(device),
                 generation_config=self.generation_config(max_new_tokens),
-                logits_processor=self.logits_processor,
+                logits_processor=LogitsProcessorList([m for m in [self.vocabulary_mask] if m is not None]),
             )
         self.model.train(was_training)
         completions, truncated = [], []
