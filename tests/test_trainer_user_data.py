@@ -710,3 +710,33 @@ def test_an_all_masked_step_is_skipped_with_its_reason(tmp_path, monkeypatch):
     for m in skipped:
         assert m["skip_reason"].startswith("every token is masked: overlong filtering removed all 4 completions")
         assert f"step {m['step']} skipped (no update): {m['skip_reason']}" in logs
+
+
+def test_a_checkpoint_whose_replacement_was_interrupted_is_restored(finished_run, tmp_path):
+    """A kill between the two renames that replace a checkpoint folder leaves only `step_N.old` (complete):
+    resume puts it back and uses it."""
+    config, _, run_dir = copy_run(finished_run, tmp_path)
+    os.replace(run_dir / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002.old")
+    logs = []
+    train(config, resume=True, progress=False, log=logs.append)
+    assert any(line.startswith("note: ") and "step_000002 restored from step_000002.old" in line for line in logs)
+    assert f"resumed {run_dir} at step 2" in logs
+
+
+def test_a_built_in_task_the_tokenizer_cannot_encode_is_refused(tmp_path, capsys):
+    """A model whose tokenizer lacks the digits of the built-in tasks: refused before the run, not trained on
+    <unk> prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", "a", "b", "="])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=CONTEXT, eos_token_id=2))  # fmt: skip
+    path = save(model, tokenizer, tmp_path / "letters")
+    code, _, err = train_cli(capsys, "--model", path, "--run-dir", str(tmp_path / "run"), *SMALL_ARGS)
+    assert code == 2 and "task 'copy': the prompt" in err and "cannot encode (it becomes <unk>)" in err
+    assert not (tmp_path / "run").exists()

@@ -335,6 +335,12 @@ def choose_checkpoint(checkpoints_dir: str, verify, log) -> tuple[str, dict]:
     listed again) and the next older one tried; CheckpointMismatch propagates (the model changed: no older
     checkpoint of this run can match it either). FileNotFoundError when there is none, ValueError when every
     one is damaged."""
+    if os.path.isdir(checkpoints_dir):  # a kill between swap_in's two renames: the complete old folder is back
+        for name in sorted(os.listdir(checkpoints_dir)):
+            base = os.path.join(checkpoints_dir, name.removesuffix(".old"))
+            if name.endswith(".old") and not os.path.exists(base):
+                os.replace(os.path.join(checkpoints_dir, name), base)
+                log(f"note: {base} restored from {name} (a checkpoint write was interrupted while replacing it)")
     checkpoints = list_checkpoints(checkpoints_dir)
     if not checkpoints:
         raise FileNotFoundError(f"cannot resume {os.path.dirname(checkpoints_dir)!r}: it has no checkpoint")

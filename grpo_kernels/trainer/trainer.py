@@ -622,8 +622,9 @@ def _check_logits_finite(policy, tokenizer, compute: Compute) -> None:
 
 def _check_drawn_prompts(task, encode_prompt, seed: int) -> None:
     """For a task without a list of examples: up to 64 of its prompts, drawn aside (the run's random state is
-    left as it was), through the prompt encoder, so a prompt too long for the model's context is refused
-    before the run folder exists; during the run each prompt is checked as it is encoded."""
+    left as it was), through the prompt encoder, so a prompt too long for the model's context, or with text
+    its tokenizer cannot encode, is refused before the run folder exists; during the run each prompt's
+    length is checked as it is encoded."""
     state = random.getstate()
     try:
         with torch.random.fork_rng(devices=[]):
@@ -631,8 +632,11 @@ def _check_drawn_prompts(task, encode_prompt, seed: int) -> None:
             prompts, _ = task.sample(generator, min(64, task.num_prompts), exclude=set())
     finally:
         random.setstate(state)
+    unk = encode_prompt.tokenizer.unk_token_id
     for prompt in prompts:
-        encode_prompt(prompt)
+        if unk is not None and unk in encode_prompt(prompt):
+            raise ValueError(f"task {task.name!r}: the prompt {prompt!r} has text the model's tokenizer cannot encode "
+                             f"(it becomes {encode_prompt.tokenizer.unk_token})")  # fmt: skip
     encode_prompt.take_count()
 
 
