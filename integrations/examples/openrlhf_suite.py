@@ -259,7 +259,9 @@ def main(argv=None) -> int:
         "versions": versions,
         "python": sys.version.split()[0],
         "grpo_kernels_git_sha": sha,
-        "tests_folder": str(tests),
+        "tests_folder": "the installed openrlhf wheel's tests/"
+        if args.openrlhf_tests is None
+        else str(tests),
         "files": list(TEST_FILES),
         "counts": {
             side: {
