@@ -16,6 +16,7 @@ Each stand-in is put in `sys.modules` only when the real package cannot be impor
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -123,13 +124,29 @@ def _vllm_modules() -> dict[str, types.ModuleType]:
 
 def install_stubs() -> list[str]:
     """Put the stand-ins of whichever of flash_attn / vllm cannot be imported into sys.modules; returns the
-    top-level names stubbed."""
+    names of the modules stubbed. For a process of its own (a subprocess, a Ray worker); in the test process
+    use `stubs()`, which takes them out again."""
     stubbed = []
     for top, make in (("flash_attn", _flash_attn_modules), ("vllm", _vllm_modules)):
         if _missing(top):
-            sys.modules.update(make())
-            stubbed.append(top)
+            modules = make()
+            sys.modules.update(modules)
+            stubbed += list(modules)
     return stubbed
+
+
+@contextlib.contextmanager
+def stubs():
+    """The stand-ins while OpenRLHF's modules are imported (they bind what they import), then out of
+    sys.modules again, as OpenRLHF's own CPU test does: a later test that looks for vLLM or flash-attn in the
+    same process must not find them."""
+    stubbed = install_stubs()
+    try:
+        yield stubbed
+    finally:
+        for name in stubbed:
+            if name in sys.modules and vars(sys.modules[name]).get("__grpo_kernels_test_stub__"):
+                del sys.modules[name]
 
 
 def eager_compute_entropy() -> None:

@@ -47,16 +47,18 @@ from parity_helpers import assert_close, grad_scale, leaf, make_token_inputs
 import _openrlhf_support  # noqa: E402
 
 _openrlhf_support.require_openrlhf()
-_openrlhf_support.install_stubs()
 
-import openrlhf.models.utils as openrlhf_utils  # noqa: E402
 import transformers  # noqa: E402
-from openrlhf.models import Actor, aggregate_loss  # noqa: E402
-from openrlhf.models.loss import PolicyLoss as StockPolicyLoss  # noqa: E402
+
+with _openrlhf_support.stubs():  # flash_attn and vllm stand-ins while OpenRLHF's modules import, then gone
+    import openrlhf.models.utils as openrlhf_utils
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    from openrlhf.models import Actor, aggregate_loss
+    from openrlhf.models.loss import PolicyLoss as StockPolicyLoss
+    from openrlhf.trainer.ppo_utils.experience import Experience
+_openrlhf_support.eager_compute_entropy()
 
 import grpo_kernels as gk  # noqa: E402
-
-_openrlhf_support.eager_compute_entropy()
 import grpo_kernels.integrations.openrlhf as gk_openrlhf  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -65,6 +67,14 @@ assert Path(gk_openrlhf.__file__).resolve().parent == CHECKOUT / "integrations",
 
 VALUE_ATOL = 1e-5
 GRAD_TOL = 1e-5
+
+
+def test_stand_ins_left_with_the_import():
+    """The flash_attn / vllm stand-ins served OpenRLHF's imports only: later tests in this process that look
+    for the real packages do not find them."""
+    modules = list(sys.modules.items())
+    left = [name for name, m in modules if getattr(m, "__dict__", {}).get("__grpo_kernels_test_stub__")]
+    assert left == [], left
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +116,7 @@ def _loss_cases():
             for token_level in (True, False):
                 for normalizers in ("local", "global"):
                     for correction in CORRECTIONS:
-                        if (loss_type == "ppo") == (correction == "seq-binary-kl"):
+                        if loss_type == "ppo" and correction == "seq-binary-kl":  # refused for ppo
                             continue
                         if loss_type == "gspo" and correction not in ("off", "seq-binary-kl", "token-mask"):
                             continue
@@ -295,13 +305,23 @@ def make_model(kind: str):
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if kind == "qwen2-tied":  # the head's weight is the input embedding's
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}))
-    if kind == "llama-lora":  # PEFT LoRA on the attention projections, as OpenRLHF's --ds.lora.* (head frozen)
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
+        )
+    if (
+        kind == "llama-lora"
+    ):  # PEFT LoRA on the attention projections, as OpenRLHF's --ds.lora.* (head frozen)
         import peft
 
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-        lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0,
-                               target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        lora = peft.LoraConfig(
+            task_type=peft.TaskType.CAUSAL_LM,
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "v_proj"],
+            init_lora_weights=False,
+        )
         return peft.get_peft_model(model, lora)
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
@@ -377,7 +397,9 @@ def _compare_steps(ours, theirs, label):
     assert_close(f"{label} log-probs", ours["log_probs"], theirs["log_probs"], atol=VALUE_ATOL, rtol=0)
     assert_close(f"{label} entropy", ours["entropy"], theirs["entropy"], atol=VALUE_ATOL, rtol=0)
     assert_close(f"{label} loss", ours["loss"], theirs["loss"], atol=VALUE_ATOL, rtol=0)
-    assert (ours["weight_grad"] is None) == (theirs["weight_grad"] is None), label  # a frozen head stays frozen
+    assert (ours["weight_grad"] is None) == (theirs["weight_grad"] is None), (
+        label
+    )  # a frozen head stays frozen
     assert sorted(ours["grads"]) == sorted(theirs["grads"]) and theirs["grads"], label
     for name in ("hidden_grad", "weight_grad") if theirs["weight_grad"] is not None else ("hidden_grad",):
         assert_close(
@@ -556,8 +578,6 @@ def _trainer_args():
 def _training_step(ppo_actor, model, monkeypatch):
     """OpenRLHF's ActorPPOTrainer built by its own __init__ (a stand-in strategy: backward is loss.backward,
     no optimizer step; the CUDA-only replay buffer and barrier stood in), one training_step."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
     monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *args, **kwargs: None)
     monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
     model = copy.deepcopy(model)
@@ -599,8 +619,6 @@ def test_actor_ppo_trainer_training_step_equals_openrlhf(monkeypatch):
     module's PolicyLoss and training_step's forward runs grpo_kernels' head; the step logs the same values
     (policy loss, entropy loss, KL loss, clip ratio, ppo_kl, vllm_kl, is_filter_ratio...) and leaves the same
     gradients as OpenRLHF's (dual clip, token-level IS mask, k3 KL loss, entropy bonus)."""
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
-
     model = make_model("llama")
     stock_trainer, theirs, their_grads = _training_step(ppo_actor, model, monkeypatch)
     assert type(stock_trainer.actor_loss_fn) is StockPolicyLoss
