@@ -32,6 +32,14 @@ import pytest
 import torch
 from parity_helpers import installed_version
 
+
+def _skip_or_fail(reason: str, allow_module_level: bool = True) -> None:
+    """Skip the module, or fail it where Unsloth must be there (GRPO_KERNELS_REQUIRE_UNSLOTH=1: the CI step)."""
+    if os.environ.get("GRPO_KERNELS_REQUIRE_UNSLOTH") == "1":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason, allow_module_level=allow_module_level)
+
+
 UNSLOTH_VERSION = "2026.10.9"
 _ENVIRONMENT = (
     "the Unsloth environment that .ci/steps/unsloth.sh builds (unsloth pins trl<=1.15.0, so it cannot share the "
@@ -40,9 +48,9 @@ _ENVIRONMENT = (
 for _dist in ("unsloth", "unsloth_zoo"):
     _found = installed_version(_dist)
     if _found is None:
-        pytest.skip(f"{_dist} is not installed: these tests run in {_ENVIRONMENT}", allow_module_level=True)
+        _skip_or_fail(f"{_dist} is not installed: these tests run in {_ENVIRONMENT}", allow_module_level=True)
     if _found != UNSLOTH_VERSION:
-        pytest.skip(f"{_dist}=={_found} is installed; these tests are pinned to {UNSLOTH_VERSION}: {_ENVIRONMENT}",
+        _skip_or_fail(f"{_dist}=={_found} is installed; these tests are pinned to {UNSLOTH_VERSION}: {_ENVIRONMENT}",
                     allow_module_level=True)  # fmt: skip
 
 # Unsloth on a machine without a GPU: UNSLOTH_ALLOW_CPU=1 imports its GPU code path (what generates the GRPO

@@ -20,8 +20,16 @@ import pytest
 from checkout import CHECKOUT
 from parity_helpers import installed_version
 
+
+def _skip_or_fail(reason: str, allow_module_level: bool = True) -> None:
+    """Skip the module, or fail it where Unsloth must be there (GRPO_KERNELS_REQUIRE_UNSLOTH=1: the CI step)."""
+    if os.environ.get("GRPO_KERNELS_REQUIRE_UNSLOTH") == "1":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason, allow_module_level=allow_module_level)
+
+
 if installed_version("unsloth_zoo") is None:
-    pytest.skip(
+    _skip_or_fail(
         "unsloth_zoo is not installed: these tests run in the Unsloth environment that .ci/steps/unsloth.sh builds "
         "(unsloth pins trl<=1.15.0, so it cannot share the parity environment's trl 1.16.0)",
         allow_module_level=True,

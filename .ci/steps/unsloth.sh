@@ -22,5 +22,6 @@ python -m pip install -q -c .ci/unsloth-constraints.txt "trl==1.15.0" "transform
 python -m pip install -q --no-deps -e .
 echo "Unsloth environment installed in $(( $(date +%s) - step_start )) s"
 
-python -m pytest -q -p no:cacheprovider tests/test_integration_unsloth.py tests/test_unsloth_suite.py
+GRPO_KERNELS_REQUIRE_UNSLOTH=1 python -m pytest -q -p no:cacheprovider tests/test_integration_unsloth.py \
+  tests/test_unsloth_suite.py
 echo "Unsloth step finished in $(( $(date +%s) - step_start )) s"
