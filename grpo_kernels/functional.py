@@ -623,8 +623,10 @@ def _flatten_batch(
         chk.check_shape(name, x, token_shape, token_name)
         flat[name] = x.reshape(-1)
         if check_finite:
-            # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled
-            where = valid & ~torch.isnan(flat[name]) if name == "rollout_logprobs" else valid
+            # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled; not where the
+            # ratio is measured against them (ratio_anchor="rollout": no ratio without the sampler's log-prob)
+            unscored_ok = name == "rollout_logprobs" and config.ratio_anchor != "rollout"
+            where = valid & ~torch.isnan(flat[name]) if unscored_ok else valid
             chk.check_finite(name, flat[name], where)
 
     # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused
@@ -679,10 +681,14 @@ def _check_inputs_used(cfg: PolicyLossConfig, flat: dict) -> None:
         chk.fail("loss_type='group_dpo' needs ref_logprobs (DPO compares against the reference policy)")
     if cfg.is_level is not None and flat.get("rollout_logprobs") is None:
         chk.fail(f"is_level={cfg.is_level!r} needs rollout_logprobs (the sampler's log-probs)")
-    if flat.get("rollout_logprobs") is not None and cfg.is_level is None and cfg.off_policy_mask_threshold is None:
+    if cfg.is_gate is not None and flat.get("rollout_logprobs") is None:
+        chk.fail(f"is_gate={cfg.is_gate!r} needs rollout_logprobs (the sampler's log-probs)")
+    if cfg.ratio_anchor == "rollout" and flat.get("rollout_logprobs") is None:
+        chk.fail("ratio_anchor='rollout' needs rollout_logprobs (the ratio is measured against the sampler's log-probs)")
+    if flat.get("rollout_logprobs") is not None and not cfg.uses_rollout_logprobs:
         chk.fail(
-            "rollout_logprobs were given but nothing uses them: set is_level (TIS / MIS) or "
-            "off_policy_mask_threshold, or drop the argument"
+            "rollout_logprobs were given but nothing uses them: set is_level (TIS / MIS), is_gate, "
+            "ratio_anchor='rollout' or off_policy_mask_threshold, or drop the argument"
         )
     if cfg.loss_type == "gmpo" and flat.get("token_weights") is not None:
         chk.fail("token_weights are not defined for gmpo (a sequence-level objective)")

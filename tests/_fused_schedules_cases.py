@@ -55,7 +55,7 @@ def inputs(dtype, seed=0):
 
 def per_token(cfg, d):
     return dict(ref=d["ref"] if cfg.needs_reference else None,
-                rollout=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None)  # fmt: skip
+                rollout=d["rollout"] if cfg.uses_rollout_logprobs else None)  # fmt: skip
 
 
 def run(cfg, d, backend, schedule, dtype):
