@@ -501,7 +501,9 @@ def _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index):
 def binary_kl(mu_lp, lp):
     """KL(Bernoulli(mu) || Bernoulli(p)), mu = e^mu_lp, p = e^lp: the two policies' probabilities of the
     sampled token against the rest of the vocabulary. The first term from the log-probs, 1e-8 inside the
-    second's logarithm (finite at mu = 1 or p = 1), as SkyRL's DPPO writes it."""
+    second's logarithm (finite at mu = 1 or p = 1), as SkyRL's DPPO writes it. A log-prob rounded above 0
+    is read as 0 (a probability above 1 would make the logarithm's argument negative)."""
+    mu_lp, lp = mu_lp.clamp(max=0.0), lp.clamp(max=0.0)
     mu, p = mu_lp.exp(), lp.exp()
     return mu * (mu_lp - lp) + (1.0 - mu) * torch.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
 

@@ -80,7 +80,9 @@ def _agg_weight(AGG: tl.constexpr, length, norms_ptr, dp_size, max_len, length_p
 @triton.jit
 def _binary_kl(mu_lp, lp):
     """KL(Bernoulli(mu) || Bernoulli(p)) of one token's probabilities mu = e^mu_lp, p = e^lp (reference.binary_kl:
-    the same operations in the same order)."""
+    the same operations in the same order; log-probs above 0 read as 0)."""
+    mu_lp = tl.minimum(mu_lp, 0.0)
+    lp = tl.minimum(lp, 0.0)
     mu = tl.exp(mu_lp)
     p = tl.exp(lp)
     return mu * (mu_lp - lp) + (1.0 - mu) * tl.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
