@@ -307,7 +307,11 @@ def test_truncated_and_masked_importance_weights_by_hand():
     assert_close("sequence IS (sum of log-diffs = 0)", out.metrics["is_weight/mean"], torch.tensor(1.0), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["tis_token", "mis_sequence", "off_policy_mask"])
+UNSCORED_CASES = ["tis_token", "mis_sequence", "off_policy_mask", "is_sequence_geometric_mask", "seq_mask_tis",
+                  "gate_binary_kl_token", "gate_tv_sequence_tis"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", UNSCORED_CASES)
 def test_unscored_rollout_tokens_are_neutral(name):
     """NaN sampler log-probs (tokens vLLM could not score, TRL's convention) carry no evidence: the
     IS weight of such a token is that of rollout = old, its off-policy divergence that of rollout = logp."""
