@@ -425,3 +425,15 @@ def test_inputs_the_new_fields_need():
         ours(C(is_gate="tv", is_gate_max=0.1), d, rollout=False)
     # rollout_logprobs used by nothing but the anchor: accepted (not "nothing uses them")
     ours(C.dppo(ratio_anchor="rollout"), d)
+
+
+def test_the_trainer_passes_and_requires_the_sampler_for_these_variants():
+    """`grpo-kernels train --loss-option ...`: a variant that reads the sampler's log-probs needs the vLLM
+    sampler (transformers' generate samples with the training weights: nothing to measure against)."""
+    from grpo_kernels.trainer import TrainConfig
+
+    for options in ({"ratio_anchor": "rollout"}, {"is_gate": "tv", "is_gate_max": 0.1},
+                    {"is_level": "sequence_geometric"}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"need the sampler's log-probs \(--rollout-engine vllm\)"):
+            TrainConfig(loss="dppo", loss_options=options)
+    assert TrainConfig(loss="dppo", loss_options={"ratio_kl_coef": 0.002}).loss_config(8).ratio_kl_coef == 0.002
