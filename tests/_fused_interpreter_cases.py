@@ -57,7 +57,7 @@ def run(cfg, d, backend, schedule, layout):
     torch.manual_seed(3)  # clip_cov draws a random subset
     out = gk.fused_linear_grpo_loss(
         leaves[0], leaves[1], targets, d["adv"], mask, old, ref if cfg.needs_reference else None,
-        rollout if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+        rollout if cfg.uses_rollout_logprobs else None,
         bias=leaves[2], config=cfg.replace(temperature=0.8), backend=backend, schedule=schedule, **extra,
     )  # fmt: skip
     out.loss.backward()

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 import interpreter_runner  # noqa: E402
 from interpreter_runner import run_case_script  # noqa: E402
-from test_loss_head import CONFIGS  # noqa: E402
+from test_loss_head import CONFIGS, UNSCORED_CASES  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.interpreter
@@ -33,7 +33,7 @@ def close(got, expected):
 
 
 CASES = [f"{name}-{layout}" for name in sorted(CONFIGS) for layout in ("padded", "packed")] + [
-    f"{name}-nan-rollout" for name in ("tis_token", "mis_sequence", "off_policy_mask")
+    f"{name}-nan-rollout" for name in UNSCORED_CASES
 ]
 
 

@@ -1018,7 +1018,7 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
         normalizers = {"grad_accum_steps": len(slices), "dp_size": world}
     else:
         normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch)), "dp_size": world}
-    uses_rollout = loss_config.is_level is not None or loss_config.off_policy_mask_threshold is not None
+    uses_rollout = loss_config.uses_rollout_logprobs
     rollout_logprobs = batch.rollout_logprobs if uses_rollout else None
     args = (batch, loss_config, config, compute, normalizers, rollout_logprobs, vocab)
 
