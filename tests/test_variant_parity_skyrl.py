@@ -9,7 +9,7 @@ declares Python >= 3.12 and `skyrl/backends/__init__.py` imports the tinker API,
 run), after which ppo_utils imports on 3.11 (ray, which it imports for its registry's actor sync, is an
 empty stand-in where it is not installed). Install: `pip install --no-deps --ignore-requires-python
 skyrl==0.4.0 skyrl-gym==0.4.0` and the small packages its config module imports, pinned in
-.ci/steps/variant_peers.sh (CI's environment for these modules).
+.ci/steps/trainers.sh (CI's environment for this module and AReaL's; OpenRLHF's runs in .ci/steps/openrlhf.sh).
 
 Mapping (SkyRL -> PolicyLossConfig): its `reduce_loss` is a plain sum of the masked per-token loss (the
 reduction is folded into the advantages before), so loss_agg_mode="token-sum"; `dppo` -> loss_type="dppo",

@@ -31,6 +31,7 @@ $layer -m pip install -q --no-deps "openrlhf==0.11.2"
 echo "OpenRLHF environment ready in $(( $(date +%s) - step_start )) s"
 
 # a missing or broken OpenRLHF fails here instead of skipping (tests/_openrlhf_support.py)
-GRPO_KERNELS_REQUIRE_OPENRLHF=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \
-  $layer -m pytest -q -p no:cacheprovider tests/test_integration_openrlhf.py tests/test_openrlhf_suite.py
+GRPO_KERNELS_REQUIRE_OPENRLHF=1 GRPO_KERNELS_REQUIRE_VARIANT_PEERS=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \
+  $layer -m pytest -q -p no:cacheprovider tests/test_integration_openrlhf.py tests/test_openrlhf_suite.py \
+  tests/test_variant_parity_openrlhf.py
 echo "OpenRLHF step finished in $(( $(date +%s) - step_start )) s"

@@ -9,6 +9,7 @@
 #   tests/test_integration_skyrl_step.py  the FSDP head and SkyRL's PolicyWorkerBase micro-step, every mode
 #   tests/test_skyrl_suite.py             the harness that runs SkyRL's own loss tests swapped
 #   tests/test_integration_torchtitan.py  GRPOKernelsLoss against DAPOLoss / ChunkedLossWrapper, two steps
+#   tests/test_variant_parity_{skyrl,areal}.py  the loss variants against SkyRL's and AReaL's own code
 # Called by .ci/run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,8 +24,10 @@ python -m pip install -q "triton==3.6.0" "numpy<2.3" pytest "transformers>=5.6.1
   "ray==2.57.0" omegaconf jaxtyping loguru cloudpathlib pandas
 python -m pip install -q --no-deps --ignore-requires-python "skyrl==0.4.0"
 python -m pip install -q --no-deps skyrl-gym "torchtitan==0.3.0" "spmd_types==0.2.3" tyro docstring_parser
+python -m pip install -q --no-deps "areal==1.0.4"  # the loss variants' AReaL oracle (its loss module needs torch only)
 echo "trainers environment installed in $(( $(date +%s) - step_start )) s"
-GRPO_KERNELS_REQUIRE_TRAINERS=1 python -m pytest -q -p no:cacheprovider tests/test_integration_skyrl.py \
-  tests/test_integration_skyrl_step.py tests/test_skyrl_suite.py tests/test_integration_torchtitan.py
+GRPO_KERNELS_REQUIRE_TRAINERS=1 GRPO_KERNELS_REQUIRE_VARIANT_PEERS=1 python -m pytest -q -p no:cacheprovider \
+  tests/test_integration_skyrl.py tests/test_integration_skyrl_step.py tests/test_skyrl_suite.py \
+  tests/test_integration_torchtitan.py tests/test_variant_parity_skyrl.py tests/test_variant_parity_areal.py
 deactivate
 echo "trainers step finished in $(( $(date +%s) - step_start )) s"
