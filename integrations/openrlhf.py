@@ -33,8 +33,9 @@ Two parts, both on by default (`install(parts=...)`, or `GRPO_KERNELS_OPENRLHF=l
   that wants the logits (no `action_mask`, no `return_logprobs`) gets OpenRLHF's own forward.
 * "loss": `PolicyLoss` is this module's `PolicyLoss`: OpenRLHF's constructor and call, computed by
   `grpo_kernels.grpo_loss` (`policy_loss_config` gives the mapping), returning OpenRLHF's 5-tuple with its
-  metrics computed by OpenRLHF's definitions. Options it cannot reproduce are refused by name when the
-  loss is built (`unsupported_options`; `NEEDS_LOSS_VARIANT` lists those waiting for a loss variant).
+  metrics computed by OpenRLHF's definitions. Every train/rollout correction maps (token or sequence level,
+  ratio, binary_kl or tv gating: grpo_kernels' IS weight and sampler gate); thresholds it cannot reproduce
+  are refused by name when the loss is built (`unsupported_options`).
 
 Options (`install(backend=, batch_invariant=)`, or GRPO_KERNELS_OPENRLHF_BACKEND / _BATCH_INVARIANT for Ray):
 grpo_kernels' backend ("auto": Triton on CUDA) and batch-invariant log-probs (the old-policy pass and the
@@ -82,36 +83,8 @@ OPENRLHF_ENV_DEFAULTS = {
 # OpenRLHF's PolicyLoss clamps the token log-ratio to [-20, 20] before exp() (policy_loss_type="ppo")
 PPO_LOG_RATIO_CLAMP = 20.0
 
-# Train/rollout correction settings of OpenRLHF that need a loss variant grpo_kernels does not have yet.
-# (level, gating) -> (the variant, OpenRLHF's formula). p = exp(rollout_log_probs), q = exp(old_log_probs),
-# both clamped to [1e-6, 1 - 1e-6]; rho_t = exp(old_t - rollout_t) (detached); [low, high] the threshold.
-# In every case a token / sequence outside the band gets weight 0, a kept token its own rho_t.
-NEEDS_LOSS_VARIANT = {
-    ("seq", "ratio"): (
-        "a geometric-mean sequence-level IS mask",
-        "keep sequence i iff low <= exp(mean_t (old_t - rollout_t)) <= high (the geometric mean of its token "
-        "ratios); weight rho_t on the kept sequences' tokens, 0 on the others",
-    ),
-    ("token", "binary_kl"): (
-        "a DPPO-style binary-KL trust-region mask on the sampler mismatch",
-        "keep token t iff p_t log(p_t / q_t) + (1 - p_t) log((1 - p_t) / (1 - q_t)) <= high; "
-        "weight rho_t if kept",
-    ),
-    ("seq", "binary_kl"): (
-        "a DPPO-style binary-KL trust-region mask on the sampler mismatch (sequence mean)",
-        "keep sequence i iff mean_t [p_t log(p_t / q_t) + (1 - p_t) log((1 - p_t) / (1 - q_t))] <= high "
-        "(arithmetic mean over its tokens); weight rho_t on the kept sequences' tokens",
-    ),
-    ("token", "tv"): (
-        "a DPPO-style binary-TV trust-region mask on the sampler mismatch",
-        "keep token t iff |p_t - q_t| <= high; weight rho_t if kept",
-    ),
-    ("seq", "tv"): (
-        "a DPPO-style binary-TV trust-region mask on the sampler mismatch (sequence mean)",
-        "keep sequence i iff mean_t |p_t - q_t| <= high; weight rho_t on the kept sequences' tokens",
-    ),
-}
-
+# OpenRLHF clamps the sampled token's probabilities to [1e-6, 1 - 1e-6] before its binary_kl / tv statistics
+OPENRLHF_PROB_CLAMP = 1e-6
 
 # ---------------------------------------------------------------------------------------------------
 # OpenRLHF's PolicyLoss options -> PolicyLossConfig
@@ -163,32 +136,34 @@ def unsupported_options(
     """The PolicyLoss options grpo_kernels cannot reproduce, one line each naming the option (empty: all
     honoured). The train/rollout correction (is_correction_level, is_correction_mode, is_correction_gating,
     is_correction_threshold) is applied by OpenRLHF to policy_loss_type="ppo" only (GSPO measures its ratio
-    against the rollout log-probs instead), so only "ppo" can hit these. Other PolicyLoss arguments (`_`)
-    are accepted and ignored: every one of them maps."""
+    against the rollout log-probs instead), so only "ppo" can hit these: a threshold OpenRLHF would drop every
+    token with, a non-finite upper bound, and a ratio bound above e^20 (grpo_kernels clamps the sampler
+    log-ratio to +-20). Other PolicyLoss arguments (`_`) are accepted and ignored: every one of them maps."""
     if policy_loss_type != "ppo" or is_correction_level == "off":
         return []
-    problems = []
-    key = (is_correction_level, is_correction_gating)
-    if key in NEEDS_LOSS_VARIANT:
-        variant, formula = NEEDS_LOSS_VARIANT[key]
-        problems.append(
-            f"is_correction_level={is_correction_level!r} with "
-            f"is_correction_gating={is_correction_gating!r} needs "
-            f"{variant}, which grpo_kernels does not have yet (OpenRLHF: {formula})"
-        )
-        return problems
     low, high = (float(x) for x in is_correction_threshold)
+    if is_correction_gating != "ratio":  # a divergence >= 0, bounded above (OpenRLHF checked low <= 0)
+        if not (math.isfinite(high) and high >= 0):
+            problem = (
+                f"is_correction_threshold={list(is_correction_threshold)} with "
+                f"is_correction_gating={is_correction_gating!r}: grpo_kernels' divergence gate needs a "
+                "finite upper bound >= 0 (OpenRLHF would drop every token below 0, keep every one at inf)"
+            )
+            return [problem]
+        return []
     if not (math.isfinite(high) and high > 0 and high > max(low, 0.0)):
-        problems.append(
+        problem = (
             f"is_correction_threshold={list(is_correction_threshold)}: grpo_kernels' IS band needs "
             "0 <= low < high with a finite high (OpenRLHF would drop every token)"
         )
-    elif high > math.exp(PPO_LOG_RATIO_CLAMP):
-        problems.append(
+        return [problem]
+    if high > math.exp(PPO_LOG_RATIO_CLAMP):
+        problem = (
             f"is_correction_threshold upper bound {high} > e^{PPO_LOG_RATIO_CLAMP:g}: grpo_kernels clamps "
             f"the IS log-ratio to [-{PPO_LOG_RATIO_CLAMP:g}, {PPO_LOG_RATIO_CLAMP:g}] (OpenRLHF does not)"
         )
-    return problems
+        return [problem]
+    return []
 
 
 def policy_loss_config(
@@ -208,11 +183,23 @@ def policy_loss_config(
     policy_loss_type "ppo" -> ppo_clip with OpenRLHF's log-ratio clamp 20; "gspo" -> ppo_clip at ratio_level
     "sequence" (exp of the mean log-ratio, value and gradient through the mean), no clamp, and always a
     per-sequence mean (OpenRLHF forces token_level_loss=False). clip_eps_low / clip_eps_high -> clip_low /
-    clip_high; dual_clip as is; token_level_loss -> "token-mean", else "seq-mean-token-mean". The
-    train/rollout correction: is_correction_level "token" with is_correction_gating "ratio" -> is_level
-    "token"; is_correction_mode "mask" -> is_mode "mask", "clip" -> "truncate"; is_correction_threshold [low,
-    high] -> is_min (None when low <= 0: ratios are positive) / is_max. Raises ValueError for what OpenRLHF
-    refuses (its messages) and for what grpo_kernels cannot reproduce (`unsupported_options`)."""
+    clip_high; dual_clip as is; token_level_loss -> "token-mean", else "seq-mean-token-mean".
+
+    The train/rollout correction ("ppo" only): is_correction_level, is_correction_mode, is_correction_gating
+    and is_correction_threshold = [low, high], with rho_t = exp(old_t - rollout_t) the token IS weight:
+
+    * level "token", gating "ratio": is_level "token", mode "mask" -> is_mode "mask", "clip" -> "truncate",
+      is_min = low (None when low <= 0: ratios are positive), is_max = high.
+    * level "seq", gating "ratio" (seq-mask-TIS): is_level "token" with is_max None (the raw rho_t), and the
+      sampler gate is_gate "ratio" at is_gate_level "sequence" (the geometric mean of the sequence's rho_t),
+      is_gate_min = low (None when low <= 0), is_gate_max = high.
+    * gating "binary_kl" / "tv" (either level, mode "mask"; OpenRLHF allows low <= 0 only): is_level "token"
+      with is_max None, is_gate = the gating at is_gate_level "token" or "sequence" (the mean over the
+      sequence's tokens), is_gate_max = high. A divergence is >= 0, so there is no lower bound (OpenRLHF
+      compares with low as well: a statistic rounded below 0 is dropped there, kept here; `PolicyLoss`).
+
+    Raises ValueError for what OpenRLHF refuses (its messages) and for what grpo_kernels cannot reproduce
+    (`unsupported_options`)."""
     options = dict(
         dual_clip=dual_clip,
         policy_loss_type=policy_loss_type,
@@ -235,14 +222,24 @@ def policy_loss_config(
         log_ratio_clamp=None if gspo else PPO_LOG_RATIO_CLAMP,
         loss_agg_mode="token-mean" if token_level_loss and not gspo else "seq-mean-token-mean",
     )
-    if not gspo and is_correction_level == "token":  # ratio gating (the others were refused above)
+    if not gspo and is_correction_level != "off":
         low, high = (float(x) for x in is_correction_threshold)
-        fields.update(
-            is_level="token",
-            is_mode="mask" if is_correction_mode == "mask" else "truncate",
-            is_min=low if low > 0 else None,
-            is_max=high,
-        )
+        if is_correction_level == "token" and is_correction_gating == "ratio":
+            fields.update(
+                is_level="token",
+                is_mode="mask" if is_correction_mode == "mask" else "truncate",
+                is_min=low if low > 0 else None,
+                is_max=high,
+            )
+        else:  # a gate that drops units, the kept tokens weighted by their own rho_t (mode "mask" only)
+            fields.update(
+                is_level="token",
+                is_max=None,
+                is_gate=is_correction_gating,
+                is_gate_level="sequence" if is_correction_level == "seq" else "token",
+                is_gate_min=low if is_correction_gating == "ratio" and low > 0 else None,
+                is_gate_max=high,
+            )
     return gk.PolicyLossConfig(**fields)
 
 
@@ -294,8 +291,27 @@ class PolicyLoss(torch.nn.Module):
     `batch_num_tokens` the token mean is sum / batch_num_tokens x dp_size, else a local mean; likewise
     `global_batch_size` for the per-sequence mean). The metrics are OpenRLHF's: clip_ratio the token mean of
     surr2 < surr1, ppo_kl the token mean of old - new log-prob (unclamped), and with the train/rollout
-    correction vllm_kl (token mean of rollout - old) and is_filter_ratio (the share of tokens outside the
-    band), else None. `backend` picks grpo_kernels' backend ("auto": Triton on CUDA)."""
+    correction vllm_kl (token mean of rollout - old) and is_filter_ratio (the share of the units the
+    correction drops or clamps: valid tokens at level "token", all B sequences at level "seq", an empty one
+    counted as dropped, as OpenRLHF), else None. `backend` picks grpo_kernels' backend ("auto": Triton on
+    CUDA).
+
+    Where the gated corrections (seq-level ratio, binary_kl, tv) part from OpenRLHF's numbers, with p / q the
+    sampler's / old policy's probability of the sampled token:
+
+    * A divergence gate has no lower bound. OpenRLHF also requires statistic >= low; with low = 0 (what its
+      launcher makes of a single HIGH) it drops the tokens (or sequences) whose binary KL rounds below 0 in
+      its arithmetic, those on which p and q nearly agree (in float32 about 40% of the tokens whose two
+      log-probs differ by less than 1e-4, 10% under 1e-3); they are kept here. TV, |p - q|, is never below 0.
+    * The binary KL is grpo_kernels' (SkyRL's form: 1e-8 inside the logarithm); OpenRLHF clamps p and q to
+      [1e-6, 1 - 1e-6]. With both inside that range they differ by under 0.4% of a statistic above 1e-4 (the
+      1e-8 matters near probability 1); with one outside, several-fold (p = 1.5e-3, q = 1e-14: 0.037 here,
+      0.0098 in OpenRLHF). TV differs by at most 1e-6 (the clamp).
+    * The sequence ratio gate averages the token log-ratios clamped to +-20 (OpenRLHF: unclamped): it differs
+      on a sequence holding a token whose old and rollout log-probs are more than 20 nats apart.
+
+    is_filter_ratio uses OpenRLHF's statistic with the band the loss applies (no lower bound on a
+    divergence)."""
 
     def __init__(
         self,
@@ -404,18 +420,41 @@ class PolicyLoss(torch.nn.Module):
         ppo_kl = _masked_mean(-raw, m)
         if self.is_correction_level == "off" or self.policy_loss_type != "ppo":
             return clip_ratio, ppo_kl, None, None
-        low, high = self.is_correction_threshold
-        stat = (old_log_probs - rollout_log_probs).exp()  # token level, ratio gating (the others are refused)
-        if self.is_correction_mode == "clip":
-            filtered = (stat < low) | (stat > high)
+        filtered = self._filtered(old_log_probs, rollout_log_probs, m)
+        if self.is_correction_level == "seq":  # per sequence: the mean over all B rows, empty ones included
+            is_filter_ratio = filtered.float().mean()
         else:
-            filtered = ~((stat >= low) & (stat <= high))
-        return (
-            clip_ratio,
-            ppo_kl,
-            _masked_mean(rollout_log_probs - old_log_probs, m),
-            _masked_mean(filtered.float(), m),
-        )
+            is_filter_ratio = _masked_mean(filtered.float(), m)
+        return clip_ratio, ppo_kl, _masked_mean(rollout_log_probs - old_log_probs, m), is_filter_ratio
+
+    def _filtered(self, old_log_probs, rollout_log_probs, m):
+        """OpenRLHF's `filtered`: True for the units its correction drops (clip: clamps), [B, T] at token
+        level, [B, 1] at sequence level. The statistic is OpenRLHF's: the ratio exp(old - rollout), per
+        sequence the exp of its mean; binary_kl and tv on the probabilities clamped to [1e-6, 1 - 1e-6], per
+        sequence their mean (an empty sequence: NaN, dropped). The band is the loss's: [low, high] for the
+        ratio, the upper bound only for a divergence (a binary KL rounded below 0 is kept, as in the loss)."""
+        low, high = self.is_correction_threshold
+        old, rollout = old_log_probs.detach(), rollout_log_probs.detach()
+        if self.is_correction_gating == "ratio":
+            stat = old - rollout
+        else:
+            p = rollout.exp().clamp(OPENRLHF_PROB_CLAMP, 1 - OPENRLHF_PROB_CLAMP)
+            q = old.exp().clamp(OPENRLHF_PROB_CLAMP, 1 - OPENRLHF_PROB_CLAMP)
+            if self.is_correction_gating == "binary_kl":
+                stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+            else:
+                stat = (p - q).abs()
+        if self.is_correction_level == "seq" and m is None:
+            stat = stat.mean(-1, keepdim=True)
+        elif self.is_correction_level == "seq":  # OpenRLHF's masked_mean: 0 / 0 = NaN on an empty row
+            stat = (stat * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+        if self.is_correction_gating == "ratio":
+            stat = stat.exp()
+        if self.is_correction_mode == "clip":
+            return (stat < low) | (stat > high)
+        if self.is_correction_gating == "ratio":
+            return ~((stat >= low) & (stat <= high))
+        return ~(stat <= high)
 
 
 def _number(x) -> float:

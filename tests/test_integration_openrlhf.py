@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,12 +103,28 @@ CORRECTIONS = {
     "token-clip": dict(
         is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.8, 1.25]
     ),
-    # GSPO with the correction on: its ratio is taken against the rollout log-probs, no weight (any gating)
-    "seq-binary-kl": dict(
-        is_correction_level="seq", is_correction_gating="binary_kl", is_correction_threshold=[0, 0.05]
+    # seq-mask-TIS: a sequence is kept on the geometric mean of its ratios
+    "seq-mask-ratio": dict(
+        is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=[0.8, 1.25]
     ),
+    "seq-mask-ratio-no-low": dict(
+        is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=[0, 1.1]
+    ),
+    # the trust regions on the sampled token's probability (the launcher turns a single HIGH into [0, HIGH])
+    "token-binary-kl": dict(
+        is_correction_level="token", is_correction_gating="binary_kl", is_correction_threshold=[0, 0.01]
+    ),
+    "seq-binary-kl": dict(
+        is_correction_level="seq", is_correction_gating="binary_kl", is_correction_threshold=[0, 0.06]
+    ),
+    "token-tv": dict(
+        is_correction_level="token", is_correction_gating="tv", is_correction_threshold=[0, 0.05]
+    ),
+    "seq-tv": dict(is_correction_level="seq", is_correction_gating="tv", is_correction_threshold=[-1.0, 0.1]),
 }
 GLOBAL = dict(dp_size=2, batch_num_tokens=torch.tensor(61.0), global_batch_size=torch.tensor(9.0))
+# GSPO with the correction on: its ratio is taken against the rollout log-probs, no weight (any level, gating)
+GSPO_CORRECTIONS = ("off", "token-mask", "seq-binary-kl")
 
 
 def _loss_cases():
@@ -116,9 +133,7 @@ def _loss_cases():
             for token_level in (True, False):
                 for normalizers in ("local", "global"):
                     for correction in CORRECTIONS:
-                        if loss_type == "ppo" and correction == "seq-binary-kl":  # refused for ppo
-                            continue
-                        if loss_type == "gspo" and correction not in ("off", "seq-binary-kl", "token-mask"):
+                        if loss_type == "gspo" and correction not in GSPO_CORRECTIONS:
                             continue
                         level = "token" if token_level else "seq"
                         name = f"{loss_type}-dual{dual_clip}-{level}-{normalizers}-{correction}"
@@ -129,14 +144,37 @@ def _loss_cases():
 
 def loss_inputs():
     """parity_helpers' inputs (ratios in ~[0.14, 7.4]: every clip regime; an all-masked row; a hole), with a
-    sampler mismatch of std 0.75 (instead of 0.3) so that the [0.5, 5] band drops some tokens too, and one row
-    of per-token advantages (OpenRLHF takes [B, A])."""
+    sampler mismatch of std 0.75 (instead of 0.3) so that the [0.5, 5] band drops some tokens too, old and
+    rollout log-probs at most -0.01 (a model's log-probs are <= 0; OpenRLHF's binary KL and TV clamp the
+    probabilities to 1 - 1e-6, grpo_kernels' binary KL reads a log-prob above 0 as 0), and one row of
+    per-token advantages (OpenRLHF takes [B, A])."""
     inputs = make_token_inputs(5)
-    inputs["rollout"] = inputs["old"] + 2.5 * (inputs["rollout"] - inputs["old"])
+    inputs["rollout"] = (inputs["old"] + 2.5 * (inputs["rollout"] - inputs["old"])).clamp(max=-0.01)
+    inputs["old"] = inputs["old"].clamp(max=-0.01)
     adv = inputs["adv_seq"][:, None].expand_as(inputs["logp"]).clone()
     adv[0] = inputs["adv_tok"][0]
     inputs["adv"] = adv
     return inputs
+
+
+def openrlhf_statistic(kwargs, inputs):
+    """The statistic OpenRLHF's correction gates, by its formulas in float64: [B, T] per token, [B, 1] per
+    sequence (NaN on the all-masked row)."""
+    m = inputs["mask"].double()
+    old, rollout = inputs["old"].double(), inputs["rollout"].double()
+    gating = kwargs.get("is_correction_gating", "ratio")
+    if gating == "ratio":
+        stat = old - rollout
+    else:
+        p, q = rollout.exp().clamp(1e-6, 1 - 1e-6), old.exp().clamp(1e-6, 1 - 1e-6)
+        stat = (
+            p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+            if gating == "binary_kl"
+            else (p - q).abs()
+        )
+    if kwargs["is_correction_level"] == "seq":
+        stat = (stat * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+    return stat.exp() if gating == "ratio" else stat
 
 
 def _run_policy_loss(cls, kwargs, inputs, dtype, normalizers):
@@ -173,37 +211,113 @@ def test_policy_loss_equals_openrlhf(loss_type, dual_clip, token_level, normaliz
 
 
 def test_policy_loss_cases_visit_every_regime():
-    """The inputs above clip on both sides, engage the dual clip, and the corrections drop / clamp some tokens
-    but not all (a case where nothing binds could not tell a formula apart)."""
+    """The inputs above clip on both sides, engage the dual clip, and every correction drops / clamps some
+    units (tokens, or sequences) but not all (a case where nothing binds could not tell a formula apart); no
+    gated statistic lies within 1e-4 (relative) of a bound, so that float64 and float32 take the same side."""
     inputs = loss_inputs()
     mask = inputs["mask"]
     ratio = (inputs["logp"] - inputs["old"]).exp()[mask]
     assert (ratio < 0.8).any() and (ratio > 1.28).any() and (ratio > 3.0).any()
-    rho = (inputs["old"] - inputs["rollout"]).exp()[mask]
-    for low, high in ((0.5, 5.0), (0.8, 1.25), (0.0, 1.3)):
-        outside = ((rho < low) | (rho > high)).float().mean().item()
-        assert 0.0 < outside < 1.0, (low, high, outside)
+    rows = mask.any(-1)
+    for name, kwargs in CORRECTIONS.items():
+        if not kwargs:
+            continue
+        stat = openrlhf_statistic(kwargs, inputs)
+        units = stat[rows].flatten() if stat.shape[-1] == 1 else stat[mask]
+        assert not torch.isnan(units).any(), name
+        low, high = kwargs["is_correction_threshold"]
+        kept = (units >= low) & (units <= high)
+        assert 0 < int(kept.sum()) < units.numel(), (name, units)
+        for bound in (low, high):
+            if bound > 0:
+                gap = float(((units - bound).abs() / bound).min())
+                assert gap > 1e-4, (name, bound, gap)
 
 
-@pytest.mark.parametrize("key", sorted(gk_openrlhf.NEEDS_LOSS_VARIANT))
-def test_corrections_waiting_for_a_variant_are_refused_by_name(key):
-    level, gating = key
-    threshold = [0.5, 5.0] if gating == "ratio" else [0, 0.05]
-    kwargs = dict(is_correction_level=level, is_correction_gating=gating, is_correction_threshold=threshold)
-    StockPolicyLoss(**kwargs)  # OpenRLHF accepts it
-    variant = gk_openrlhf.NEEDS_LOSS_VARIANT[key][0]
-    with pytest.raises(ValueError, match=f"is_correction_gating={gating!r}") as info:
-        gk_openrlhf.PolicyLoss(**kwargs)
-    assert variant in str(info.value) and f"is_correction_level={level!r}" in str(info.value)
-    # GSPO ignores the gating (its ratio is taken against the rollout log-probs): mapped
-    gk_openrlhf.PolicyLoss(policy_loss_type="gspo", **kwargs)
+def test_sequence_filter_ratio_counts_the_empty_sequence():
+    """OpenRLHF's per-sequence filter ratio is a mean over all B rows: the all-masked row of the inputs has a
+    NaN statistic there (0 / 0) and counts as dropped. The adapter's metric counts it the same way."""
+    inputs = loss_inputs()
+    assert not inputs["mask"].any(-1).all()
+    for name in ("seq-mask-ratio", "seq-binary-kl", "seq-tv"):
+        stat = openrlhf_statistic(CORRECTIONS[name], inputs)
+        low, high = CORRECTIONS[name]["is_correction_threshold"]
+        expected = (~((stat >= low) & (stat <= high))).double().mean()
+        ours = _run_policy_loss(gk_openrlhf.PolicyLoss, CORRECTIONS[name], inputs, torch.float32, "local")[0]
+        assert abs(float(ours[4]) - float(expected)) < 1e-7, (name, ours[4], expected)
+        assert 0 < float(expected) < 1, (name, expected)
 
 
-def test_thresholds_beyond_grpo_kernels_are_refused():
-    with pytest.raises(ValueError, match="e\\^20"):
-        gk_openrlhf.PolicyLoss(is_correction_level="token", is_correction_threshold=[0.5, 1e9])
-    with pytest.raises(ValueError, match="0 <= low < high"):
-        gk_openrlhf.PolicyLoss(is_correction_level="token", is_correction_threshold=[2.0, 1.5])
+def test_binary_kl_rounded_below_zero_is_kept():
+    """The one place the mapped divergence gates part from OpenRLHF by design: OpenRLHF also compares the
+    statistic with the lower threshold (0 when the launcher gets a single HIGH), so a token whose binary KL
+    rounds below 0 in its float32 arithmetic (sampler and trainer nearly agree) is dropped there;
+    grpo_kernels' divergence gate has no lower bound and keeps it (a KL is >= 0)."""
+    old = torch.tensor([[math.log(0.3), math.log(0.3)]])
+    rollout = old + torch.tensor([[1e-5, 0.2]])  # binary KL ~ 1.2e-11 and 1e-2
+    p, q = rollout.exp().clamp(1e-6, 1 - 1e-6), old.exp().clamp(1e-6, 1 - 1e-6)
+    stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()  # OpenRLHF's, in float32
+    assert stat[0, 0] < 0 < stat[0, 1], stat
+    kwargs = dict(
+        is_correction_level="token", is_correction_gating="binary_kl", is_correction_threshold=[0, 1.0]
+    )
+    mask, adv = torch.ones(1, 2), torch.ones(1, 2)
+    theirs = StockPolicyLoss(**kwargs)(old, old, adv, action_mask=mask, rollout_log_probs=rollout)
+    ours = gk_openrlhf.PolicyLoss(**kwargs)(old, old, adv, action_mask=mask, rollout_log_probs=rollout)
+    assert float(theirs[4]) == 0.5 and float(ours[4]) == 0.0, (theirs[4], ours[4])
+    rho = (old - rollout).exp()  # on-policy ratio 1: the loss is -mean(kept A rho)
+    assert abs(float(theirs[0]) + float(rho[0, 1]) / 2) < 1e-6, theirs[0]
+    assert abs(float(ours[0]) + float(rho.sum()) / 2) < 1e-6, ours[0]
+
+
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_thresholds_beyond_grpo_kernels_are_refused(level):
+    for gating, threshold, message in (
+        ("ratio", [0.5, 1e9], "e\\^20"),
+        ("ratio", [2.0, 1.5], "0 <= low < high"),
+        ("ratio", [0.5, float("inf")], "0 <= low < high"),
+        ("binary_kl", [0, -0.1], "finite upper bound >= 0"),
+        ("tv", [0, float("inf")], "finite upper bound >= 0"),
+    ):
+        kwargs = dict(
+            is_correction_level=level, is_correction_gating=gating, is_correction_threshold=threshold
+        )
+        StockPolicyLoss(**kwargs)  # OpenRLHF accepts it
+        with pytest.raises(ValueError, match=message) as info:
+            gk_openrlhf.PolicyLoss(**kwargs)
+        assert "is_correction_threshold" in str(info.value)
+        gk_openrlhf.PolicyLoss(
+            policy_loss_type="gspo", **kwargs
+        )  # GSPO takes no IS weight: nothing to refuse
+
+
+def test_policy_loss_config_of_the_gates():
+    """The mapping of the correction settings onto PolicyLossConfig's IS weight and sampler gate."""
+    cfg = gk_openrlhf.policy_loss_config(is_correction_level="seq", is_correction_threshold=[0.5, 2.0])
+    assert (cfg.is_level, cfg.is_max, cfg.is_gate, cfg.is_gate_level) == ("token", None, "ratio", "sequence")
+    assert (cfg.is_gate_min, cfg.is_gate_max) == (0.5, 2.0)
+    cfg = gk_openrlhf.policy_loss_config(is_correction_level="seq", is_correction_threshold=[0, 2.0])
+    assert (cfg.is_gate_min, cfg.is_gate_max) == (None, 2.0)
+    for level, gate_level in (("token", "token"), ("seq", "sequence")):
+        for gating in ("binary_kl", "tv"):
+            cfg = gk_openrlhf.policy_loss_config(
+                is_correction_level=level, is_correction_gating=gating, is_correction_threshold=[-1.0, 0.03]
+            )
+            assert (cfg.is_level, cfg.is_max, cfg.is_gate, cfg.is_gate_level) == (
+                "token",
+                None,
+                gating,
+                gate_level,
+            )
+            assert (cfg.is_gate_min, cfg.is_gate_max) == (None, 0.03)
+    cfg = gk_openrlhf.policy_loss_config(is_correction_level="token", is_correction_threshold=[0.5, 2.0])
+    assert (cfg.is_level, cfg.is_mode, cfg.is_min, cfg.is_max, cfg.is_gate) == (
+        "token",
+        "mask",
+        0.5,
+        2.0,
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -549,7 +663,15 @@ def test_actor_under_deepspeed_zero3(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # The seam in place: OpenRLHF's ActorPPOTrainer
 # ---------------------------------------------------------------------------------------------------
-def _trainer_args():
+TRAINER_CORRECTIONS = {  # --algo.advantage.is_correction_{level,mode,gating,threshold}
+    "token-mask-ratio": ("token", "mask", "ratio", [0.5, 5.0]),
+    # the per-sequence binary KL of the experience below: 0.0014, 0.0027, 0.0004: the second row is dropped
+    "seq-binary-kl": ("seq", "mask", "binary_kl", [0.0, 0.002]),
+}
+
+
+def _trainer_args(correction="token-mask-ratio"):
+    level, mode, gating, threshold = TRAINER_CORRECTIONS[correction]
     ns = SimpleNamespace
     return ns(
         train=ns(max_epochs=1, colocate_all=False, async_enable=False, dynamic_batch_enable=False),
@@ -563,10 +685,10 @@ def _trainer_args():
         ),
         algo=ns(
             advantage=ns(
-                is_correction_level="token",
-                is_correction_mode="mask",
-                is_correction_gating="ratio",
-                is_correction_threshold=[0.5, 5.0],
+                is_correction_level=level,
+                is_correction_mode=mode,
+                is_correction_gating=gating,
+                is_correction_threshold=list(threshold),
             ),
             kl=ns(use_loss=True, init_coef=0.05, estimator="k3", unbiased_gradient=False),
         ),
@@ -575,7 +697,7 @@ def _trainer_args():
     )
 
 
-def _training_step(ppo_actor, model, monkeypatch):
+def _training_step(ppo_actor, model, monkeypatch, correction="token-mask-ratio"):
     """OpenRLHF's ActorPPOTrainer built by its own __init__ (a stand-in strategy: backward is loss.backward,
     no optimizer step; the CUDA-only replay buffer and barrier stood in), one training_step."""
     monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *args, **kwargs: None)
@@ -583,7 +705,7 @@ def _training_step(ppo_actor, model, monkeypatch):
     model = copy.deepcopy(model)
     actor = Actor(model, temperature=0.7)
     actor.packing_samples = False
-    args = _trainer_args()
+    args = _trainer_args(correction)
     strategy = SimpleNamespace(
         args=args,
         ring_attn_group=None,
@@ -614,16 +736,18 @@ def _training_step(ppo_actor, model, monkeypatch):
     return trainer, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_actor_ppo_trainer_training_step_equals_openrlhf(monkeypatch):
+@pytest.mark.parametrize("correction", sorted(TRAINER_CORRECTIONS))
+def test_actor_ppo_trainer_training_step_equals_openrlhf(monkeypatch, correction):
     """The module globals OpenRLHF's trainer reads: with `install()`, ActorPPOTrainer.__init__ builds this
     module's PolicyLoss and training_step's forward runs grpo_kernels' head; the step logs the same values
     (policy loss, entropy loss, KL loss, clip ratio, ppo_kl, vllm_kl, is_filter_ratio...) and leaves the same
-    gradients as OpenRLHF's (dual clip, token-level IS mask, k3 KL loss, entropy bonus)."""
+    gradients as OpenRLHF's (dual clip, the token-level IS mask or the sequence binary-KL gate, k3 KL loss,
+    entropy bonus)."""
     model = make_model("llama")
-    stock_trainer, theirs, their_grads = _training_step(ppo_actor, model, monkeypatch)
+    stock_trainer, theirs, their_grads = _training_step(ppo_actor, model, monkeypatch, correction)
     assert type(stock_trainer.actor_loss_fn) is StockPolicyLoss
     assert gk_openrlhf.install() == ("logprobs", "loss")
-    trainer, ours, our_grads = _training_step(ppo_actor, model, monkeypatch)
+    trainer, ours, our_grads = _training_step(ppo_actor, model, monkeypatch, correction)
     assert type(trainer.actor_loss_fn) is gk_openrlhf.PolicyLoss
     assert set(ours) == set(theirs) and {
         "policy_loss",
@@ -634,6 +758,8 @@ def test_actor_ppo_trainer_training_step_equals_openrlhf(monkeypatch):
     } <= set(ours)
     for name, value in theirs.items():
         assert abs(ours[name] - value) <= VALUE_ATOL * max(1.0, abs(value)), (name, ours[name], value)
+    if correction == "seq-binary-kl":  # the gate binds: one sequence of three dropped
+        assert abs(theirs["is_filter_ratio"] - 1 / 3) < 1e-6, theirs
     for name, g in their_grads.items():
         assert_close(f"grad {name}", our_grads[name], g, scale=grad_scale(g), atol=GRAD_TOL, rtol=GRAD_TOL)
 

@@ -1,7 +1,8 @@
 """integrations/examples/openrlhf_suite.py, the harness that runs OpenRLHF's own loss tests (shipped in its
 wheel) stock and with the adapter swapped in: on the installed OpenRLHF 0.11.2 every test passes stock, and
-the swapped run differs exactly on the tests the harness explains (the options the adapter refuses by name, a
-model without an LM head). The recorded run is docs/records/openrlhf_suite.json (its README sentence:
+the swapped run differs exactly on the tests the harness explains (a model without an LM head); OpenRLHF's
+tests of its train/rollout corrections (ratio, sequence ratio, binary KL and TV gating) pass through the
+adapter's PolicyLoss. The recorded run is docs/records/openrlhf_suite.json (its README sentence:
 test_readme_records.py)."""
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def test_openrlhf_own_tests_with_the_adapter_swapped_in(tmp_path):
     # the swap reached the tests: PolicyLoss in the loss tests, Actor.forward in the actor test
     assert record["swapped_names"]["tests.test_loss_aggregation"] == ["PolicyLoss"], record["swapped_names"]
     assert record["swapped_names"]["tests.test_actor_entropy_temperature"] == ["Actor.forward"]
-    assert record["passed_both_through_the_adapter"] >= 6, record["adapter_calls"]
+    assert record["passed_both_through_the_adapter"] >= 9, record["adapter_calls"]
+    for test in (
+        "test_seq_mask_gates_on_the_per_sequence_geometric_mean_ratio",
+        "test_binary_kl_trust_region_masks_tokens_and_sequences",
+        "test_tv_trust_region_masks_by_sampled_token_probability_gap",
+    ):  # the corrections mapped onto grpo_kernels' sampler gate, through the adapter
+        assert record["adapter_calls"].get(f"test_loss_aggregation.py::{test}"), record["adapter_calls"]
     for d in record["differ"]:  # each fails on the adapter's refusal, not on a number
         assert "grpo_kernels" in (d["swapped_error"] or ""), d
 

@@ -43,16 +43,6 @@ TEST_FILES = (
 
 # test id -> why the swapped run differs (each names the adapter's refusal that causes it)
 EXPECTED_DIFFERENCES = {
-    "test_loss_aggregation.py::test_seq_mask_gates_on_the_per_sequence_geometric_mean_ratio": (
-        "refused: is_correction_level='seq' with ratio gating needs a geometric-mean sequence-level IS mask, "
-        "which grpo_kernels does not have yet (NEEDS_LOSS_VARIANT)"
-    ),
-    "test_loss_aggregation.py::test_binary_kl_trust_region_masks_tokens_and_sequences": (
-        "refused: is_correction_gating='binary_kl' needs a DPPO-style binary-KL mask (NEEDS_LOSS_VARIANT)"
-    ),
-    "test_loss_aggregation.py::test_tv_trust_region_masks_by_sampled_token_probability_gap": (
-        "refused: is_correction_gating='tv' needs a DPPO-style binary-TV mask (NEEDS_LOSS_VARIANT)"
-    ),
     "test_actor_entropy_temperature.py::test_entropy_matches_temperature_scaled_policy[0.5]": (
         "refused: the test's model (_TableLM) computes its logits from a table and has no LM head, which the "
         "'logprobs' part replaces"
