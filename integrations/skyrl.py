@@ -98,7 +98,8 @@ def unsupported_options(config, skyrl_type: str) -> list[str]:
                         "None, 'product', 'geometric'")  # fmt: skip
     if opc is not None and opc.tis_ratio_type not in (None, "token", "sequence"):
         problems.append(f"off_policy_correction.tis_ratio_type={opc.tis_ratio_type!r} is not None, 'token' or 'sequence'")
-    if opc is not None and skyrl_type == "cispo" and config.cispo.cispo_anchor == "rollout" and opc.tis_ratio_type:
+    cispo_on_rollout = skyrl_type == "cispo" and rollout_anchored(config, skyrl_type)
+    if cispo_on_rollout and opc is not None and opc.tis_ratio_type:
         problems.append(  # SkyRL's words
             "cispo_anchor='rollout' is already rollout-anchored and performs the off-policy correction; TIS "
             f"(tis_ratio_type={opc.tis_ratio_type!r}) would double-count it. "
@@ -116,14 +117,14 @@ def policy_loss_config(config, skyrl_type: str, with_rollout: bool = True) -> gk
     """SkyRL AlgorithmConfig + policy loss type -> PolicyLossConfig: the per-token objective, a token sum
     (the reduction is in SkyRL's advantages), the ratio's anchor (the rollout log-probs for rollout_is, cispo
     with ``cispo_anchor="rollout"`` and, when the batch has them, dppo) and, for the types SkyRL corrects,
-    token TIS (``tis_ratio_type="token"``, cap ``token_tis_ratio_clip_high``). SkyRL's other corrections (its
-    masks and the sequence TIS weight) are per-token weights: ``off_policy_weights``. ``with_rollout``: whether
-    the batch carries rollout log-probs (SkyRL corrects, and DPPO anchors on them, only then). Raises
-    ValueError naming what cannot be mapped."""
+    token TIS (``tis_ratio_type="token"``, cap ``token_tis_ratio_clip_high``). SkyRL's other corrections
+    (its masks and the sequence TIS weight) are per-token weights: ``off_policy_weights``.
+    ``with_rollout``: whether the batch carries rollout log-probs (SkyRL corrects, and DPPO anchors on
+    them, only then). Raises ValueError naming what cannot be mapped."""
     problems = unsupported_options(config, skyrl_type)
     if not with_rollout and rollout_anchored(config, skyrl_type):
-        problems.append(f"policy_loss_type={skyrl_type!r} measures its ratio against rollout_logprobs, which the "
-                        "batch does not have")  # fmt: skip
+        problems.append(f"policy_loss_type={skyrl_type!r} measures its ratio against rollout_logprobs, "
+                        "which the batch does not have")
     if problems:
         raise ValueError(f"gk_{skyrl_type}: " + "; ".join(problems))
     common = dict(loss_agg_mode="token-sum", log_ratio_clamp=_LOG_RATIO_CLAMP[skyrl_type])
@@ -145,10 +146,12 @@ def policy_loss_config(config, skyrl_type: str, with_rollout: bool = True) -> gk
         return gk.PolicyLossConfig(loss_type="cispo", cispo_form="relative", clip_low=float(config.cispo.cispo_eps_clip_low),
                                    clip_high=float(config.cispo.cispo_eps_clip_high), **common)  # fmt: skip
     if skyrl_type == "rollout_is":  # CISPO against the rollout log-probs, a hard zero outside (1 - lo, 1 + hi)
-        return gk.PolicyLossConfig(loss_type="cispo", cispo_form="mask", clip_low=low, clip_high=high, **common)
+        return gk.PolicyLossConfig(loss_type="cispo", cispo_form="mask", clip_low=low, clip_high=high,
+                                   **common)  # fmt: skip
     if skyrl_type == "dppo":  # -r A on the tokens inside the binary trust region; delta_low for A < 0
-        return gk.PolicyLossConfig(loss_type="dppo", dppo_divergence=str(config.dppo.dppo_type),
-                                   clip_low=float(config.dppo.delta_low), clip_high=float(config.dppo.delta_high),
+        dppo = config.dppo
+        return gk.PolicyLossConfig(loss_type="dppo", dppo_divergence=str(dppo.dppo_type),
+                                   clip_low=float(dppo.delta_low), clip_high=float(dppo.delta_high),
                                    **common)  # fmt: skip
     if skyrl_type == "sapo":
         return gk.PolicyLossConfig(loss_type="sapo", sapo_tau_pos=float(config.sapo.tau_pos),
@@ -223,8 +226,9 @@ def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, di
         metrics["tis_token_clip_high_ratio"] = (capped.sum() / (keep > 0).sum().clamp(min=1)).item()
     elif opc.tis_ratio_type == "sequence":  # the product of the kept tokens' ratios, capped above
         seq_ratio = _safe_exp((delta * keep).sum(dim=-1, keepdim=True))
-        metrics["tis_seq_clip_high_ratio"] = ((seq_ratio > opc.sequence_tis_ratio_clip_high).sum() / rows).item()
-        weights = keep * seq_ratio.clamp(max=opc.sequence_tis_ratio_clip_high)
+        cap = opc.sequence_tis_ratio_clip_high
+        metrics["tis_seq_clip_high_ratio"] = ((seq_ratio > cap).sum() / rows).item()
+        weights = keep * seq_ratio.clamp(max=cap)
     if opc.sequence_mask_metric is not None:
         log_seq = (delta * keep).sum(dim=-1, keepdim=True)
         if opc.sequence_mask_metric == "geometric":  # exp of the mean over the kept tokens
@@ -267,13 +271,14 @@ class _Prepared:
             self.token_weights = loss_mask.float()
         self.old = None if skyrl_type == "cross_entropy" else old
         self.advantages = torch.ones_like(like, dtype=torch.float32) if skyrl_type == "cross_entropy" else advantages
-        # what the ratio is measured against (old is None where SkyRL skipped the old forward: a rollout anchor)
+        # what the ratio is measured against (old is None where SkyRL skipped the old forward)
         self.anchor = rollout if self.cfg.ratio_anchor == "rollout" else self.old
         self.rollout = rollout if self.cfg.uses_rollout_logprobs else None
         self.is_weights = None
         self.metrics: dict = {}
         if skyrl_type in _CORRECTED:
-            self.is_weights, self.metrics = off_policy_weights(old, rollout, loss_mask, config.off_policy_correction)
+            opc = config.off_policy_correction
+            self.is_weights, self.metrics = off_policy_weights(old, rollout, loss_mask, opc)
 
     def kwargs(self) -> dict:
         return dict(old_logprobs=self.old, rollout_logprobs=self.rollout, is_weights=self.is_weights,
@@ -282,7 +287,7 @@ class _Prepared:
     def skyrl_metrics(self, ours: dict, logprobs: torch.Tensor, clip_bounds=None) -> dict:
         """SkyRL's metric dict (floats) from ours and the detached per-token log-probs."""
         t = self.skyrl_type
-        if t in ("regular", "dual_clip", "gspo", "dppo"):  # dppo: the share of tokens outside the trust region
+        if t in ("regular", "dual_clip", "gspo", "dppo"):  # dppo: the share outside the trust region
             out = {"clip_ratio": ours["clip_ratio/region_mean"].item()}
         elif t == "rollout_is":  # the share outside (1 - eps_clip_low, 1 + eps_clip_high)
             out = {"clip_ratio": ours["clip_ratio/any_mean"].item()}

@@ -60,8 +60,8 @@ CORRECTIONS = {
     "all": dict(tis_ratio_type="token", token_tis_ratio_clip_high=1.2, outlier_token_is_threshold_high=3.0,
                 token_mask_is_threshold_low=0.7, token_mask_is_threshold_high=1.4, sequence_mask_metric="product",
                 product_mask_low=0.3, product_mask_high=3.0),
-    # the geometric mean over the tokens the token mask kept (here the third sequence's is 0.963 over them, and
-    # would be 0.972 over all its tokens: it is dropped)
+    # the geometric mean over the tokens the token mask kept (here the third sequence's is 0.963 over them,
+    # and would be 0.972 over all its tokens: it is dropped)
     "token_mask+geometric": dict(token_mask_is_threshold_low=0.7, token_mask_is_threshold_high=1.4,
                                  sequence_mask_metric="geometric", geo_mask_low=0.97, geo_mask_high=1.05),
     # all of them: the sequence TIS and the geometric mean over the tokens the outlier and token masks kept
@@ -120,22 +120,25 @@ def test_the_corrections_bind_on_these_inputs():
     """The correction cases are not vacuous: each mask removes some tokens and keeps some, TIS caps some, and
     the trust regions and ranges of dppo and rollout_is drop some tokens and keep some."""
     log_probs, old, adv, mask, rollout = inputs()
-    for name in ("outlier", "token_mask", "product_mask", "geometric", "token_mask+geometric", "all", "all_geometric"):
-        weights, _ = gk_skyrl.off_policy_weights(old, rollout, mask, algorithm("regular", name).off_policy_correction)
+
+    def correct(name):
+        opc = algorithm("regular", name).off_policy_correction
+        return gk_skyrl.off_policy_weights(old, rollout, mask, opc)
+
+    for name in ("outlier", "token_mask", "product_mask", "geometric", "token_mask+geometric", "all",
+                 "all_geometric"):  # fmt: skip
+        weights, _ = correct(name)
         kept = ((weights > 0) * mask).sum() / mask.sum()
         assert 0.0 < kept < 1.0, (name, kept)
     for name, metric in (("tis_token", "tis_token_clip_high_ratio"), ("tis_sequence", "tis_seq_clip_high_ratio"),
                          ("all_geometric", "tis_seq_clip_high_ratio"),
                          ("all_geometric", "geo_sequence_mask_masked_ratio")):  # fmt: skip
-        _, metrics = gk_skyrl.off_policy_weights(old, rollout, mask, algorithm("regular", name).off_policy_correction)
+        _, metrics = correct(name)
         assert 0.0 < metrics[metric] < 1.0, (name, metrics)
-    for loss_type in ("rollout_is", "dppo"):
-        for given in (rollout, None):
-            if given is None and loss_type == "rollout_is":
-                continue
-            _, metrics, _ = run(ppo_utils.PolicyLossRegistry.get(loss_type), algorithm(loss_type), log_probs, old, adv,
-                                mask, given)  # fmt: skip
-            assert 0.0 < metrics["clip_ratio"] < 1.0, (loss_type, given is None, metrics)
+    for loss_type, given in (("rollout_is", rollout), ("dppo", rollout), ("dppo", None)):
+        fn = ppo_utils.PolicyLossRegistry.get(loss_type)
+        _, metrics, _ = run(fn, algorithm(loss_type), log_probs, old, adv, mask, given)
+        assert 0.0 < metrics["clip_ratio"] < 1.0, (loss_type, given is None, metrics)
 
 
 @pytest.mark.parametrize("loss_type", ["regular", "cispo", "gspo", "dppo"])
@@ -187,7 +190,8 @@ def test_dual_clip_follows_policy_loss_type():
         compare(ours, theirs)
 
 
-@pytest.mark.parametrize("dppo_type,delta_low,delta_high", [("binary_tv", 0.1, 0.15), ("binary_kl", 0.02, 0.03)])
+@pytest.mark.parametrize("dppo_type,delta_low,delta_high",
+                         [("binary_tv", 0.1, 0.15), ("binary_kl", 0.02, 0.03)])  # fmt: skip
 @pytest.mark.parametrize("with_rollout", [True, False])
 @pytest.mark.parametrize("correction", ["none", "tis_token", "all_geometric"])
 def test_dppo_divergences(dppo_type, delta_low, delta_high, with_rollout, correction):

@@ -157,19 +157,23 @@ ALGORITHMS = {
         token_mask_is_threshold_low=0.8, token_mask_is_threshold_high=1.2, sequence_mask_metric="product",
         product_mask_low=0.2, product_mask_high=5.0)),
     "sapo-entropy": dict(policy_loss_type="sapo", use_kl_loss=False, use_entropy_loss=True, entropy_loss_coef=0.1),
-    # the probabilities here are ~1e-3..4e-2: trust regions of that size bind (test_the_step_cases_clip_and_correct)
-    "dppo-tis-geometric": dict(policy_loss_type="dppo", use_kl_loss=False, dppo=DPPOConfig(
-        dppo_type="binary_tv", delta_low=0.01, delta_high=0.004), off_policy_correction=OffPolicyCorrectionConfig(
-        tis_ratio_type="token", token_tis_ratio_clip_high=1.1, sequence_mask_metric="geometric", geo_mask_low=0.95,
-        geo_mask_high=1.2)),
+    # the probabilities here are ~1e-3..4e-2: trust regions of that size bind
+    # (test_the_step_cases_clip_and_correct)
+    "dppo-tis-geometric": dict(
+        policy_loss_type="dppo", use_kl_loss=False,
+        dppo=DPPOConfig(dppo_type="binary_tv", delta_low=0.01, delta_high=0.004),
+        off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token", token_tis_ratio_clip_high=1.1,
+                                                        sequence_mask_metric="geometric", geo_mask_low=0.95,
+                                                        geo_mask_high=1.2)),
     "rollout_is-masks-entropy": dict(policy_loss_type="rollout_is", use_kl_loss=False, use_entropy_loss=True,
                                      entropy_loss_coef=0.05, off_policy_correction=OffPolicyCorrectionConfig(
         token_mask_is_threshold_low=0.85, token_mask_is_threshold_high=1.2, tis_ratio_type="sequence",
         sequence_tis_ratio_clip_high=1.1)),
-    "dppo_kl-kl-no-old": dict(policy_loss_type="dppo", use_kl_loss=True, kl_loss_coef=0.3, kl_estimator_type="k3",
+    "dppo_kl-kl-no-old": dict(policy_loss_type="dppo", use_kl_loss=True, kl_loss_coef=0.3,
+                              kl_estimator_type="k3",
                               dppo=DPPOConfig(dppo_type="binary_kl", delta_low=0.005, delta_high=0.002)),
 }
-NO_OLD_FORWARD = ("dppo_kl-kl-no-old",)  # SkyRL skips the old forward there (no correction, rollout log-probs)
+NO_OLD_FORWARD = ("dppo_kl-kl-no-old",)  # SkyRL skips the old forward there (no correction, rollout logprobs)
 
 
 def algorithm_config(case, prefix):

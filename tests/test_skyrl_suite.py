@@ -95,10 +95,10 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
         got = {t: e["outcome"] for t, e in record[side].items()}
         assert got["train.algorithms.test_losses::test_regular_value"] == "passed", (side, record[side])
         assert got["train.algorithms.test_losses::test_dppo_value"] == "passed", (side, record[side])
-        assert got["train.algorithms.test_losses::test_a_loss_registered_under_its_own_name_stays_its_own"] == \
-            "passed", (side, record[side])  # fmt: skip
-    assert record["grpo_kernels_calls"] == {"train/algorithms/test_losses.py::test_regular_value": 1,
-                                            "train/algorithms/test_losses.py::test_dppo_value": 1}, record  # fmt: skip
+        own = "train.algorithms.test_losses::test_a_loss_registered_under_its_own_name_stays_its_own"
+        assert got[own] == "passed", (side, record[side])
+    calls = {f"train/algorithms/test_losses.py::{test}": 1 for test in ("test_regular_value", "test_dppo_value")}
+    assert record["grpo_kernels_calls"] == calls, record
     assert record["passed_both"] == 5 and record["passed_both_through_grpo_kernels"] == 2, record
     assert record["skyrl_tests"]["ref"] == "written-in-this-test"
     assert "DIFFERS train.algorithms.test_losses::test_registry_returns_skyrls_own_function" in run.stdout
