@@ -2,8 +2,9 @@
 
 1. Policy losses ``gk_<type>`` in SkyRL's ``PolicyLossRegistry`` (verl's design: SkyRL folds the loss
    reduction into the advantages beforehand, ``apply_loss_reduction_to_advantages_minibatch``, and the
-   loss is a plain sum over the mask), for SkyRL's types regular, dual_clip, gspo, cispo (both anchors),
-   sapo, clip_cov, kl_cov, cross_entropy and importance_sampling, with SkyRL's signature
+   loss is a plain sum over the mask), for every SkyRL type: regular, dual_clip, gspo, cispo (both anchors),
+   rollout_is, dppo (binary TV / KL), sapo, clip_cov, kl_cov, cross_entropy and importance_sampling, with
+   SkyRL's signature
    ``(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs) -> (loss, metrics)``,
    SkyRL's off-policy correction (``algorithm.off_policy_correction``) and SkyRL's metric names. Select one
    with ``trainer.algorithm.policy_loss_type=gk_regular`` (etc.) after ``register_policy_losses()``.
@@ -19,8 +20,7 @@
 
 The mode travels with the registered losses: SkyRL ships registered functions to its Ray workers
 (cloudpickle through a named actor), and unpickling a ``gk_`` loss installs its mode in that worker.
-Options grpo_kernels cannot reproduce raise ``ValueError`` naming the option; ``NEEDS_VARIANT`` lists the
-ones that wait for a loss variant of grpo_kernels.
+Options grpo_kernels cannot reproduce raise ``ValueError`` naming the option.
 """
 
 from __future__ import annotations
@@ -34,22 +34,15 @@ import grpo_kernels as gk
 SUPPORTED_SKYRL = "0.4.0"
 MODES = ("loss", "logprobs", "fused")
 # SkyRL policy_loss_type -> registered here as gk_<type> (the mapping: policy_loss_config)
-LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "cross_entropy",
-              "importance_sampling")  # fmt: skip
-# SkyRL options whose formula grpo_kernels does not have yet: option -> the grpo_kernels variant it needs.
-# A gk_<type> for these types is registered and refuses to run, naming the variant.
-NEEDS_VARIANT = {
-    "policy_loss_type='dppo'": "the DPPO binary-TV / binary-KL trust-region loss",
-    "policy_loss_type='rollout_is'": "SkyRL's rollout_is loss (CISPO against the sampler's log-probs, hard zero)",
-    "off_policy_correction.sequence_mask_metric='geometric'": "a geometric-mean sequence-level IS weight (mask)",
-}
-VARIANT_TYPES = ("dppo", "rollout_is")
+LOSS_TYPES = ("regular", "dual_clip", "gspo", "cispo", "rollout_is", "dppo", "sapo", "clip_cov", "kl_cov",
+              "cross_entropy", "importance_sampling")  # fmt: skip
 # log-ratio clamp of each type's exp() (SkyRL's safe_exp_delta clip 20; gspo clamps at 10, one-sided; the
 # covariance losses and importance_sampling exponentiate without a clamp)
-_LOG_RATIO_CLAMP = {"regular": 20.0, "dual_clip": 20.0, "gspo": 10.0, "cispo": 20.0, "sapo": 20.0,
-                    "clip_cov": None, "kl_cov": None, "cross_entropy": None, "importance_sampling": None}  # fmt: skip
+_LOG_RATIO_CLAMP = {"regular": 20.0, "dual_clip": 20.0, "gspo": 10.0, "cispo": 20.0, "rollout_is": 20.0,
+                    "dppo": 20.0, "sapo": 20.0, "clip_cov": None, "kl_cov": None, "cross_entropy": None,
+                    "importance_sampling": None}  # fmt: skip
 # types whose SkyRL function applies algorithm.off_policy_correction
-_CORRECTED = ("regular", "dual_clip", "gspo", "cispo", "sapo")
+_CORRECTED = ("regular", "dual_clip", "gspo", "cispo", "rollout_is", "dppo", "sapo")
 _KL = {"k1": "k1", "k2": "k2", "k3": "low_var_kl", "abs": "abs"}  # SkyRL's k3 clamps as verl's low_var_kl
 
 _registered: list[str] = []
@@ -99,17 +92,19 @@ def correction_enabled(opc) -> bool:
 def unsupported_options(config, skyrl_type: str) -> list[str]:
     """The options of this SkyRL AlgorithmConfig that the gk_ loss cannot reproduce, each with why."""
     problems = []
-    if skyrl_type in VARIANT_TYPES:
-        problems.append(f"policy_loss_type={skyrl_type!r} needs {NEEDS_VARIANT[f'policy_loss_type={skyrl_type!r}']}")
     opc = getattr(config, "off_policy_correction", None)
-    if opc is not None and skyrl_type in _CORRECTED and opc.sequence_mask_metric == "geometric":
-        key = "off_policy_correction.sequence_mask_metric='geometric'"
-        problems.append(f"{key} needs {NEEDS_VARIANT[key]}")
     if opc is not None and opc.sequence_mask_metric not in (None, "product", "geometric"):
         problems.append(f"off_policy_correction.sequence_mask_metric={opc.sequence_mask_metric!r} is not one of "
                         "None, 'product', 'geometric'")  # fmt: skip
     if opc is not None and opc.tis_ratio_type not in (None, "token", "sequence"):
         problems.append(f"off_policy_correction.tis_ratio_type={opc.tis_ratio_type!r} is not None, 'token' or 'sequence'")
+    cispo_on_rollout = skyrl_type == "cispo" and rollout_anchored(config, skyrl_type)
+    if cispo_on_rollout and opc is not None and opc.tis_ratio_type:
+        problems.append(  # SkyRL's words
+            "cispo_anchor='rollout' is already rollout-anchored and performs the off-policy correction; TIS "
+            f"(tis_ratio_type={opc.tis_ratio_type!r}) would double-count it. "
+            "Set off_policy_correction.tis_ratio_type=None."
+        )
     if skyrl_type in ("clip_cov", "kl_cov") and correction_enabled(opc):
         problems.append(f"off_policy_correction with policy_loss_type={skyrl_type!r} (SkyRL's validate_cfg refuses it "
                         "too: its clip_cov / kl_cov losses never apply it)")  # fmt: skip
@@ -118,21 +113,26 @@ def unsupported_options(config, skyrl_type: str) -> list[str]:
     return problems
 
 
-def policy_loss_config(config, skyrl_type: str) -> gk.PolicyLossConfig:
+def policy_loss_config(config, skyrl_type: str, with_rollout: bool = True) -> gk.PolicyLossConfig:
     """SkyRL AlgorithmConfig + policy loss type -> PolicyLossConfig: the per-token objective, a token sum
-    (the reduction is in SkyRL's advantages) and, for the types SkyRL corrects, token / sequence TIS
-    (``tis_ratio_type``, cap ``*_tis_ratio_clip_high``). SkyRL's masks (outlier, token, product sequence
-    mask) are 0/1 weights: ``off_policy_weights``. Raises ValueError naming what cannot be mapped."""
+    (the reduction is in SkyRL's advantages), the ratio's anchor (the rollout log-probs for rollout_is, cispo
+    with ``cispo_anchor="rollout"`` and, when the batch has them, dppo) and, for the types SkyRL corrects,
+    token TIS (``tis_ratio_type="token"``, cap ``token_tis_ratio_clip_high``). SkyRL's other corrections
+    (its masks and the sequence TIS weight) are per-token weights: ``off_policy_weights``.
+    ``with_rollout``: whether the batch carries rollout log-probs (SkyRL corrects, and DPPO anchors on
+    them, only then). Raises ValueError naming what cannot be mapped."""
     problems = unsupported_options(config, skyrl_type)
+    if not with_rollout and rollout_anchored(config, skyrl_type):
+        problems.append(f"policy_loss_type={skyrl_type!r} measures its ratio against rollout_logprobs, "
+                        "which the batch does not have")
     if problems:
         raise ValueError(f"gk_{skyrl_type}: " + "; ".join(problems))
     common = dict(loss_agg_mode="token-sum", log_ratio_clamp=_LOG_RATIO_CLAMP[skyrl_type])
-    if skyrl_type in _CORRECTED:
-        opc = config.off_policy_correction
-        if opc.tis_ratio_type == "token":
-            common.update(is_level="token", is_mode="truncate", is_max=float(opc.token_tis_ratio_clip_high))
-        elif opc.tis_ratio_type == "sequence":
-            common.update(is_level="sequence", is_mode="truncate", is_max=float(opc.sequence_tis_ratio_clip_high))
+    opc = config.off_policy_correction
+    if skyrl_type in _CORRECTED and with_rollout and opc.tis_ratio_type == "token":
+        common.update(is_level="token", is_mode="truncate", is_max=float(opc.token_tis_ratio_clip_high))
+    if rollout_anchored(config, skyrl_type) or (skyrl_type == "dppo" and with_rollout):
+        common.update(ratio_anchor="rollout")
     low, high = float(config.eps_clip_low), float(config.eps_clip_high)
     if skyrl_type == "regular":
         return gk.PolicyLossConfig(loss_type="ppo_clip", clip_low=low, clip_high=high, **common)
@@ -145,6 +145,14 @@ def policy_loss_config(config, skyrl_type: str) -> gk.PolicyLossConfig:
     if skyrl_type == "cispo":
         return gk.PolicyLossConfig(loss_type="cispo", cispo_form="relative", clip_low=float(config.cispo.cispo_eps_clip_low),
                                    clip_high=float(config.cispo.cispo_eps_clip_high), **common)  # fmt: skip
+    if skyrl_type == "rollout_is":  # CISPO against the rollout log-probs, a hard zero outside (1 - lo, 1 + hi)
+        return gk.PolicyLossConfig(loss_type="cispo", cispo_form="mask", clip_low=low, clip_high=high,
+                                   **common)  # fmt: skip
+    if skyrl_type == "dppo":  # -r A on the tokens inside the binary trust region; delta_low for A < 0
+        dppo = config.dppo
+        return gk.PolicyLossConfig(loss_type="dppo", dppo_divergence=str(dppo.dppo_type),
+                                   clip_low=float(dppo.delta_low), clip_high=float(dppo.delta_high),
+                                   **common)  # fmt: skip
     if skyrl_type == "sapo":
         return gk.PolicyLossConfig(loss_type="sapo", sapo_tau_pos=float(config.sapo.tau_pos),
                                    sapo_tau_neg=float(config.sapo.tau_neg), **common)  # fmt: skip
@@ -163,20 +171,27 @@ def policy_loss_config(config, skyrl_type: str) -> gk.PolicyLossConfig:
     raise ValueError(f"unsupported SkyRL policy_loss_type {skyrl_type!r}; supported: {LOSS_TYPES}")
 
 
+def rollout_anchored(config, skyrl_type: str) -> bool:
+    """Whether SkyRL's loss of this type always measures its ratio against the rollout log-probs (rollout_is,
+    and cispo with ``cispo_anchor="rollout"``; dppo does when the batch has them) and asserts without them."""
+    return skyrl_type == "rollout_is" or (skyrl_type == "cispo" and config.cispo.cispo_anchor == "rollout")
+
+
 def _safe_exp(x: torch.Tensor) -> torch.Tensor:  # SkyRL's safe_exp_delta(clip=20), in fp32
     return x.float().clamp(-20.0, 20.0).exp()
 
 
-def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
-    """SkyRL's off-policy masks and metrics from the old, rollout and mask tensors ([B, T], no gradient).
+def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, dict]:
+    """SkyRL's off-policy masks, sequence TIS weight and metrics from the old, rollout and mask tensors
+    ([B, T], no gradient), in SkyRL's order and arithmetic (fp32, its clamp of each exponent at 20).
 
-    Returns (weights, rollout_for_tis, metrics): ``weights`` the 0/1 product of the outlier-token sequence
-    mask, the token mask and the product sequence mask (None when none is on), passed as ``is_weights``;
-    ``rollout_for_tis`` the rollout log-probs with NaN where a mask removed the token, so that the
-    sequence-level TIS sum skips it as SkyRL's (which sums over the already-masked loss mask);
-    ``metrics`` SkyRL's names and values (floats)."""
+    Returns (weights, metrics): ``weights`` ([B, T], passed as ``is_weights``; None when neither a mask nor
+    sequence TIS is on) the product of the outlier-token sequence mask, the token mask, the sequence TIS
+    weight ``min(exp(sum_t (old - rollout)), sequence_tis_ratio_clip_high)`` over the tokens those masks kept,
+    and the product or geometric sequence mask over the same tokens; ``metrics`` SkyRL's names and values
+    (floats). Token TIS is the loss config's (``is_level="token"``, ``policy_loss_config``)."""
     if rollout is None or not correction_enabled(opc):
-        return None, rollout, {}
+        return None, {}
     mask = mask.float()
     delta = (old - rollout).float()
     ratio = _safe_exp(delta)
@@ -187,8 +202,8 @@ def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, to
         "is_ratio_max": (ratio * mask).max().item(),
         "is_ratio_min": (ratio * mask).min().item(),
     }
-    keep = mask.clone()
-    used = False
+    keep = mask.clone()  # SkyRL's loss mask as each step leaves it
+    weights = None
     rows = float(mask.shape[0])
     low, high = opc.outlier_token_is_threshold_low, opc.outlier_token_is_threshold_high
     if low is not None or high is not None:
@@ -199,32 +214,35 @@ def off_policy_weights(old, rollout, mask, opc) -> tuple[torch.Tensor | None, to
         metrics["outlier_seq_over_high_ratio"] = (over.any(dim=-1).sum() / rows).item()
         metrics["outlier_seq_under_low_ratio"] = (under.any(dim=-1).sum() / rows).item()
         keep = keep * seq_ok.float()
-        used = True
+        weights = keep
     if opc.token_mask_is_threshold_low is not None and opc.token_mask_is_threshold_high is not None:
         in_bounds = (ratio >= opc.token_mask_is_threshold_low) & (ratio <= opc.token_mask_is_threshold_high)
         now_valid = keep > 0
         metrics["token_mask_ratio"] = ((~in_bounds & now_valid).sum() / now_valid.sum().clamp(min=1)).item()
         keep = keep * (in_bounds | ~now_valid).float()
-        used = True
+        weights = keep
     if opc.tis_ratio_type == "token":
         capped = (ratio > opc.token_tis_ratio_clip_high) & (keep > 0)
         metrics["tis_token_clip_high_ratio"] = (capped.sum() / (keep > 0).sum().clamp(min=1)).item()
-    elif opc.tis_ratio_type == "sequence":
-        seq_ratio = _safe_exp((delta * keep).sum(dim=-1))
-        metrics["tis_seq_clip_high_ratio"] = ((seq_ratio > opc.sequence_tis_ratio_clip_high).sum() / rows).item()
-    if opc.sequence_mask_metric == "product":
+    elif opc.tis_ratio_type == "sequence":  # the product of the kept tokens' ratios, capped above
         seq_ratio = _safe_exp((delta * keep).sum(dim=-1, keepdim=True))
-        over, under = seq_ratio > opc.product_mask_high, seq_ratio < opc.product_mask_low
-        metrics["product_sequence_mask_masked_ratio"] = ((over | under).sum() / rows).item()
-        metrics["product_sequence_mask_over_high_ratio"] = (over.sum() / rows).item()
-        metrics["product_sequence_mask_under_low_ratio"] = (under.sum() / rows).item()
-        keep = keep * (~over & ~under).float()
-        used = True
-    if not used:
-        return None, rollout, metrics
-    # a token a mask removed counts in no sequence-level TIS sum (SkyRL sums over the updated mask)
-    rollout_for_tis = torch.where((keep > 0) | ~valid, rollout, torch.full_like(rollout, float("nan")))
-    return keep, rollout_for_tis, metrics
+        cap = opc.sequence_tis_ratio_clip_high
+        metrics["tis_seq_clip_high_ratio"] = ((seq_ratio > cap).sum() / rows).item()
+        weights = keep * seq_ratio.clamp(max=cap)
+    if opc.sequence_mask_metric is not None:
+        log_seq = (delta * keep).sum(dim=-1, keepdim=True)
+        if opc.sequence_mask_metric == "geometric":  # exp of the mean over the kept tokens
+            name, lo, hi = "geo_sequence_mask", opc.geo_mask_low, opc.geo_mask_high
+            seq_ratio = _safe_exp(log_seq / keep.sum(dim=-1, keepdim=True).clamp(min=1.0))
+        else:
+            name, lo, hi = "product_sequence_mask", opc.product_mask_low, opc.product_mask_high
+            seq_ratio = _safe_exp(log_seq)
+        over, under = seq_ratio > hi, seq_ratio < lo
+        metrics[f"{name}_masked_ratio"] = ((over | under).sum() / rows).item()
+        metrics[f"{name}_over_high_ratio"] = (over.sum() / rows).item()
+        metrics[f"{name}_under_low_ratio"] = (under.sum() / rows).item()
+        weights = (keep if weights is None else weights) * (~over & ~under).float()
+    return weights, metrics
 
 
 class SkyRLAssertionError(ValueError, AssertionError):
@@ -237,7 +255,10 @@ class _Prepared:
 
     def __init__(self, skyrl_type, config, old, advantages, loss_mask, rollout, like):
         self.skyrl_type = skyrl_type
-        self.cfg = policy_loss_config(config, skyrl_type)
+        if rollout is None and rollout_anchored(config, skyrl_type):  # SkyRL asserts before anything else
+            what = "rollout_is" if skyrl_type == "rollout_is" else "cispo with cispo_anchor='rollout'"
+            raise SkyRLAssertionError(f"gk_{skyrl_type}: rollout_logprobs are required for {what}")
+        self.cfg = policy_loss_config(config, skyrl_type, with_rollout=rollout is not None)
         if loss_mask is None:
             loss_mask = torch.ones_like(like, dtype=torch.float32)
         binary = bool(((loss_mask == 0) | (loss_mask == 1)).all())
@@ -250,41 +271,30 @@ class _Prepared:
             self.token_weights = loss_mask.float()
         self.old = None if skyrl_type == "cross_entropy" else old
         self.advantages = torch.ones_like(like, dtype=torch.float32) if skyrl_type == "cross_entropy" else advantages
-        self.rollout = None
+        # what the ratio is measured against (old is None where SkyRL skipped the old forward)
+        self.anchor = rollout if self.cfg.ratio_anchor == "rollout" else self.old
+        self.rollout = rollout if self.cfg.uses_rollout_logprobs else None
         self.is_weights = None
         self.metrics: dict = {}
-        if skyrl_type == "cispo" and config.cispo.cispo_anchor == "rollout":
-            if rollout is None:
-                raise SkyRLAssertionError("gk_cispo: rollout_logprobs are required for cispo with cispo_anchor='rollout'")
-            if config.off_policy_correction.tis_ratio_type is not None:
-                raise ValueError(
-                    "cispo_anchor='rollout' is already rollout-anchored and performs the off-policy correction; TIS "
-                    f"(tis_ratio_type={config.off_policy_correction.tis_ratio_type!r}) would double-count it. "
-                    "Set off_policy_correction.tis_ratio_type=None."
-                )
-            self.behaviour = rollout
-        else:
-            self.behaviour = self.old
         if skyrl_type in _CORRECTED:
-            weights, rollout_for_tis, self.metrics = off_policy_weights(old, rollout, loss_mask, config.off_policy_correction)
-            if rollout is None and self.cfg.is_level is not None:  # SkyRL corrects only with rollout log-probs
-                self.cfg = self.cfg.replace(is_level=None)
-            if self.cfg.is_level is not None:
-                self.rollout = rollout_for_tis
-            self.is_weights = weights
+            opc = config.off_policy_correction
+            self.is_weights, self.metrics = off_policy_weights(old, rollout, loss_mask, opc)
 
     def kwargs(self) -> dict:
-        return dict(old_logprobs=self.behaviour, rollout_logprobs=self.rollout, is_weights=self.is_weights,
+        return dict(old_logprobs=self.old, rollout_logprobs=self.rollout, is_weights=self.is_weights,
                     token_weights=self.token_weights)  # fmt: skip
 
     def skyrl_metrics(self, ours: dict, logprobs: torch.Tensor, clip_bounds=None) -> dict:
         """SkyRL's metric dict (floats) from ours and the detached per-token log-probs."""
         t = self.skyrl_type
-        if t in ("regular", "dual_clip", "gspo"):
+        if t in ("regular", "dual_clip", "gspo", "dppo"):  # dppo: the share outside the trust region
             out = {"clip_ratio": ours["clip_ratio/region_mean"].item()}
+        elif t == "rollout_is":  # the share outside (1 - eps_clip_low, 1 + eps_clip_high)
+            out = {"clip_ratio": ours["clip_ratio/any_mean"].item()}
         elif t == "cispo":
             low, high = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
-            ratio = _safe_exp(logprobs - self.behaviour.float())
+            anchor = logprobs if self.anchor is None else self.anchor
+            ratio = _safe_exp(logprobs - anchor.float())
             m = self.mask.float()
             out = {
                 "clip_ratio": ours["clip_ratio/any_mean"].item(),
@@ -329,8 +339,6 @@ class GKPolicyLoss:
         install(self.mode)
 
     def __call__(self, log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
-        if self.skyrl_type in VARIANT_TYPES:
-            raise ValueError(f"gk_{self.skyrl_type}: " + "; ".join(unsupported_options(config, self.skyrl_type)))
         skyrl_type = _type_of(config, self.skyrl_type)
         fused = getattr(_local, "result", None)
         if fused is not None:  # mode "fused": the head computed the whole actor loss in the forward
@@ -352,7 +360,7 @@ def register_policy_losses(mode: str = "loss", backend: str = "auto") -> list[st
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     install(mode)
-    for skyrl_type in (*LOSS_TYPES, *VARIANT_TYPES):
+    for skyrl_type in LOSS_TYPES:
         name = f"gk_{skyrl_type}"
         if name in PolicyLossRegistry._functions:
             PolicyLossRegistry.unregister(name)  # a new mode or backend replaces the old entry
@@ -534,7 +542,7 @@ def _install_fused() -> None:
     def _forward_backward_micro(self, experience, microbatch_weight, loss_fn=None, loss_fn_config=None, **kwargs):
         fn = self.policy_loss_fn if loss_fn is None else PolicyLossRegistry.get(loss_fn)
         ours = isinstance(fn, GKPolicyLoss)
-        if not ours or loss_fn_config or fn.skyrl_type in ("cross_entropy", *VARIANT_TYPES):
+        if not ours or loss_fn_config or fn.skyrl_type == "cross_entropy":
             return original(self, experience, microbatch_weight, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
                             **kwargs)  # fmt: skip
         _local.fused_request = dict(

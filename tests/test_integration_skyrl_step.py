@@ -6,8 +6,10 @@
 * ``PolicyWorkerBase._forward_backward_micro`` (SkyRL's training micro-step: the policy loss from the
   registry, its KL and entropy terms, the ``dp_size`` and micro-batch weights, ``loss.backward()``, the
   status it logs) run on CPU on a worker built around that model: stock SkyRL, the adapter's losses on
-  SkyRL's head ("loss"), on the adapter's head ("logprobs"), and the whole actor loss fused ("fused"):
-  every logged value and every parameter gradient, then the parameters after two SGD steps (Adam's
+  SkyRL's head ("loss"), on the adapter's head ("logprobs"), and the whole actor loss fused ("fused"), for
+  PPO / dual clip / GSPO / CISPO / SAPO / rollout_is / DPPO (both divergences) with KL, entropy, TIS and the
+  masks, and a batch whose old log-probs SkyRL never computed (its skipped forward for rollout-anchored
+  losses): every logged value and every parameter gradient, then the parameters after two SGD steps (Adam's
 first step is lr x sign(g): it would turn the rounding of gradients that are 0 in exact arithmetic into
 steps of lr, so it cannot compare two implementations).
 The worker is SkyRL's class with its process-group and device plumbing stubbed (``strategy.backward`` is
@@ -30,7 +32,7 @@ from grpo_kernels.testing import assert_close
 ppo_utils = require_skyrl()
 transformers = pytest.importorskip("transformers")
 from skyrl.backends.skyrl_train.workers import model_wrapper, worker  # noqa: E402
-from skyrl.train.config import AlgorithmConfig, OffPolicyCorrectionConfig  # noqa: E402
+from skyrl.train.config import AlgorithmConfig, DPPOConfig, OffPolicyCorrectionConfig  # noqa: E402
 from skyrl.train.dataset.replay_buffer import Experience  # noqa: E402
 
 import grpo_kernels.integrations.skyrl as gk_skyrl  # noqa: E402
@@ -128,14 +130,16 @@ def make_worker(wrapper, algorithm, dp_size):
     return w
 
 
-def experience(seed):
+def experience(seed, with_old=True):
+    """A micro-batch; without ``with_old`` its old log-probs are None (SkyRL's skipped old forward)."""
     sequences, attention, loss_mask = batch(seed)
     g = torch.Generator().manual_seed(100 + seed)
     with torch.no_grad():  # the old policy: a slightly different model, so ratios move and clips bind
         old_model = tiny_model(seed=1)
         old, _ = head_outputs(old_model, sequences, attention, temperature=0.7)
     return Experience(
-        sequences=sequences, action_log_probs=old.detach(), base_action_log_probs=old.detach() - 0.1 * torch.rand(
+        sequences=sequences, action_log_probs=old.detach() if with_old else None,
+        base_action_log_probs=old.detach() - 0.1 * torch.rand(
             B, ACTIONS, generator=g), values=None, returns=None,
         advantages=torch.randn(B, 1, generator=g).expand(B, ACTIONS) / loss_mask.sum(), attention_mask=attention,
         loss_mask=loss_mask, response_mask=loss_mask, rollout_logprobs=old.detach() + 0.2 * torch.randn(
@@ -153,7 +157,23 @@ ALGORITHMS = {
         token_mask_is_threshold_low=0.8, token_mask_is_threshold_high=1.2, sequence_mask_metric="product",
         product_mask_low=0.2, product_mask_high=5.0)),
     "sapo-entropy": dict(policy_loss_type="sapo", use_kl_loss=False, use_entropy_loss=True, entropy_loss_coef=0.1),
+    # the probabilities here are ~1e-3..4e-2: trust regions of that size bind
+    # (test_the_step_cases_clip_and_correct)
+    "dppo-tis-geometric": dict(
+        policy_loss_type="dppo", use_kl_loss=False,
+        dppo=DPPOConfig(dppo_type="binary_tv", delta_low=0.01, delta_high=0.004),
+        off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token", token_tis_ratio_clip_high=1.1,
+                                                        sequence_mask_metric="geometric", geo_mask_low=0.95,
+                                                        geo_mask_high=1.2)),
+    "rollout_is-masks-entropy": dict(policy_loss_type="rollout_is", use_kl_loss=False, use_entropy_loss=True,
+                                     entropy_loss_coef=0.05, off_policy_correction=OffPolicyCorrectionConfig(
+        token_mask_is_threshold_low=0.85, token_mask_is_threshold_high=1.2, tis_ratio_type="sequence",
+        sequence_tis_ratio_clip_high=1.1)),
+    "dppo_kl-kl-no-old": dict(policy_loss_type="dppo", use_kl_loss=True, kl_loss_coef=0.3,
+                              kl_estimator_type="k3",
+                              dppo=DPPOConfig(dppo_type="binary_kl", delta_low=0.005, delta_high=0.002)),
 }
+NO_OLD_FORWARD = ("dppo_kl-kl-no-old",)  # SkyRL skips the old forward there (no correction, rollout logprobs)
 
 
 def algorithm_config(case, prefix):
@@ -177,7 +197,7 @@ def train(mode, case, dp_size, monkeypatch):
     statuses, first_grads = [], None
     for step in range(2):
         for micro in range(2):
-            status = w._forward_backward_micro(experience(2 * step + micro), 0.5)
+            status = w._forward_backward_micro(experience(2 * step + micro, case not in NO_OLD_FORWARD), 0.5)
             status.pop("loss_fn_outputs")
             statuses.append(status)
         if first_grads is None:
@@ -205,14 +225,27 @@ def test_worker_step_logs_and_trains_like_skyrl(mode, case, dp_size, monkeypatch
         assert_close(f"parameter {name} after 2 steps", ours[2][name], p, atol=1e-6, rtol=1e-5)
 
 
-def test_the_step_cases_clip_and_correct():
-    """The step cases are not vacuous: clipping binds and the masks drop tokens on these batches."""
-    exp = experience(0)
+@pytest.mark.parametrize("case", list(ALGORITHMS))
+def test_the_step_cases_clip_and_correct(case):
+    """The step cases are not vacuous: on the first micro-batch (SkyRL's own loss and metrics) the clip,
+    range or trust region drops some tokens and keeps some, each mask drops some tokens and keeps some, and
+    each TIS cap binds on some."""
+    exp = experience(0, case not in NO_OLD_FORWARD)
     with torch.no_grad():
         lp, _ = head_outputs(tiny_model(), exp.sequences, exp.attention_mask, temperature=0.7)
-    ratio = torch.exp(lp - exp.action_log_probs)[exp.loss_mask.bool()]
-    assert ((ratio < 0.9) | (ratio > 1.15)).any() and ((ratio > 0.9) & (ratio < 1.15)).any(), ratio
-    opc = algorithm_config("cispo-masks", "").off_policy_correction
-    weights, _, _ = gk_skyrl.off_policy_weights(exp.action_log_probs, exp.rollout_logprobs, exp.loss_mask, opc)
-    kept = weights.sum() / exp.loss_mask.sum()
-    assert 0 < kept < 1, kept
+    algorithm = algorithm_config(case, "")
+    _, metrics = ppo_utils.PolicyLossRegistry.get(algorithm.policy_loss_type)(
+        lp, exp.action_log_probs, exp.advantages, algorithm, loss_mask=exp.loss_mask,
+        rollout_logprobs=exp.rollout_logprobs)  # fmt: skip
+    if algorithm.policy_loss_type != "sapo":
+        assert 0 < metrics["clip_ratio"] < 1, metrics
+    for key in ("token_mask_ratio", "geo_sequence_mask_masked_ratio", "tis_token_clip_high_ratio",
+                "tis_seq_clip_high_ratio"):  # fmt: skip
+        if key in metrics:
+            assert 0 < metrics[key] < 1, (key, metrics)
+    if exp.action_log_probs is not None:
+        weights, _ = gk_skyrl.off_policy_weights(exp.action_log_probs, exp.rollout_logprobs, exp.loss_mask,
+                                                 algorithm.off_policy_correction)  # fmt: skip
+        if weights is not None:
+            kept = (weights > 0).sum() / exp.loss_mask.sum()
+            assert 0 < kept < 1, kept

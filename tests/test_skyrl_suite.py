@@ -4,8 +4,9 @@ losses and with grpo_kernels' swapped in, and compares every outcome.
 SkyRL's test files are not in its wheel and are not committed here, so CI runs the harness on a small
 SkyRL-style folder written below (the three file names it runs): a loss test that passes both ways (the
 swapped run through grpo_kernels), a test only the swap changes (the harness must name it and exit 1), a
-test of a type the adapter leaves to SkyRL (dppo: SkyRL's own function in both runs). The recorded run on
-SkyRL's real tests is docs/records/skyrl_suite.json.
+DPPO test (the adapter implements every SkyRL type: through grpo_kernels too), and a loss the test registers
+itself under its own name (not a SkyRL type: its own function in both runs). The recorded run on SkyRL's
+real tests is docs/records/skyrl_suite.json.
 """
 
 from __future__ import annotations
@@ -46,10 +47,25 @@ def test_registry_returns_skyrls_own_function():
     assert PolicyLossRegistry.get("regular").__module__.startswith("skyrl."), PolicyLossRegistry.get("regular")
 
 
-def test_dppo_stays_skyrls():
+def test_dppo_value():
     lp, old, adv, mask = inputs()
-    loss, _ = PolicyLossRegistry.get("dppo")(lp, old, adv, AlgorithmConfig(policy_loss_type="dppo"), loss_mask=mask)
-    assert torch.isfinite(loss)
+    loss, metrics = PolicyLossRegistry.get("dppo")(lp, old, adv, AlgorithmConfig(policy_loss_type="dppo"),
+                                                   loss_mask=mask)
+    diff = lp.exp() - old.exp()
+    inside = ~(((adv > 0) & (diff > 0.2)) | ((adv < 0) & (-diff > 0.2)))
+    torch.testing.assert_close(loss, -(torch.exp(lp - old) * adv * inside).sum())
+    assert 0 <= metrics["clip_ratio"] <= 1
+
+
+def test_a_loss_registered_under_its_own_name_stays_its_own():
+    def own_loss(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
+        return -(log_probs * advantages).sum(), {}
+
+    PolicyLossRegistry.register("own_loss", own_loss)
+    try:
+        assert PolicyLossRegistry.get("own_loss") is own_loss
+    finally:
+        PolicyLossRegistry.unregister("own_loss")
 '''
 OTHER = '''
 def test_nothing_to_swap_here():
@@ -78,9 +94,12 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
     for side in ("stock", "swapped"):
         got = {t: e["outcome"] for t, e in record[side].items()}
         assert got["train.algorithms.test_losses::test_regular_value"] == "passed", (side, record[side])
-        assert got["train.algorithms.test_losses::test_dppo_stays_skyrls"] == "passed", (side, record[side])
-    assert record["grpo_kernels_calls"] == {"train/algorithms/test_losses.py::test_regular_value": 1}, record
-    assert record["passed_both"] == 4 and record["passed_both_through_grpo_kernels"] == 1, record
+        assert got["train.algorithms.test_losses::test_dppo_value"] == "passed", (side, record[side])
+        own = "train.algorithms.test_losses::test_a_loss_registered_under_its_own_name_stays_its_own"
+        assert got[own] == "passed", (side, record[side])
+    calls = {f"train/algorithms/test_losses.py::{test}": 1 for test in ("test_regular_value", "test_dppo_value")}
+    assert record["grpo_kernels_calls"] == calls, record
+    assert record["passed_both"] == 5 and record["passed_both_through_grpo_kernels"] == 2, record
     assert record["skyrl_tests"]["ref"] == "written-in-this-test"
     assert "DIFFERS train.algorithms.test_losses::test_registry_returns_skyrls_own_function" in run.stdout
 

@@ -6,10 +6,10 @@ the outcome of every test.
 SkyRL's tests are not part of its wheel: give the ``tests/`` folder of a SkyRL checkout near the installed
 ``skyrl`` (0.4.0). The files run (``TEST_FILES``) are its CPU tests of the policy losses, the off-policy
 correction and the rest of ``ppo_utils``. The swapped run answers every ``PolicyLossRegistry.get(name)``
-of a SkyRL type the adapter implements (``grpo_kernels.integrations.skyrl.LOSS_TYPES``) with
+of a SkyRL type (the adapter implements them all: ``grpo_kernels.integrations.skyrl.LOSS_TYPES``) with
 ``GKPolicyLoss(name)``, the loss a ``gk_<name>`` selection runs, and counts its calls per test, so the
-record shows which tests ran through grpo_kernels. The types that wait for a grpo_kernels variant
-(``NEEDS_VARIANT``) keep SkyRL's own function in both runs.
+record shows which tests ran through grpo_kernels. A name that is not a SkyRL type (a loss a test
+registers itself) keeps its own function in both runs.
 
 Both runs take the Python 3.11 import shims of ``tests/trainer_support.py`` (SkyRL declares Python >= 3.12),
 passed to pytest as a plugin of this file. Writes ``OUT/skyrl_suite.json`` (versions, per-test outcomes of
