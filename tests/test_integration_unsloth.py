@@ -25,14 +25,18 @@ share the parity environment's trl 1.16.0. Elsewhere the module skips, saying so
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
 import tempfile
 import types
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
+from checkout import CHECKOUT
 from parity_helpers import installed_version
 
 
@@ -57,9 +61,15 @@ for _dist in ("unsloth", "unsloth_zoo"):
                     allow_module_level=True)  # fmt: skip
 
 # Unsloth on a machine without a GPU: UNSLOTH_ALLOW_CPU=1 imports its GPU code path (what generates the GRPO
-# trainer) instead of its CPU backend, which supports SFT only; its generated modules go to a temporary folder.
+# trainer) instead of its CPU backend, which supports SFT only. Its generated modules (UnslothGRPOTrainer.py,
+# moe_utils.py) go to UNSLOTH_COMPILE_LOCATION, by default ./unsloth_compiled_cache: here a temporary folder,
+# removed at exit, and the fixture nothing_lands_in_the_checkout checks that none appeared where pytest runs.
+_STRAY_CACHES = {path: path.exists() for path in {CHECKOUT / "unsloth_compiled_cache",
+                                                  Path.cwd() / "unsloth_compiled_cache"}}  # fmt: skip
 os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
-os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="grpo_kernels_unsloth_cache_"))
+if "UNSLOTH_COMPILE_LOCATION" not in os.environ:
+    os.environ["UNSLOTH_COMPILE_LOCATION"] = tempfile.mkdtemp(prefix="grpo_kernels_unsloth_cache_")
+    atexit.register(shutil.rmtree, os.environ["UNSLOTH_COMPILE_LOCATION"], ignore_errors=True)
 import unsloth  # noqa: E402, F401  (patches TRL and transformers: first)
 import unsloth.models.rl as unsloth_rl  # noqa: E402
 
@@ -88,6 +98,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_lands_in_the_checkout():
+    """After the module (the import, the generated trainer, the trainings): no unsloth_compiled_cache folder in the
+    checkout or the folder pytest runs in that was not there before."""
+    yield
+    new = [str(path) for path, existed in _STRAY_CACHES.items() if path.exists() and not existed]
+    assert not new, f"Unsloth wrote its generated modules into {new}, not UNSLOTH_COMPILE_LOCATION"
 
 
 # ---------------------------------------------------------------------------------------------------
