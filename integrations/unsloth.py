@@ -184,11 +184,16 @@ def _rollout_rs_on(settings: dict) -> bool:
 
 
 def _token_k1_bounds(spec) -> tuple[float, float] | None:
-    """The bounds (lower, upper) on pi_sampler / pi_old of a token_k1 threshold as Unsloth reads it: "upper"
-    (lower = 1 / upper) or "lower_upper", with 0 < lower <= upper < inf; None for anything else."""
+    """The bounds (lower, upper) on pi_sampler / pi_old of a token_k1 threshold as Unsloth reads it: one
+    comma-separated entry, "upper" (lower = 1 / upper) or "lower_upper", with 0 < lower <= upper < inf; None
+    for anything else."""
+    specs = [x.strip() for x in str(spec).split(",") if x.strip()]
+    if len(specs) != 1:
+        return None
+    spec = specs[0]
     try:
-        if "_" in str(spec):
-            lower, upper = (float(x) for x in str(spec).split("_", 1))
+        if "_" in spec:
+            lower, upper = (float(x) for x in spec.split("_", 1))
         else:
             upper = float(spec)
             lower = 1.0 / upper
@@ -240,7 +245,7 @@ def unmapped_settings(settings: dict) -> list[str]:
     loss_type = settings.get("loss_type", "grpo")
     if loss_type not in LOSS_AGG_MODE:
         problems.append(f"loss_type={loss_type!r}: grpo_kernels maps {tuple(LOSS_AGG_MODE)}")
-    if _is_correction_on(settings):
+    if settings.get("use_vllm") and settings.get("vllm_importance_sampling_correction"):  # Unsloth checks the mode
         mode = settings.get("vllm_importance_sampling_mode", "sequence_mask")
         key = f"vllm_importance_sampling_mode={mode}"
         if mode not in VLLM_IS_MODES:
@@ -248,7 +253,8 @@ def unmapped_settings(settings: dict) -> list[str]:
         elif loss_type == "vespo" and VLLM_IS_MODES[mode][0] != "token":
             problems.append(f"{key} with loss_type='vespo': Unsloth refuses it (VESPO folds token-level IS weights "
                             "only), as grpo_kernels does")  # fmt: skip
-        elif (mode.endswith("_truncate") and settings.get("vllm_importance_sampling_clip_min") is None
+        elif (_is_correction_on(settings) and mode.endswith("_truncate")
+              and settings.get("vllm_importance_sampling_clip_min") is None
               and settings.get("vllm_importance_sampling_clip_max", 3.0) is None):  # fmt: skip
             problems.append(f"{key} with neither vllm_importance_sampling_clip_min nor _clip_max: Unsloth's clamp "
                             "raises (TRL refuses the token and sequence modes so)")  # fmt: skip

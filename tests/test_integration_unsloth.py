@@ -433,9 +433,11 @@ LOSS_CASES = {
                                           vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1,
                                           rollout_rs="token_k1", rollout_rs_threshold="1.15"),  # fmt: skip
     "rollout-rs-without-correction": dict(loss_type="dapo", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.01"),
-    # the sampler's log-probs as the old policy (verl's bypass mode): the ratio to them, clamped to [-20, 20]
+    # the sampler's log-probs as the old policy (verl's bypass mode): the ratio to them, clamped to [-20, 20]; the IS
+    # correction, on, has nothing to weight (a token mode: Unsloth refuses vespo with a sequence mode either way)
     **{f"rollout-as-old-{t}": dict(loss_type=t, rollout_logps_as_old=True, use_vllm=True,
-                                   vllm_importance_sampling_correction=True)
+                                   vllm_importance_sampling_correction=True,
+                                   vllm_importance_sampling_mode="token_truncate")
        for t in ("dapo", "grpo", "cispo", "sapo", "vespo")},  # fmt: skip
     "rollout-as-old-off-policy-mask-kl": dict(loss_type="bnpo", rollout_logps_as_old=True, beta=0.04,
                                               off_policy_mask_threshold=0.02, use_vllm=True),  # fmt: skip
@@ -549,7 +551,8 @@ def test_seq_mean_k1_is_the_sequence_gate_but_for_unsloths_clamp():
     assert bool((got_grad[2, :9] == 0).all()) and bool((want_grad[2, :9] != 0).any())
 
 
-@pytest.mark.parametrize("spec", ["2.0", "1.15", "0.85_1.2", "0.5_0.5", "0", "-2", "1.2_0.8", "x", "0.5_", "1e-12_1e12"])
+@pytest.mark.parametrize("spec", ["2.0", "1.15", "0.85_1.2", " 0.85_1.2, ", "0.5_0.5", "0", "-2", "1.2_0.8", "x", "0.5_",
+                                  "1e-12_1e12", "2,3"])
 def test_token_k1_thresholds_read_as_unsloth_reads_them(spec):
     """The adapter reads a token_k1 threshold (lower = 1 / upper when one number) as Unsloth's own parser does, and
     refuses by name what Unsloth refuses or what the gate cannot equal (bounds beyond e^+-20, lower = upper)."""
@@ -591,6 +594,9 @@ UNMAPPED = {
                           "the current policy against the sampler"),  # fmt: skip
     "rollout-as-old-sequence": (dict(rollout_logps_as_old=True, importance_sampling_level="sequence"),
                                 "before the sequence mean"),  # fmt: skip
+    "rollout-as-old-vespo-geometric": (dict(_IS, rollout_logps_as_old=True, loss_type="vespo",
+                                            vllm_importance_sampling_mode="geometric_truncate"),
+                                       "with loss_type='vespo': Unsloth refuses it"),  # fmt: skip
     "sample-weight": (dict(sample_weight=True), "UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"),
     "unknown-loss": (dict(loss_type="gmpo"), "loss_type='gmpo'"),
 }
