@@ -37,10 +37,9 @@ The loss options. `loss_settings(trainer)` reads what Unsloth's loss will use (t
 settings with Unsloth's environment overrides applied), `policy_loss_config` maps them onto a
 `PolicyLossConfig` and `loss_normalizers` onto the normalizer keywords, so that `grpo_kernels.grpo_loss`
 on the same log-probs computes Unsloth's loss (tests/test_integration_unsloth.py proves it against
-`grpo_compute_loss`); `unmapped_settings` names each option that has no grpo_kernels counterpart
-(the options waiting for a grpo_kernels loss variant are listed in `AWAITING_VARIANTS`). In
-"logprobs" mode Unsloth computes the loss, so these are reported (logged when the trainer is built),
-not refused; they are the contract a fused mode would have to meet.
+`grpo_compute_loss`); `unmapped_settings` names each option that has no exact grpo_kernels counterpart,
+with the reason. In "logprobs" mode Unsloth computes the loss, so these are reported (logged when the
+trainer is built), not refused; they are the contract a fused mode would have to meet.
 """
 
 from __future__ import annotations
@@ -75,17 +74,34 @@ LOSS_AGG_MODE = {
     "luspo": "seq-mean-token-sum",
 }
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-# The Unsloth options that wait for a grpo_kernels loss variant (being added: DPPO, rollout_is,
-# geometric-mean sequence IS, Kimi squared KL). One place: wiring a variant means moving its entry
-# into policy_loss_config. Keys are the option as unmapped_settings names it.
-AWAITING_VARIANTS = {
-    "vllm_importance_sampling_mode=geometric_truncate": "geometric-mean sequence IS (truncate)",
-    "vllm_importance_sampling_mode=geometric_mask": "geometric-mean sequence IS (mask)",
+# Unsloth's vLLM importance-sampling modes -> (is_level, is_mode); each weight is pi_old / pi_sampler:
+# per token, per sequence (the product of the token weights), or "geometric" (their geometric mean,
+# exp(mean_t (old_t - sampler_t)), verl's seq_mean_k1 weight)
+VLLM_IS_MODES = {
+    "token_truncate": ("token", "truncate"),
+    "token_mask": ("token", "mask"),
+    "sequence_truncate": ("sequence", "truncate"),
+    "sequence_mask": ("sequence", "mask"),
+    "geometric_truncate": ("sequence_geometric", "truncate"),
+    "geometric_mask": ("sequence_geometric", "mask"),
 }
-# The open upper IS bound (clip_max None) as a finite number
-_OPEN_UPPER_BOUND = float(torch.finfo(torch.float32).max)
+# Unsloth (as verl) clamps a log-ratio against the sampler to [-20, 20]: the policy ratio's when the
+# sampler's log-probs are the old policy's (UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD), and each token's in
+# the rollout rejection statistics
+ROLLOUT_LOG_RATIO_CLAMP = 20.0
+# The rollout rejection option (UNSLOTH_GRPO_ROLLOUT_RS, verl's rollout_rs) that grpo_kernels' sampler gate
+# computes: token_k1 keeps a token when pi_sampler / pi_old lies in [lower, upper]
+ROLLOUT_RS_MAPPED = "token_k1"
+# Why each other rollout rejection statistic has no grpo_kernels gate
+_ROLLOUT_RS_REASONS = {
+    "seq_mean_k1": "the sequence ratio gate (is_gate_level='sequence') bounds the same geometric mean, but Unsloth "
+    "clamps each token's log-ratio to [-20, 20] before the mean and grpo_kernels' gate clamps with log_ratio_clamp, "
+    "which Unsloth's policy ratio and IS weights do not have: they differ on a sequence with a token whose "
+    "|old - sampler| log-ratio exceeds 20",
+    "seq_sum_k1": "it bounds the product of the token ratios; grpo_kernels' sequence gate bounds their geometric mean",
+    "k2": "a bound on k2 = (log-ratio)^2 / 2; grpo_kernels' gates bound the ratio, the binary KL or the TV",
+    "k3": "a bound on k3 = r - 1 - log r; grpo_kernels' gates bound the ratio, the binary KL or the TV",
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,8 +118,9 @@ def loss_settings(trainer) -> dict:
     `unsloth_zoo.rl_replacements.grpo_compute_loss` plus `beta`, `use_bias_correction_kl`, `entropy_coef`,
     `top_entropy_quantile` and `temperature`: what `grpo_accumulated_loss` hands its loss, Unsloth's
     environment overrides included (UNSLOTH_GRPO_VLLM_IS_MODE, UNSLOTH_GRPO_VLLM_IS_CLIP,
-    UNSLOTH_GRPO_ROLLOUT_RS, UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD, UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE,
-    UNSLOTH_GRPO_LOSS_AGGREGATION). No Unsloth import."""
+    UNSLOTH_GRPO_ROLLOUT_RS and its UNSLOTH_GRPO_ROLLOUT_RS_THRESHOLD, as the strings Unsloth parses,
+    UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD, UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE, UNSLOTH_GRPO_LOSS_AGGREGATION).
+    No Unsloth import."""
     args = trainer.args
     entropy_coef = float(getattr(trainer, "entropy_coef", getattr(args, "entropy_coef", 0.0)) or 0.0)
     if getattr(args, "use_adaptive_entropy", False):  # Unsloth drops the adaptive bonus whole (and warns)
@@ -133,6 +150,7 @@ def loss_settings(trainer) -> dict:
         entropy_coef=entropy_coef,
         temperature=float(args.temperature),
         rollout_rs=os.environ.get("UNSLOTH_GRPO_ROLLOUT_RS", "").strip() or None,
+        rollout_rs_threshold=os.environ.get("UNSLOTH_GRPO_ROLLOUT_RS_THRESHOLD", "").strip() or None,
         rollout_logps_as_old=_env_on("UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD"),
         sample_weight=_env_on("UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE")
         or bool(os.environ.get("UNSLOTH_GRPO_LOSS_AGGREGATION", "").strip()),
@@ -151,38 +169,109 @@ def loss_settings(trainer) -> dict:
 
 
 def _is_correction_on(settings: dict) -> bool:
-    return bool(settings.get("use_vllm") and settings.get("vllm_importance_sampling_correction"))
+    """Unsloth weights the loss by pi_old / pi_sampler: vLLM with the correction on, and the sampler's log-probs
+    not taken as the old policy's (UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD drops them from the loss)."""
+    return bool(settings.get("use_vllm") and settings.get("vllm_importance_sampling_correction")
+                and not settings.get("rollout_logps_as_old", False))  # fmt: skip
+
+
+def _rollout_rs_on(settings: dict) -> bool:
+    """Unsloth's rollout rejection acts where it has a log-ratio to test: the old policy against the sampler (the
+    importance-sampling correction on), or the current policy against the sampler's log-probs taken as old."""
+    return bool(settings.get("rollout_rs")) and (
+        _is_correction_on(settings) or bool(settings.get("rollout_logps_as_old", False))
+    )
+
+
+def _token_k1_bounds(spec) -> tuple[float, float] | None:
+    """The bounds (lower, upper) on pi_sampler / pi_old of a token_k1 threshold as Unsloth reads it: one
+    comma-separated entry, "upper" (lower = 1 / upper) or "lower_upper", with 0 < lower <= upper < inf; None
+    for anything else."""
+    specs = [x.strip() for x in str(spec).split(",") if x.strip()]
+    if len(specs) != 1:
+        return None
+    spec = specs[0]
+    try:
+        if "_" in spec:
+            lower, upper = (float(x) for x in spec.split("_", 1))
+        else:
+            upper = float(spec)
+            lower = 1.0 / upper
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return (lower, upper) if 0 < lower <= upper < math.inf else None
+
+
+def _rollout_rs_problem(settings: dict) -> str | None:
+    """Why `settings`' rollout rejection has no exact grpo_kernels gate, or None when it has one."""
+    name = f"UNSLOTH_GRPO_ROLLOUT_RS={settings['rollout_rs']!r}"
+    options = list(dict.fromkeys(o.strip() for o in str(settings["rollout_rs"]).split(",") if o.strip()))
+    if settings.get("rollout_logps_as_old", False):
+        return (f"{name} with UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD=1: Unsloth's statistic is then the current policy "
+                "against the sampler; grpo_kernels' gate compares old_logprobs with rollout_logprobs")  # fmt: skip
+    if options != [ROLLOUT_RS_MAPPED]:
+        reasons = []
+        for option in (o for o in options if o != ROLLOUT_RS_MAPPED):
+            key = option if option in _ROLLOUT_RS_REASONS else option[-2:]  # k2 / k3 statistics share a reason
+            reasons.append(f"{option}: {_ROLLOUT_RS_REASONS.get(key, 'unknown to Unsloth')}")
+        if len(options) > 1:
+            reasons.append("a token must pass every option; grpo_kernels has one gate")
+        return f"{name}: grpo_kernels' sampler gate computes {ROLLOUT_RS_MAPPED} alone; " + "; ".join(reasons)
+    spec = settings.get("rollout_rs_threshold")
+    bounds = _token_k1_bounds(spec)
+    if bounds is None:
+        return (f"{name} with UNSLOTH_GRPO_ROLLOUT_RS_THRESHOLD={spec!r}: not a token_k1 threshold Unsloth accepts "
+                "('upper' or 'lower_upper', 0 < lower <= upper)")  # fmt: skip
+    lower, upper = bounds
+    if not math.exp(-ROLLOUT_LOG_RATIO_CLAMP) < lower < upper < math.exp(ROLLOUT_LOG_RATIO_CLAMP):
+        return (f"{name} with bounds {lower}, {upper}: grpo_kernels' gate equals Unsloth's (which clamps the "
+                "log-ratio to [-20, 20]) for bounds strictly inside (e^-20, e^20), lower < upper")  # fmt: skip
+    if settings.get("loss_type") == "vespo":
+        return (f"{name} with loss_type='vespo': Unsloth folds a rejected token's IS weight 0 into VESPO's sequence "
+                "weight (at log 1e-8); grpo_kernels defines no gate for vespo")  # fmt: skip
+    if float(settings.get("beta", 0.0)) != 0.0 or float(settings.get("entropy_coef", 0.0)) != 0.0:
+        return (f"{name} with beta != 0 or entropy_coef != 0: Unsloth drops a rejected token from the KL term and "
+                "the entropy bonus too; grpo_kernels' gate zeroes its IS weight, which only the policy term "
+                "carries")  # fmt: skip
+    return None
 
 
 def unmapped_settings(settings: dict) -> list[str]:
-    """The options in `settings` (loss_settings' keys) that no PolicyLossConfig computes, one line each,
-    naming the option and why. Empty: policy_loss_config reproduces Unsloth's loss. The options that wait
-    for a grpo_kernels loss variant are named with it (AWAITING_VARIANTS)."""
+    """The options in `settings` (loss_settings' keys) that no PolicyLossConfig computes exactly, one line
+    each, naming the option and why. Empty: policy_loss_config reproduces Unsloth's loss. Options not in
+    effect (the importance-sampling mode without the correction, the rollout rejection without a sampler
+    log-ratio to test) are not named."""
     problems = []
     loss_type = settings.get("loss_type", "grpo")
     if loss_type not in LOSS_AGG_MODE:
         problems.append(f"loss_type={loss_type!r}: grpo_kernels maps {tuple(LOSS_AGG_MODE)}")
-    if _is_correction_on(settings):
+    if settings.get("use_vllm") and settings.get("vllm_importance_sampling_correction"):  # Unsloth checks the mode
         mode = settings.get("vllm_importance_sampling_mode", "sequence_mask")
         key = f"vllm_importance_sampling_mode={mode}"
-        if key in AWAITING_VARIANTS:
-            problems.append(f"{key}: needs grpo_kernels' {AWAITING_VARIANTS[key]} loss variant (not yet added)")
-        elif mode not in VLLM_IS_MODES:
+        if mode not in VLLM_IS_MODES:
             problems.append(f"{key}: unknown to Unsloth and grpo_kernels")
+        elif loss_type == "vespo" and VLLM_IS_MODES[mode][0] != "token":
+            problems.append(f"{key} with loss_type='vespo': Unsloth refuses it (VESPO folds token-level IS weights "
+                            "only), as grpo_kernels does")  # fmt: skip
+        elif (_is_correction_on(settings) and mode.endswith("_truncate")
+              and settings.get("vllm_importance_sampling_clip_min") is None
+              and settings.get("vllm_importance_sampling_clip_max", 3.0) is None):  # fmt: skip
+            problems.append(f"{key} with neither vllm_importance_sampling_clip_min nor _clip_max: Unsloth's clamp "
+                            "raises (TRL refuses the token and sequence modes so)")  # fmt: skip
     if settings.get("beta", 0.0) != 0.0 and settings.get("use_bias_correction_kl", False):
         problems.append(
             "use_bias_correction_kl=True with beta != 0: Unsloth caps the bias-corrected KL (k3 x ratio) at 10, "
             "grpo_kernels caps k3 at 10 and then multiplies by the ratio (they differ where k3 x ratio > 10)"
         )
-    if settings.get("rollout_rs"):
+    if _rollout_rs_on(settings):
+        problem = _rollout_rs_problem(settings)
+        if problem:
+            problems.append(problem)
+    if settings.get("rollout_logps_as_old", False) and settings.get("importance_sampling_level") == "sequence":
         problems.append(
-            f"UNSLOTH_GRPO_ROLLOUT_RS={settings['rollout_rs']!r}: verl's rollout rejection sampling (keep masks on "
-            "k1 / k2 / k3 of the old / rollout log-ratio, per token or sequence sum / mean / max) is not in grpo_kernels"
-        )
-    if settings.get("rollout_logps_as_old", False):
-        problems.append(
-            "UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD=1: the sampler's log-probs as the old policy, unscored sampler "
-            "tokens taking the current log-prob (ratio 1): not mapped"
+            "UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD=1 with importance_sampling_level='sequence': Unsloth clamps each "
+            "token's log-ratio to [-20, 20] before the sequence mean, grpo_kernels clamps the mean (log_ratio_clamp): "
+            "they differ where a token's |log-ratio| exceeds 20"
         )
     if settings.get("sample_weight", False):
         problems.append(
@@ -200,10 +289,17 @@ def policy_loss_config(settings: dict) -> gk.PolicyLossConfig:
     importance_sampling_level -> ratio_level, no log-ratio clamp (Unsloth has none); beta -> kl_coef with
     Unsloth's clamped k3 (verl's low_var_kl: log-ratio in [-20, 20], KL in [-10, 10]);
     use_bias_correction_kl -> kl_ratio_correction (beta = 0 only, see unmapped_settings); the vLLM
-    importance-sampling correction (token / sequence, truncate / mask, clip_min / clip_max) -> is_level,
-    is_mode, is_min, is_max; off_policy_mask_threshold and top_entropy_quantile -> the same names; a
-    fixed entropy_coef -> entropy_coef with TRL's aggregation ("token-mean-local"). Raises ValueError
-    listing unmapped_settings when there are any."""
+    importance-sampling correction (token / sequence / geometric, truncate / mask, clip_min / clip_max) ->
+    is_level ("token", "sequence", "sequence_geometric"), is_mode, is_min, is_max (None: no bound; a mask
+    with neither bound keeps every weight, as truncate with none); the rollout rejection token_k1 with
+    bounds [lower, upper] on pi_sampler / pi_old -> the token ratio gate on pi_old / pi_sampler
+    (is_gate="ratio", is_gate_min = 1 / upper, is_gate_max = 1 / lower); UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD
+    -> log_ratio_clamp=20 (Unsloth's clamp of the ratio to the sampler), no IS weight, and old_logprobs are
+    then the sampler's log-probs as Unsloth passes them (an unscored token holding the current log-prob);
+    off_policy_mask_threshold and top_entropy_quantile -> the same names; a fixed entropy_coef ->
+    entropy_coef with TRL's aggregation ("token-mean-local"). The loss takes the log-probs
+    grpo_compute_loss receives: `old_logprobs` its `old`, `rollout_logprobs` its sampling log-probs.
+    Raises ValueError listing unmapped_settings when there are any."""
     problems = unmapped_settings(settings)
     if problems:
         raise ValueError("Unsloth GRPO options grpo_kernels cannot map:\n  - " + "\n  - ".join(problems))
@@ -238,12 +334,19 @@ def policy_loss_config(settings: dict) -> gk.PolicyLossConfig:
     coef = float(settings.get("entropy_coef", 0.0))
     if coef != 0.0:
         fields.update(entropy_coef=coef, entropy_agg_mode="token-mean-local")
+    if settings.get("rollout_logps_as_old", False):  # the ratio to the sampler, clamped as Unsloth does
+        fields["log_ratio_clamp"] = ROLLOUT_LOG_RATIO_CLAMP
     if _is_correction_on(settings):
-        level, _, how = settings.get("vllm_importance_sampling_mode", "sequence_mask").partition("_")
+        level, how = VLLM_IS_MODES[settings.get("vllm_importance_sampling_mode", "sequence_mask")]
         clip_min = settings.get("vllm_importance_sampling_clip_min")
         clip_max = settings.get("vllm_importance_sampling_clip_max", 3.0)
+        if how == "mask" and clip_min is None and clip_max is None:  # masks nothing: the raw weight
+            how = "truncate"
         fields.update(is_level=level, is_mode=how, is_min=None if clip_min is None else float(clip_min),
-                      is_max=_OPEN_UPPER_BOUND if clip_max is None else float(clip_max))  # fmt: skip
+                      is_max=None if clip_max is None else float(clip_max))  # fmt: skip
+    if _rollout_rs_on(settings):  # token_k1 (unmapped_settings refused the rest): lower <= 1 / r <= upper
+        lower, upper = _token_k1_bounds(settings.get("rollout_rs_threshold"))
+        fields.update(is_gate="ratio", is_gate_level="token", is_gate_min=1.0 / upper, is_gate_max=1.0 / lower)
     return gk.PolicyLossConfig(**fields)
 
 

@@ -12,8 +12,9 @@ share the parity environment's trl 1.16.0. Elsewhere the module skips, saying so
    entropy sums V exponentials), never widened to pass.
 2. The loss options: `policy_loss_config` + `loss_normalizers` with `grpo_kernels.grpo_loss` against Unsloth's
    `grpo_compute_loss` (and its entropy bonus weights) on the same log-probs, value and gradient, for every
-   loss_type, both importance-sampling levels, delta, the clamped KL, the vLLM importance-sampling modes, the
-   off-policy mask; and each unmapped option refused by name.
+   loss_type, both importance-sampling levels, delta, the clamped KL, the vLLM importance-sampling modes
+   (token, sequence and geometric), the off-policy mask, the token_k1 rollout rejection, the sampler's
+   log-probs as the old policy; and each unmapped option refused by name.
 3. Training: Unsloth's generated `UnslothGRPOTrainer` (trl.GRPOTrainer after Unsloth patched TRL) and
    `GRPOKernelsTrainer` train a tiny model built here for two optimizer steps of two accumulated micro-batches
    each, num_iterations=2 (the second step off-policy), in fp32: every logged value, every parameter's gradient
@@ -24,12 +25,18 @@ share the parity environment's trl 1.16.0. Elsewhere the module skips, saying so
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
 import tempfile
+import types
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
+from checkout import CHECKOUT
 from parity_helpers import installed_version
 
 
@@ -54,9 +61,15 @@ for _dist in ("unsloth", "unsloth_zoo"):
                     allow_module_level=True)  # fmt: skip
 
 # Unsloth on a machine without a GPU: UNSLOTH_ALLOW_CPU=1 imports its GPU code path (what generates the GRPO
-# trainer) instead of its CPU backend, which supports SFT only; its generated modules go to a temporary folder.
+# trainer) instead of its CPU backend, which supports SFT only. Its generated modules (UnslothGRPOTrainer.py,
+# moe_utils.py) go to UNSLOTH_COMPILE_LOCATION, by default ./unsloth_compiled_cache: here a temporary folder,
+# removed at exit, and the fixture nothing_lands_in_the_checkout checks that none appeared where pytest runs.
+_STRAY_CACHES = {path: path.exists() for path in {CHECKOUT / "unsloth_compiled_cache",
+                                                  Path.cwd() / "unsloth_compiled_cache"}}  # fmt: skip
 os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
-os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="grpo_kernels_unsloth_cache_"))
+if "UNSLOTH_COMPILE_LOCATION" not in os.environ:
+    os.environ["UNSLOTH_COMPILE_LOCATION"] = tempfile.mkdtemp(prefix="grpo_kernels_unsloth_cache_")
+    atexit.register(shutil.rmtree, os.environ["UNSLOTH_COMPILE_LOCATION"], ignore_errors=True)
 import unsloth  # noqa: E402, F401  (patches TRL and transformers: first)
 import unsloth.models.rl as unsloth_rl  # noqa: E402
 
@@ -85,6 +98,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_lands_in_the_checkout():
+    """After the module (the import, the generated trainer, the trainings): no unsloth_compiled_cache folder in the
+    checkout or the folder pytest runs in that was not there before."""
+    yield
+    new = [str(path) for path, existed in _STRAY_CACHES.items() if path.exists() and not existed]
+    assert not new, f"Unsloth wrote its generated modules into {new}, not UNSLOTH_COMPILE_LOCATION"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,22 +320,39 @@ def loss_inputs(seed: int, with_rollout: bool):
     return dict(new=new, old=old, ref=ref, adv=adv, mask=mask, rollout=rollout, entropy=entropy)
 
 
+def old_and_sampling(settings, x):
+    """The old and sampler log-probs grpo_compute_loss receives: the old policy's and the sampler's, or with
+    UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD the sampler's as old (an unscored token taking the current log-prob, by
+    Unsloth's own grpo_rollout_old_fill_unscored) and none as the sampler's, as grpo_accumulated_loss passes them."""
+    if settings["rollout_logps_as_old"]:
+        return unsloth_rl_replacements.grpo_rollout_old_fill_unscored(x["rollout"], x["new"])[0], None
+    return x["old"], x["rollout"]
+
+
 def unsloth_loss(settings, x, *, num_items_in_batch, ga, spg, num_processes=1):
     """Unsloth's loss on float64 copies: grpo_compute_loss, plus its entropy bonus (sum of entropy x
-    grpo_entropy_bonus_weights) when entropy_coef != 0. Returns the loss and d loss / d new."""
+    grpo_entropy_bonus_weights) when entropy_coef != 0. The rollout rejection is parsed by Unsloth's own
+    grpo_parse_rollout_rs. Returns the loss and d loss / d new."""
     grpo_trainer = trl.trainer.grpo_trainer.GRPOTrainer
     new = x["new"].double().requires_grad_(True)
     entropy = x["entropy"].double().requires_grad_(True)
     kwargs = {k: v for k, v in settings.items() if k not in ("beta", "entropy_coef", "temperature",
                                                              "top_entropy_quantile", "rollout_rs",
-                                                             "rollout_logps_as_old", "sample_weight")}  # fmt: skip
+                                                             "rollout_rs_threshold", "rollout_logps_as_old",
+                                                             "sample_weight")}  # fmt: skip
     kwargs.update(num_items_in_batch=num_items_in_batch, current_gradient_accumulation_steps=ga,
                   steps_per_generation=spg, num_processes=num_processes,
                   get_off_policy_mask=grpo_trainer.get_off_policy_mask, get_gamma_weights=grpo_trainer.get_gamma_weights)  # fmt: skip
-    rollout = None if x["rollout"] is None else x["rollout"].double()
+    if settings["rollout_logps_as_old"]:
+        kwargs["rollout_logps_as_old"] = True
+    rollout_rs = unsloth_rl_replacements.grpo_parse_rollout_rs(settings["rollout_rs"], settings["rollout_rs_threshold"])
+    if rollout_rs is not None:
+        kwargs["rollout_rs"] = rollout_rs
+    old, sampling = old_and_sampling(settings, x)
     loss = unsloth_rl_replacements.grpo_compute_loss(
-        x["ref"].double(), new, x["old"].double(), rollout, torch.zeros_like(x["mask"], dtype=torch.long),
-        x["mask"].double(), settings["beta"], x["adv"].double(), **kwargs,
+        x["ref"].double(), new, old.double(), None if sampling is None else sampling.double(),
+        torch.zeros_like(x["mask"], dtype=torch.long), x["mask"].double(), settings["beta"], x["adv"].double(),
+        **kwargs,
     )[0]  # fmt: skip
     if settings.get("entropy_coef", 0.0):
         weights = unsloth_rl_replacements.grpo_entropy_bonus_weights(
@@ -325,14 +364,15 @@ def unsloth_loss(settings, x, *, num_items_in_batch, ga, spg, num_processes=1):
     return loss, grad_new, grad_ent
 
 
-def ours_loss(settings, x, *, num_items_in_batch, ga, spg, num_processes=1):
-    cfg = gk_unsloth.policy_loss_config(settings)
+def ours_loss(settings, x, *, num_items_in_batch, ga, spg, num_processes=1, cfg=None):
+    cfg = cfg or gk_unsloth.policy_loss_config(settings)
     norms = gk_unsloth.loss_normalizers(settings, x["mask"].shape[0], num_items_in_batch, grad_accum_steps=ga,
                                         steps_per_generation=spg, num_processes=num_processes)  # fmt: skip
     new = x["new"].clone().requires_grad_(True)
     entropy = x["entropy"].clone().requires_grad_(True)
-    out = gk.grpo_loss(new, x["adv"], x["mask"], old_logprobs=x["old"], ref_logprobs=x["ref"],
-                       rollout_logprobs=x["rollout"], entropy=entropy, config=cfg, backend="torch", **norms)  # fmt: skip
+    old, sampling = old_and_sampling(settings, x)
+    out = gk.grpo_loss(new, x["adv"], x["mask"], old_logprobs=old, ref_logprobs=x["ref"], rollout_logprobs=sampling,
+                       entropy=entropy, config=cfg, backend="torch", **norms)  # fmt: skip
     grad_new, grad_ent = torch.autograd.grad(out.loss, (new, entropy), allow_unused=True)
     return out.loss, grad_new, grad_ent
 
@@ -344,8 +384,8 @@ def base_settings(**overrides):
                     vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0,
                     sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                     vespo_k_neg=3.0, vespo_lambda_neg=2.0, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
-                    entropy_coef=0.0, temperature=1.0, rollout_rs=None, rollout_logps_as_old=False,
-                    sample_weight=False)  # fmt: skip
+                    entropy_coef=0.0, temperature=1.0, rollout_rs=None, rollout_rs_threshold=None,
+                    rollout_logps_as_old=False, sample_weight=False)  # fmt: skip
     settings.update(overrides)
     return settings
 
@@ -362,10 +402,45 @@ LOSS_CASES = {
     "entropy-bonus-dapo": dict(loss_type="dapo", entropy_coef=-0.02),
     **{f"vllm-is-{m}": dict(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
                             vllm_importance_sampling_mode=m, vllm_importance_sampling_clip_min=0.5,
-                            vllm_importance_sampling_clip_max=1.6) for m in gk_unsloth.VLLM_IS_MODES},  # fmt: skip
+                            vllm_importance_sampling_clip_max=1.6)
+       for m in gk_unsloth.VLLM_IS_MODES if not m.startswith("geometric")},  # fmt: skip
+    # the geometric mean of a sequence's weights stays near 1: bounds that bind on some of the case's sequences
+    # (test_the_new_cases_bounds_bind)
+    **{f"vllm-is-{m}": dict(loss_type=t, use_vllm=True, vllm_importance_sampling_correction=True,
+                            vllm_importance_sampling_mode=m, vllm_importance_sampling_clip_min=low,
+                            vllm_importance_sampling_clip_max=high)
+       for m, t, low, high in (("geometric_mask", "dapo", 0.9, 1.1),
+                               ("geometric_truncate", "grpo", 0.95, 1.05))},  # fmt: skip
+    "vllm-is-geometric-mask-lower-only": dict(loss_type="cispo", use_vllm=True,
+                                              vllm_importance_sampling_correction=True,
+                                              vllm_importance_sampling_mode="geometric_mask",
+                                              vllm_importance_sampling_clip_min=0.97,
+                                              vllm_importance_sampling_clip_max=None),  # fmt: skip
     "vllm-is-open-upper": dict(loss_type="grpo", use_vllm=True, vllm_importance_sampling_correction=True,
                                vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.7,
                                vllm_importance_sampling_clip_max=None),
+    "vllm-is-mask-unbounded": dict(loss_type="bnpo", use_vllm=True, vllm_importance_sampling_correction=True,
+                                   vllm_importance_sampling_mode="sequence_mask",
+                                   vllm_importance_sampling_clip_min=None,
+                                   vllm_importance_sampling_clip_max=None),  # fmt: skip
+    # verl's rollout rejection token_k1 on pi_sampler / pi_old, with the IS correction (its only effect there)
+    "rollout-rs-token-k1": dict(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
+                                vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.5,
+                                vllm_importance_sampling_clip_max=1.6, rollout_rs="token_k1",
+                                rollout_rs_threshold="0.85_1.2"),  # fmt: skip
+    "rollout-rs-token-k1-geometric": dict(loss_type="sapo", use_vllm=True, vllm_importance_sampling_correction=True,
+                                          vllm_importance_sampling_mode="geometric_truncate",
+                                          vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1,
+                                          rollout_rs="token_k1", rollout_rs_threshold="1.15"),  # fmt: skip
+    "rollout-rs-without-correction": dict(loss_type="dapo", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.01"),
+    # the sampler's log-probs as the old policy (verl's bypass mode): the ratio to them, clamped to [-20, 20]; the IS
+    # correction, on, has nothing to weight (a token mode: Unsloth refuses vespo with a sequence mode either way)
+    **{f"rollout-as-old-{t}": dict(loss_type=t, rollout_logps_as_old=True, use_vllm=True,
+                                   vllm_importance_sampling_correction=True,
+                                   vllm_importance_sampling_mode="token_truncate")
+       for t in ("dapo", "grpo", "cispo", "sapo", "vespo")},  # fmt: skip
+    "rollout-as-old-off-policy-mask-kl": dict(loss_type="bnpo", rollout_logps_as_old=True, beta=0.04,
+                                              off_policy_mask_threshold=0.02, use_vllm=True),  # fmt: skip
     "vespo-vllm-is": dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=True,
                           vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5),
     "off-policy-mask-rollout": dict(loss_type="cispo", off_policy_mask_threshold=0.02, use_vllm=True,
@@ -378,8 +453,7 @@ LOSS_CASES = {
 def test_policy_loss_config_computes_unsloths_loss(case, training):
     settings = base_settings(**LOSS_CASES[case])
     assert gk_unsloth.unmapped_settings(settings) == []
-    x = loss_inputs(seed=hash(case) % 1000, with_rollout=settings["use_vllm"] or settings["off_policy_mask_threshold"]
-                    is not None)  # fmt: skip
+    x = case_inputs(case, settings)
     if x["rollout"] is not None and not settings["vllm_importance_sampling_correction"]:
         x["rollout"][1, 1] = 0.0  # the off-policy mask alone: Unsloth does not nan-guard it
     counts = dict(num_items_in_batch=float(sum(LENGTHS)) * 2, ga=2 if training else 1, spg=4 if training else None)
@@ -393,14 +467,136 @@ def test_policy_loss_config_computes_unsloths_loss(case, training):
                      atol=1e-6 * want_ent_grad.abs().max().item(), rtol=1e-6)  # fmt: skip
 
 
+def case_inputs(case, settings):
+    """The loss inputs of a LOSS_CASES entry: sampler log-probs where the case reads them (one unscored, NaN)."""
+    with_rollout = settings["use_vllm"] or settings["off_policy_mask_threshold"] is not None
+    x = loss_inputs(seed=zlib.crc32(case.encode()) % 1000, with_rollout=with_rollout)
+    sampler_guarded = settings["vllm_importance_sampling_correction"] or settings["rollout_logps_as_old"]
+    if x["rollout"] is not None and not sampler_guarded:
+        x["rollout"][1, 1] = 0.0  # the off-policy mask alone: Unsloth does not nan-guard it
+    return x
+
+
+def _bound_binds(values, low, high):
+    """Some of `values` (the valid ones) inside [low, high] and some outside (None: no bound)."""
+    inside = torch.ones_like(values, dtype=torch.bool)
+    if low is not None:
+        inside &= values >= low
+    if high is not None:
+        inside &= values <= high
+    return bool(inside.any()) and bool((~inside).any())
+
+
+@pytest.mark.parametrize("case", [c for c in LOSS_CASES if "geometric" in c or c.startswith("rollout-rs-token-k1")])
+def test_the_new_cases_bounds_bind(case):
+    """The geometric IS bounds and the token_k1 rejection bounds keep some of the test's sequences / tokens and
+    drop or clamp others: the comparisons above are not vacuous."""
+    settings = base_settings(**LOSS_CASES[case])
+    x = case_inputs(case, settings)
+    valid = x["mask"].bool()
+    log_ratio = torch.where(valid, torch.nan_to_num(x["old"] - x["rollout"], nan=0.0), torch.zeros(()))
+    if "geometric" in settings["vllm_importance_sampling_mode"]:
+        geometric = torch.exp(log_ratio.sum(-1) / valid.sum(-1))
+        assert _bound_binds(geometric, settings["vllm_importance_sampling_clip_min"],
+                            settings["vllm_importance_sampling_clip_max"]), geometric  # fmt: skip
+    if settings["rollout_rs"]:
+        cfg = gk_unsloth.policy_loss_config(settings)
+        assert _bound_binds(log_ratio.exp()[valid], cfg.is_gate_min, cfg.is_gate_max)
+
+
+def test_rollout_logps_as_old_clamps_the_ratio_like_unsloth():
+    """With the sampler's log-probs as old, Unsloth clamps log(pi / pi_sampler) to [-20, 20] (verl's bound); a token
+    25 nats above its sampler log-prob, with A < 0 (where PPO keeps the unclipped ratio), shows the clamp: equal
+    with it (value and gradient, the gradient 0 there), and far off without it."""
+    settings = base_settings(loss_type="dapo", rollout_logps_as_old=True)
+    x = loss_inputs(seed=5, with_rollout=True)
+    x["adv"][0] = -0.7
+    x["rollout"][0, 2] = x["new"][0, 2] - 25.0
+    counts = dict(num_items_in_batch=float(sum(LENGTHS)), ga=1, spg=None)
+    got, got_grad, _ = ours_loss(settings, x, **counts)
+    want, want_grad, _ = unsloth_loss(settings, x, **counts)
+    assert_close("loss", got, want, atol=0, rtol=1e-6)
+    assert_close("d loss / d logp", got_grad, want_grad, atol=1e-6 * want_grad.abs().max().item(), rtol=1e-6)
+    assert got_grad[0, 2] == 0 and want_grad[0, 2] == 0
+    cfg = gk_unsloth.policy_loss_config(settings)
+    assert cfg.log_ratio_clamp == gk_unsloth.ROLLOUT_LOG_RATIO_CLAMP and cfg.is_level is None
+    old, _ = old_and_sampling(settings, x)
+    unclamped = gk.grpo_loss(x["new"], x["adv"], x["mask"], old_logprobs=old, config=cfg.replace(log_ratio_clamp=None),
+                             backend="torch", num_tokens=counts["num_items_in_batch"]).loss  # fmt: skip
+    assert unclamped.item() > 100 * want.item() > 0
+
+
+def test_seq_mean_k1_is_the_sequence_gate_but_for_unsloths_clamp():
+    """Why seq_mean_k1 stays refused: grpo_kernels' sequence ratio gate (bounds 1 / upper, 1 / lower) computes it on
+    ordinary inputs, but Unsloth clamps each token's log-ratio to [-20, 20] before the sequence mean: one token 25
+    nats less likely at the sampler than at the old policy moves its sequence's mean apart, and the decision with it
+    (Unsloth keeps the sequence, the gate drops it)."""
+    settings = base_settings(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
+                             vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.5,
+                             vllm_importance_sampling_clip_max=1.6, rollout_rs="seq_mean_k1",
+                             rollout_rs_threshold="0.07_1.2")  # fmt: skip
+    assert "seq_mean_k1" in gk_unsloth.unmapped_settings(settings)[0]
+    gate = gk_unsloth.policy_loss_config(dict(settings, rollout_rs=None)).replace(
+        is_gate="ratio", is_gate_level="sequence", is_gate_min=1 / 1.2, is_gate_max=1 / 0.07
+    )
+    x = loss_inputs(seed=7, with_rollout=True)
+    counts = dict(num_items_in_batch=float(sum(LENGTHS)), ga=1, spg=None)
+    got, got_grad, _ = ours_loss(settings, x, cfg=gate, **counts)
+    want, want_grad, _ = unsloth_loss(settings, x, **counts)
+    assert_close("ordinary inputs: loss", got, want, atol=1e-6, rtol=1e-6)
+    assert_close("ordinary inputs: d loss / d logp", got_grad, want_grad, atol=1e-6, rtol=1e-6)
+    x["rollout"][2, 4] = x["old"][2, 4] - 25.0  # row 2 has 9 tokens: its mean moves by 5 / 9
+    got, got_grad, _ = ours_loss(settings, x, cfg=gate, **counts)
+    want, want_grad, _ = unsloth_loss(settings, x, **counts)
+    assert bool((got_grad[2, :9] == 0).all()) and bool((want_grad[2, :9] != 0).any())
+
+
+@pytest.mark.parametrize("spec", ["2.0", "1.15", "0.85_1.2", " 0.85_1.2, ", "0.5_0.5", "0", "-2", "1.2_0.8", "x", "0.5_",
+                                  "1e-12_1e12", "2,3"])
+def test_token_k1_thresholds_read_as_unsloth_reads_them(spec):
+    """The adapter reads a token_k1 threshold (lower = 1 / upper when one number) as Unsloth's own parser does, and
+    refuses by name what Unsloth refuses or what the gate cannot equal (bounds beyond e^+-20, lower = upper)."""
+    try:
+        ((_, log_lower, log_upper),) = unsloth_rl_replacements.grpo_parse_rollout_rs("token_k1", spec)
+        theirs = (math.exp(log_lower), math.exp(log_upper))
+    except (ValueError, ZeroDivisionError):  # Unsloth's refusals ("0": 1 / 0 before its check)
+        theirs = None
+    ours = gk_unsloth._token_k1_bounds(spec)
+    assert (ours is None) == (theirs is None), (spec, ours, theirs)
+    if ours is not None:
+        assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs, strict=True)), (ours, theirs)
+    settings = base_settings(use_vllm=True, vllm_importance_sampling_correction=True, rollout_rs="token_k1",
+                             rollout_rs_threshold=spec)  # fmt: skip
+    mapped = ours is not None and math.exp(-20) < ours[0] < ours[1] < math.exp(20)
+    assert (gk_unsloth.unmapped_settings(settings) == []) == mapped, gk_unsloth.unmapped_settings(settings)
+
+
+_IS = dict(use_vllm=True, vllm_importance_sampling_correction=True)
 UNMAPPED = {
-    "geometric_mask": (dict(use_vllm=True, vllm_importance_sampling_correction=True,
-                            vllm_importance_sampling_mode="geometric_mask"), "geometric-mean sequence IS"),
-    "geometric_truncate": (dict(use_vllm=True, vllm_importance_sampling_correction=True,
-                                vllm_importance_sampling_mode="geometric_truncate"), "geometric-mean sequence IS"),
     "bias-corrected-kl": (dict(beta=0.04, use_bias_correction_kl=True), "use_bias_correction_kl=True with beta"),
-    "rollout-rs": (dict(rollout_rs="seq_mean_k3"), "UNSLOTH_GRPO_ROLLOUT_RS"),
-    "rollout-as-old": (dict(rollout_logps_as_old=True), "UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD"),
+    "vespo-geometric": (dict(_IS, loss_type="vespo", vllm_importance_sampling_mode="geometric_mask"),
+                        "with loss_type='vespo': Unsloth refuses it"),  # fmt: skip
+    "geometric-truncate-unbounded": (dict(_IS, vllm_importance_sampling_mode="geometric_truncate",
+                                          vllm_importance_sampling_clip_max=None), "Unsloth's clamp raises"),  # fmt: skip
+    "rollout-rs-seq-mean-k1": (dict(_IS, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+                               "clamps each token's log-ratio to [-20, 20] before the mean"),  # fmt: skip
+    "rollout-rs-seq-sum-k1": (dict(_IS, rollout_rs="seq_sum_k1", rollout_rs_threshold="2"), "the product"),
+    "rollout-rs-k3": (dict(_IS, rollout_rs="seq_max_k3", rollout_rs_threshold="0.1"), "k3 = r - 1 - log r"),
+    "rollout-rs-two-options": (dict(_IS, rollout_rs="token_k1,token_k2", rollout_rs_threshold="2"), "one gate"),
+    "rollout-rs-kl": (dict(_IS, beta=0.04, rollout_rs="token_k1", rollout_rs_threshold="2"), "KL term"),
+    "rollout-rs-entropy-bonus": (dict(_IS, entropy_coef=0.01, rollout_rs="token_k1", rollout_rs_threshold="2"),
+                                 "entropy bonus"),  # fmt: skip
+    "rollout-rs-vespo": (dict(_IS, loss_type="vespo", vllm_importance_sampling_mode="token_mask",
+                              rollout_rs="token_k1", rollout_rs_threshold="2"), "no gate for vespo"),  # fmt: skip
+    "rollout-rs-wide-bounds": (dict(_IS, rollout_rs="token_k1", rollout_rs_threshold="1e-10_1e10"), "e^-20"),
+    "rollout-rs-bad-threshold": (dict(_IS, rollout_rs="token_k1", rollout_rs_threshold=None), "not a token_k1"),
+    "rollout-rs-as-old": (dict(rollout_logps_as_old=True, rollout_rs="token_k1", rollout_rs_threshold="2"),
+                          "the current policy against the sampler"),  # fmt: skip
+    "rollout-as-old-sequence": (dict(rollout_logps_as_old=True, importance_sampling_level="sequence"),
+                                "before the sequence mean"),  # fmt: skip
+    "rollout-as-old-vespo-geometric": (dict(_IS, rollout_logps_as_old=True, loss_type="vespo",
+                                            vllm_importance_sampling_mode="geometric_truncate"),
+                                       "with loss_type='vespo': Unsloth refuses it"),  # fmt: skip
     "sample-weight": (dict(sample_weight=True), "UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"),
     "unknown-loss": (dict(loss_type="gmpo"), "loss_type='gmpo'"),
 }
@@ -414,14 +610,44 @@ def test_unmapped_options_are_refused_by_name(case):
     assert len(problems) == 1 and name in problems[0], problems
     with pytest.raises(ValueError, match="cannot map"):
         gk_unsloth.policy_loss_config(settings)
-    if case.startswith("geometric"):
-        assert f"vllm_importance_sampling_mode={case}" in gk_unsloth.AWAITING_VARIANTS
 
 
-def test_geometric_mode_without_the_correction_is_not_in_effect():
-    """The IS mode only acts with use_vllm and the correction on, as in Unsloth: otherwise nothing to refuse."""
-    settings = base_settings(vllm_importance_sampling_mode="geometric_mask")
-    assert gk_unsloth.unmapped_settings(settings) == []
+def test_options_not_in_effect_are_not_refused():
+    """As in Unsloth, the IS mode acts only with use_vllm and the correction on, the rollout rejection only where it
+    has a sampler log-ratio to test (the correction on, or the sampler's log-probs as old): otherwise nothing to
+    refuse, and nothing in the config."""
+    for overrides in (dict(vllm_importance_sampling_mode="geometric_mask", loss_type="vespo"),
+                      dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="2"),
+                      dict(use_vllm=True, rollout_rs="token_k2", rollout_rs_threshold="2")):  # fmt: skip
+        settings = base_settings(**overrides)
+        assert gk_unsloth.unmapped_settings(settings) == [], overrides
+        cfg = gk_unsloth.policy_loss_config(settings)
+        assert cfg.is_level is None and cfg.is_gate is None, overrides
+
+
+def test_loss_settings_read_unsloths_environment(monkeypatch):
+    """loss_settings applies Unsloth's environment overrides (UNSLOTH_GRPO_VLLM_IS_MODE, _VLLM_IS_CLIP, _ROLLOUT_RS
+    and its threshold, _ROLLOUT_LOGPROBS_AS_OLD) over the trainer's settings, as grpo_accumulated_loss does."""
+    args = types.SimpleNamespace(loss_type="dapo", max_completion_length=8, delta=None, temperature=1.0,
+                                 vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
+                                 vllm_importance_sampling_clip_max=3.0)  # fmt: skip
+    trainer = types.SimpleNamespace(args=args, epsilon_low=0.2, epsilon_high=0.28, beta=0.0, use_vllm=True,
+                                    vllm_importance_sampling_correction=True)  # fmt: skip
+    monkeypatch.setenv("UNSLOTH_GRPO_VLLM_IS_MODE", "geometric_mask")
+    monkeypatch.setenv("UNSLOTH_GRPO_VLLM_IS_CLIP", "0.999_1.001")
+    monkeypatch.setenv("UNSLOTH_GRPO_ROLLOUT_RS", "token_k1")
+    monkeypatch.setenv("UNSLOTH_GRPO_ROLLOUT_RS_THRESHOLD", "0.5_1.5")
+    settings = gk_unsloth.loss_settings(trainer)
+    assert settings["vllm_importance_sampling_mode"] == "geometric_mask"
+    assert (settings["rollout_rs"], settings["rollout_rs_threshold"]) == ("token_k1", "0.5_1.5")
+    cfg = gk_unsloth.policy_loss_config(settings)
+    assert (cfg.is_level, cfg.is_mode, cfg.is_min, cfg.is_max) == ("sequence_geometric", "mask", 0.999, 1.001)
+    assert (cfg.is_gate, cfg.is_gate_level, cfg.is_gate_min, cfg.is_gate_max) == ("ratio", "token", 1 / 1.5, 2.0)
+    assert cfg.log_ratio_clamp is None
+    monkeypatch.delenv("UNSLOTH_GRPO_ROLLOUT_RS")
+    monkeypatch.setenv("UNSLOTH_GRPO_ROLLOUT_LOGPROBS_AS_OLD", "1")
+    cfg = gk_unsloth.policy_loss_config(gk_unsloth.loss_settings(trainer))
+    assert cfg.is_level is None and cfg.is_gate is None and cfg.log_ratio_clamp == 20.0
 
 
 # ---------------------------------------------------------------------------------------------------

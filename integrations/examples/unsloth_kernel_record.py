@@ -23,9 +23,11 @@ memory inside the call (CPU tensors have no allocator statistics).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from importlib import metadata
@@ -80,8 +82,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "records" / "unsloth_kernel.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
-    # unsloth_zoo writes generated modules into ./unsloth_compiled_cache unless told otherwise
-    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth_compiled_cache_"))
+    # unsloth_zoo writes generated modules into ./unsloth_compiled_cache unless told otherwise: a temporary
+    # folder, removed at exit
+    if "UNSLOTH_COMPILE_LOCATION" not in os.environ:
+        os.environ["UNSLOTH_COMPILE_LOCATION"] = tempfile.mkdtemp(prefix="unsloth_compiled_cache_")
+        atexit.register(shutil.rmtree, os.environ["UNSLOTH_COMPILE_LOCATION"], ignore_errors=True)
     import unsloth_zoo.fused_losses.fused_linear as unsloth_kernel
     from grpo_kernels.integrations.unsloth import UnslothLogProbsKernel
 

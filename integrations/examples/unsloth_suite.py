@@ -5,8 +5,11 @@ grpo_kernels' in its place, and compare every outcome.
 
 PATH is the tests/ folder of an unsloth-zoo (or unsloth) checkout: the wheels ship no tests. The chosen test files
 (`--files`; default unsloth-zoo's GRPO log-prob and loss tests, DEFAULT_FILES) and the folder's helpers and
-conftest are copied into OUT/stock and OUT/swapped, each with links named unsloth_zoo and unsloth to the
-*installed* packages, so the tests run against them (also those that read their source files). Both runs load a pytest plugin that records each test's outcome; in the swapped run it also puts
+conftest are copied into OUT/stock and OUT/swapped (OUT: a new temporary folder unless given), each with links
+named unsloth_zoo and unsloth to the *installed* packages, so the tests run against them (also those that read
+their source files); Unsloth's generated modules go to OUT/stock/unsloth_compiled_cache and
+OUT/swapped/unsloth_compiled_cache (UNSLOTH_COMPILE_LOCATION), never the folder it is run from. Both runs load
+a pytest plugin that records each test's outcome; in the swapped run it also puts
 `grpo_kernels.integrations.unsloth.UnslothLogProbsKernel` in `unsloth_zoo.fused_losses.fused_linear.fused_linear_logprobs`
 before every test (every Unsloth caller looks it up there when it runs) and counts, per test, the calls that
 reached it (the stock run must reach none). Writes OUT/unsloth_suite.json: versions, the files run, per-test
@@ -22,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -103,6 +107,7 @@ def prepare(work: Path, tests: Path, files: list[str]) -> None:
 def run(work: Path, swapped: bool, timeout: int) -> int:
     env = dict(os.environ, UNSLOTH_IS_PRESENT="1", UNSLOTH_SUITE_RECORD=str(work / "record.json"),
                UNSLOTH_SUITE_SWAP="1" if swapped else "0",
+               UNSLOTH_COMPILE_LOCATION=str(work / "unsloth_compiled_cache"),
                PYTHONPATH=os.pathsep.join(p for p in (str(work), os.environ.get("PYTHONPATH", "")) if p))  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "grpo_kernels_unsloth_suite", "tests"]
     with open(work / "pytest.log", "w") as log:
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", required=True, type=Path, help="an unsloth-zoo or unsloth checkout's tests/ folder")
     parser.add_argument("--ref", default=None, help="the checkout's commit, recorded")
-    parser.add_argument("--out", type=Path, default=Path("unsloth_suite_out"))
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")
     parser.add_argument("--files", nargs="*", default=list(DEFAULT_FILES), help="test files to run (names)")
     parser.add_argument("--timeout", type=int, default=3000, help="seconds per run")
     args = parser.parse_args(argv)
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     if missing:
         print(f"not in {args.tests}: {missing}", file=sys.stderr)
         return 2
-    out = args.out.resolve()
+    out = (args.out or Path(tempfile.mkdtemp(prefix="unsloth_suite_"))).resolve()
     runs = {side: out / side for side in ("stock", "swapped")}
     for side, work in runs.items():
         prepare(work, args.tests.resolve(), args.files)
