@@ -207,10 +207,11 @@ class HFSampler:
             do_sample=True, temperature=temperature, **warpers, max_new_tokens=max_new_tokens, **neutral
         )
         # generate_groups: greedy decoding over scores that _GroupDraws has already sampled (one finite entry
-        # per row), so transformers draws nothing itself; temperature 1 and the warpers at their neutral values
-        # only so that a model's own generation_config cannot fill them in (greedy decoding ignores them)
+        # per row), so transformers draws nothing itself; the processors before the warpers are the sampling
+        # path's (the same neutral values); greedy decoding runs no warper (_GroupDraws applies the
+        # temperature), and setting none here keeps transformers from warning about sampling flags
         self.greedy_config = lambda max_new_tokens: GenerationConfig(
-            do_sample=False, temperature=1.0, **warpers, max_new_tokens=max_new_tokens, **neutral
+            do_sample=False, max_new_tokens=max_new_tokens, **neutral
         )
 
     def sync_weights(self, model) -> None:
