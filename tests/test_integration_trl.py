@@ -205,6 +205,8 @@ def train(trainer_cls, model_dir, tmp_path, config, *, vllm=False, peft=False, e
     if vllm:
         trainer_cls = type(f"VLLM{trainer_cls.__name__}", (EmulatedVLLM, trainer_cls), {})
     extra = {}
+    if peft:  # TRL takes PEFT adapters from the peft package, which the [test] extra lists
+        pytest.importorskip("peft", reason="the PEFT cases need peft: pip install -e '.[test]' (or pip install peft)")
     if peft == "prompt_tuning":  # a prompt-learning adapter: 3 virtual tokens before every row
         from peft import PromptTuningConfig
 
@@ -634,7 +636,7 @@ def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
     accelerator), beta > 0, one step against TRL's GRPOTrainer under the same ZeRO-3 config: the same
     loss and parameters, to within 16 ulp of the largest parameter (fp32 sums in another order, one
     SGD step)."""
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", reason="the ZeRO-3 case needs deepspeed: the [parity] extra")
     import json
     import os
     import subprocess

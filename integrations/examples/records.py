@@ -88,6 +88,27 @@ def versions_note(recorded: dict, rerun: dict) -> str:
     return ("recorded with " + ", ".join(differ) + ": re-record with the versions CI installs") if differ else ""
 
 
+def check(main_job: dict, lookup: dict) -> tuple[list[str], list[str]]:
+    """(problems, notes) of re-run records against the committed ones."""
+    problems, notes = [], []
+    for recorded_path, rerun, compare in (
+        (main_job_record.RECORD, main_job, check_main_job),
+        (lookup_turn_credit.RECORD, lookup, check_lookup),
+    ):
+        recorded = json.loads(recorded_path.read_text())
+        found, note = compare(recorded, rerun)
+        notes.append(note)
+        if found and versions_note(recorded, rerun):
+            found.append(f"{recorded_path.name}: {versions_note(recorded, rerun)}")
+        problems += found
+    return problems, notes
+
+
+def failure_text(problems: list[str]) -> str:
+    return "\n".join(["The records the README quotes do not hold for this code:", *problems, "",
+                      f"Regenerate them with: {COMMAND}", f"(it rewrites {WRITES}; commit them with the change)"])  # fmt: skip
+
+
 def _measure_main_job() -> dict:
     return main_job_record.measure()
 
@@ -102,22 +123,10 @@ def main(argv=None) -> int:
             main_job = pool.submit(_measure_main_job)
             lookup = lookup_turn_credit.measure()
             main_job = main_job.result()
-        problems, notes = [], []
-        for recorded_path, rerun, check in (
-            (main_job_record.RECORD, main_job, check_main_job),
-            (lookup_turn_credit.RECORD, lookup, check_lookup),
-        ):
-            recorded = json.loads(recorded_path.read_text())
-            found, note = check(recorded, rerun)
-            notes.append(note)
-            if found and versions_note(recorded, rerun):
-                found.append(f"{recorded_path.name}: {versions_note(recorded, rerun)}")
-            problems += found
+        problems, notes = check(main_job, lookup)
         print("\n".join(notes))
         if problems:
-            print("\n".join(["", "The records the README quotes do not hold for this code:", *problems, "",
-                             f"Regenerate them with: {COMMAND}", f"(it rewrites {WRITES}; commit them "
-                             "with the change)"]), file=sys.stderr)  # fmt: skip
+            print("\n" + failure_text(problems), file=sys.stderr)
             return 1
         print("every step's reward equals the records (docs/records/main_job.json, lookup_turn_credit.json)")
         return 0
