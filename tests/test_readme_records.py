@@ -296,3 +296,21 @@ def test_vllm_rollout_figures_come_from_the_record():
     record = json.loads((RECORDS / "vllm_rollouts.json").read_text())
     expected = vllm_rollouts_sentence(record)
     assert expected in readme_text(), f"README differs from records/vllm_rollouts.json; expected:\n{expected}"
+
+
+def test_readme_says_what_a_jsonl_task_needs_on_the_embedded_model(tmp_path):
+    """The README's paragraph on `.jsonl` tasks states the trainer's own numbers: prompts per step, the
+    embedded model's words, the task's default reward and budget."""
+    from grpo_kernels.trainer import TrainConfig
+    from grpo_kernels.trainer.model import EMBEDDED_VOCAB
+    from grpo_kernels.trainer.task import jsonl_task
+
+    text = readme_text()
+    words = EMBEDDED_VOCAB[4:]  # after <pad> <bos> <eos> <unk>
+    assert set(words) == {str(d) for d in range(10)} | {"=", "+"}
+    assert f"needs at least {TrainConfig().prompts_per_step} distinct prompts" in text
+    assert f"model's {len(words)} words only: the digits `0` to `9`, `=` and `+`" in text
+    path = tmp_path / "task.jsonl"
+    path.write_text('{"prompt": "3 + 4 =", "answer": "7"}\n')
+    task = jsonl_task(str(path))
+    assert f"is `{task.reward}`, its budget {task.max_new_tokens} new tokens" in text
