@@ -314,3 +314,22 @@ def test_readme_says_what_a_jsonl_task_needs_on_the_embedded_model(tmp_path):
     path.write_text('{"prompt": "3 + 4 =", "answer": "7"}\n')
     task = jsonl_task(str(path))
     assert f"is `{task.reward}`, its budget {task.max_new_tokens} new tokens" in text
+
+
+def test_every_install_block_starts_with_the_cpu_torch():
+    """Every shell block of the docs that pip-installs the package starts with the CPU torch (the CPU index, or
+    torch==2.13.0 with the line saying it is the CPU build): a plain torch requirement installs the CUDA build,
+    about 5 GB that cannot run on a CPU-only machine."""
+    pages = [CHECKOUT / "README.md", CHECKOUT / "integrations" / "README.md", CHECKOUT / "tests" / "README.md",
+             *sorted((CHECKOUT / "docs").rglob("*.md"))]  # fmt: skip
+    bad = []
+    for page in pages:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", page.read_text(), flags=re.S):
+            installs = [line for line in block.splitlines() if re.match(r"\s*pip install", line)]
+            if not any(re.search(r"pip install (-e |-q )*['\"]?\.", line) for line in installs):
+                continue  # installs no grpo_kernels (e.g. only tools)
+            first = installs[0]
+            cpu = "download.pytorch.org/whl/cpu" in first or ("torch==" in first and "CPU" in first.upper())
+            if not (re.match(r"\s*pip install torch[ =]", first) and cpu):
+                bad.append(f"{page.relative_to(CHECKOUT)}: {first.strip()}")
+    assert not bad, f"install blocks that do not start with the CPU torch: {bad}"

@@ -823,11 +823,18 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
 
 
 def _seq_min(values, nonempty, empty: float):
-    """Min over non-empty sequences; `empty` for an all-masked batch (as reference._masked_min)."""
-    v = values[nonempty]
-    return v.min() if v.numel() else torch.tensor(empty, device=values.device)
+    """Min over non-empty sequences; `empty` for an all-masked batch (as reference._masked_min). On the
+    device without a host read (a boolean index would wait for the device to learn its size): the empty
+    sequences are +inf, and `empty` replaces the result where no sequence is non-empty."""
+    return _seq_extreme(values, nonempty, empty, float("inf"), torch.amin)
 
 
 def _seq_max(values, nonempty, empty: float):
-    v = values[nonempty]
-    return v.max() if v.numel() else torch.tensor(empty, device=values.device)
+    return _seq_extreme(values, nonempty, empty, float("-inf"), torch.amax)
+
+
+def _seq_extreme(values, nonempty, empty: float, identity: float, reduce):
+    if values.numel() == 0:  # no sequence at all (the shape is known on the host)
+        return torch.tensor(empty, dtype=values.dtype, device=values.device)
+    extreme = reduce(torch.where(nonempty, values, torch.full_like(values, identity)))
+    return torch.where(nonempty.any(), extreme, torch.full_like(extreme, empty))
