@@ -20,6 +20,10 @@ NOT_QUICK = {  # test files without a quick test, and why
     "test_vllm_engine.py": "needs a vLLM engine (its own environment, README 'vLLM rollouts')",
     "test_vllm_trainer.py": "needs a vLLM engine (its own environment)",
     "test_integration_trl_vllm.py": "needs a vLLM engine (its own environment)",
+    "test_integration_skyrl.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
+    "test_integration_skyrl_step.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
+    "test_skyrl_suite.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
+    "test_integration_torchtitan.py": "needs torchtitan (its own environment, .ci/steps/trainers.sh)",
 }
 
 # every Triton kernel of the package -> a quick test that runs it (under the interpreter)
