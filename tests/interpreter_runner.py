@@ -16,6 +16,25 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+def selected_params(request, name: str) -> list | None:
+    """The values of parameter `name` of the requesting module's selected tests; None when the whole module is
+    selected or a selected test has no such parameter (then a module fixture does all its work)."""
+    from _selection import COLLECTED_IDS
+
+    prefix = request.node.nodeid + "::"
+    collected = [i for i in request.config.stash.get(COLLECTED_IDS, []) if i.startswith(prefix)]
+    selected = [item for item in request.session.items if item.nodeid.startswith(prefix)]
+    if not collected or len(selected) == len(collected):
+        return None
+    values = []
+    for item in selected:
+        if not hasattr(item, "callspec") or name not in item.callspec.params:
+            return None
+        if item.callspec.params[name] not in values:
+            values.append(item.callspec.params[name])
+    return values
+
+
 def selected_cases(request, params: tuple[str, ...] = ("case", "name")) -> list[str] | None:
     """The case keys the selected tests of the requesting module read: the value of its first parameter named
     in `params` (a dict case gives its "id"), for each selected test; None (every case) when the whole module
