@@ -24,6 +24,8 @@ NOT_QUICK = {  # test files without a quick test, and why
     "test_integration_skyrl_step.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
     "test_skyrl_suite.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
     "test_integration_torchtitan.py": "needs torchtitan (its own environment, .ci/steps/trainers.sh)",
+    "test_integration_openrlhf.py": "needs OpenRLHF (its own environment layer, .ci/steps/openrlhf.sh)",
+    "test_openrlhf_suite.py": "needs OpenRLHF (its own environment layer, .ci/steps/openrlhf.sh)",
 }
 
 # every Triton kernel of the package -> a quick test that runs it (under the interpreter)

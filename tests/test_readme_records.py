@@ -219,6 +219,31 @@ def test_trl_suite_figures_come_from_the_record():
     )
 
 
+def openrlhf_suite_sentence(record: dict) -> str:
+    """The integrations README's summary of the recorded run of OpenRLHF's own loss tests
+    (openrlhf_suite.py)."""
+    stock = record["counts"]["stock"]
+    v = record["versions"]
+    return (
+        f"openrlhf {v['openrlhf']}, transformers {v['transformers']}, deepspeed {v['deepspeed']}, "
+        f"torch {v['torch']}, grpo_kernels at {record['grpo_kernels_git_sha'][:7]}): "
+        f"**{sum(stock.values())} tests, {stock['passed']} pass stock; with the adapter "
+        f"{record['passed_both']} pass both ways ({record['passed_both_through_the_adapter']} of them "
+        f"through it) and {len(record['differ'])} differ**"
+    )
+
+
+def test_openrlhf_suite_figures_come_from_the_record():
+    record = json.loads((RECORDS / "openrlhf_suite.json").read_text())
+    text = " ".join((CHECKOUT / "integrations" / "README.md").read_text().split())
+    expected = openrlhf_suite_sentence(record)
+    assert expected in text, (
+        f"integrations/README.md differs from docs/records/openrlhf_suite.json; expected:\n{expected}"
+    )
+    assert not record["unexplained"] and not record["explained_but_not_seen"], "every difference explained"
+    assert all(d["reason"] and d["stock"] == "passed" for d in record["differ"]), record["differ"]
+
+
 def test_agreement_check_cost_comes_from_the_record():
     record = json.loads((RECORDS / "agreement_cost.json").read_text())
     fp, size, e2e = record["fingerprints"], record["bytes"], record["end_to_end"]

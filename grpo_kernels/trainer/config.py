@@ -46,6 +46,8 @@ class TrainConfig:
     model: str | None = None  # local Hugging Face causal LM folder; None: the embedded tiny Llama
     task: str = "copy"  # copy, reverse, max, lookup (two turns, a tool), a .jsonl file, or module:make_task
     reward: str | None = None  # REWARDS name or module:function; a,b: several (the first decides solved)
+    truncate_prompts: bool = False  # cut prompts too long for the model's context from the left (else refused)
+    keep_dropout: bool = False  # keep the model's dropout in the training forward (else off in policy and reference)
     # --- algorithm (what a preset sets) --------------------------------------------------------------
     preset: str = "grpo"  # the preset these fields started from (recorded in config.json)
     loss: str = "grpo"  # PolicyLossConfig preset

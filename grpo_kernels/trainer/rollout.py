@@ -179,6 +179,32 @@ def cut_at_eos(tokens: list[int], eos_ids: list[int], budget: int) -> tuple[list
     return tokens[:budget], True
 
 
+class VocabularyMask:
+    """A logits processor for transformers' generate: ids >= `limit` get logit -inf, hence probability 0.
+
+    For a model whose vocabulary is padded beyond its tokenizer's (rows no token decodes to): sampled, such
+    an id would be decoded away and the reward would score text the policy did not write. The vLLM sampler
+    gets the same restriction as `allowed_token_ids` (vllm_vocabulary_options); the loss takes the LM head's
+    first `limit` rows, so all three use one distribution."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [B, V]
+        if scores.shape[-1] <= self.limit:
+            return scores
+        scores = scores.clone()
+        scores[..., self.limit :] = float("-inf")
+        return scores
+
+
+def vllm_vocabulary_options(limit: int | None) -> dict:
+    """The SamplingParams keywords that restrict a vLLM engine to token ids [0, limit) (none: no limit).
+    vLLM applies `allowed_token_ids` to the logits before the temperature and the sampling, so the
+    processed log-probs it returns are those of the restricted softmax, as the loss computes them."""
+    return {} if limit is None else {"allowed_token_ids": list(range(limit))}
+
+
 class HFSampler:
     """Samples with transformers' generate from the training weights (so no sampler mismatch to correct).
 
@@ -186,13 +212,15 @@ class HFSampler:
     sampling); `generate_groups` samples many prompt groups in one generate call per prompt width, each
     group's tokens drawn from a generator of its own, so that every group gets the tokens `generate` gives
     it alone after `torch.manual_seed(its seed)` (the per-group seeding of distributed.ShardedSampler), at
-    a fraction of the calls (one per step instead of one per group on the built-in tasks)."""
+    a fraction of the calls (one per step instead of one per group on the built-in tasks).
+    `vocab`: sample only ids below it (a padded vocabulary, VocabularyMask)."""
 
-    def __init__(self, model, tokenizer, eos_ids: list[int], temperature: float, autocast):
+    def __init__(self, model, tokenizer, eos_ids: list[int], temperature: float, autocast, vocab: int | None = None):
         from transformers import GenerationConfig
 
         self.model, self.tokenizer, self.eos_ids, self.autocast = model, tokenizer, eos_ids, autocast
         self.temperature = temperature
+        self.vocabulary_mask = VocabularyMask(vocab) if vocab is not None else None  # first of the processors
         # Every processor that would change the distribution the loss assumes (softmax(z / T)) is set to its
         # neutral value explicitly, so the model's own generation_config (top_k, top_p, ...) cannot apply.
         neutral = dict(
@@ -280,7 +308,9 @@ class HFSampler:
 
         device = next(self.model.parameters()).device
         ids, mask = _pad(prompt_tokens, self.tokenizer.pad_token_id, left=True)
-        extra = {} if processor is None else {"logits_processor": LogitsProcessorList([processor])}
+        # the vocabulary mask first, as in the sampling path; _GroupDraws (generate_groups) last
+        processors = [p for p in (self.vocabulary_mask, processor) if p is not None]
+        extra = {"logits_processor": LogitsProcessorList(processors)} if processors else {}
         was_training = self.model.training
         self.model.eval()
         with self.autocast():
@@ -391,6 +421,7 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool | None = None,
         distributed: bool = False,
+        vocab: int | None = None,
     ):
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"vllm dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
@@ -399,6 +430,7 @@ class VLLMSampler:
         from vllm.platforms import current_platform
 
         self.eos_ids, self.temperature, self.seed = eos_ids, temperature, seed
+        self.vocabulary_options = vllm_vocabulary_options(vocab)  # a padded vocabulary: ids below `vocab` only
         on_cpu = current_platform.is_cpu()
         if on_cpu:  # KV cache: a fixed 1 GiB (the default takes a share of the machine and may not fit)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -513,6 +545,7 @@ class VLLMSampler:
                 logprobs=0,
                 stop_token_ids=self.eos_ids,
                 seed=row_seed,
+                **self.vocabulary_options,
             )
             for row_seed in seeds
         ]
