@@ -46,9 +46,9 @@ def readme_sentence(record: dict) -> str:
 
     return (
         f"The quick tier: {tier(quick)}; the full suite: {tier(full)}; on {full['cpus']} CPU cores with torch "
-        f"{full['torch']} (`docs/records/tests.json`, from `.ci/run`'s runs of the two commands; CI checks "
-        "that the counts still hold). The skipped tests need CUDA or a vLLM engine (`.ci/run` runs the vLLM "
-        "ones in an environment of their own)"
+        f"{full['torch']} (records of runs of the two commands, `docs/records/tests.json`; CI checks that the "
+        "counts still hold). The skipped tests need CUDA, a vLLM engine or another trainer's environment "
+        "(`.ci/run` runs those in environments of their own)"
     )
 
 
