@@ -440,10 +440,12 @@ def main(argv):
 
     warnings.simplefilter("ignore")  # numpy warnings from masked-out lanes the interpreter evaluates
     np.seterr(all="ignore")
-    wanted = set(argv) or {c["id"] for c in CASES}
+    from interpreter_runner import wanted
+
+    named = set(argv)  # case ids on the command line, else the selected tests' (GRPO_KERNELS_CASES), else all
     results = {}
     for case in CASES:
-        if case["id"] in wanted:
+        if case["id"] in named if named else wanted(case["id"]):
             try:
                 results[case["id"]] = run_case(case)
             except Exception as exc:  # reported per case, so one failure does not hide the others

@@ -205,6 +205,8 @@ def train(trainer_cls, model_dir, tmp_path, config, *, vllm=False, peft=False, e
     if vllm:
         trainer_cls = type(f"VLLM{trainer_cls.__name__}", (EmulatedVLLM, trainer_cls), {})
     extra = {}
+    if peft:  # TRL takes PEFT adapters from the peft package, which the [test] extra lists
+        pytest.importorskip("peft", reason="the PEFT cases need peft: pip install -e '.[test]' (or pip install peft)")
     if peft == "prompt_tuning":  # a prompt-learning adapter: 3 virtual tokens before every row
         from peft import PromptTuningConfig
 
@@ -640,7 +642,7 @@ def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
     has gathered the head again before that backward starts (its hooks on the model's output), so the
     adapter's own gather (maybe_gather_lm_head_ctx, as TRL's kernel) is a no-op here; the path where the
     weight is still partitioned then is test_logprobs_head_regathers_the_weight_for_its_backward's."""
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", reason="the ZeRO-3 case needs deepspeed: the [parity] extra")
     import json
     import os
     import subprocess

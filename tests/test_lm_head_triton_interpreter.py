@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _lm_head_interpreter_cases import AUTOGRAD_FIELDS, CASES, FORWARD_FIELDS  # noqa: E402
-from interpreter_runner import run_case_script  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -37,8 +37,8 @@ GRADIENTS = ("grad_hidden", "grad_weight", "grad_bias")
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_lm_head_interpreter_cases.py")
+def report(request):
+    return run_case_script("_lm_head_interpreter_cases.py", cases=selected_cases(request))
 
 
 def _check(name: str, m: dict) -> None:

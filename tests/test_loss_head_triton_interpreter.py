@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton")
 
 import interpreter_runner  # noqa: E402
-from interpreter_runner import run_case_script  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
 from test_loss_head import CONFIGS, UNSCORED_CASES  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -24,8 +24,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_loss_head_interpreter_cases.py")
+def report(request):
+    return run_case_script("_loss_head_interpreter_cases.py", cases=selected_cases(request))
 
 
 def close(got, expected):
