@@ -26,6 +26,11 @@ NOT_QUICK = {  # test files without a quick test, and why
     "test_integration_torchtitan.py": "needs torchtitan (its own environment, .ci/steps/trainers.sh)",
     "test_integration_openrlhf.py": "needs OpenRLHF (its own environment layer, .ci/steps/openrlhf.sh)",
     "test_openrlhf_suite.py": "needs OpenRLHF (its own environment layer, .ci/steps/openrlhf.sh)",
+    "test_variant_parity_openrlhf.py": "needs OpenRLHF (its own environment layer, .ci/steps/openrlhf.sh)",
+    "test_variant_parity_skyrl.py": "needs SkyRL (its own environment, .ci/steps/trainers.sh)",
+    "test_variant_parity_areal.py": "needs AReaL's loss module (installed in .ci/steps/trainers.sh)",
+    "test_integration_unsloth.py": "needs Unsloth (its own environment, .ci/steps/unsloth.sh)",
+    "test_unsloth_suite.py": "needs Unsloth (its own environment, .ci/steps/unsloth.sh)",
 }
 
 # every Triton kernel of the package -> a quick test that runs it (under the interpreter)
