@@ -27,6 +27,7 @@ LOSS_TYPES = (
     "clip_cov",  # PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)
     "kl_cov",  # -r A plus |log r| penalty on the top covariance tokens (KL-Cov)
     "group_dpo",  # DPO loss between the best and the worst completion of each group (summed log-probs)
+    "dppo",  # -r A k: PPO's clip replaced by a binary trust-region mask k on the probability change (DPPO)
 )
 # How the importance ratio r is formed from log-ratios lr_t = logp_t - old_t.
 RATIO_LEVELS = (
@@ -54,9 +55,37 @@ LOSS_AGG_MODES = (
 # The entropy bonus may aggregate like the policy term (None, verl) or as TRL does: a token mean over
 # the tokens it acts on in this call, divided by grad_accum_steps.
 ENTROPY_AGG_MODES = (None, *LOSS_AGG_MODES, "token-mean-local")
-CISPO_FORMS = ("relative", "absolute")
-IS_LEVELS = (None, "token", "sequence")
+CISPO_FORMS = (
+    "relative",  # clip(r, 1 - clip_low, 1 + clip_high) (verl, the MiniMax-M1 paper)
+    "absolute",  # min(r, cispo_cap) (TRL)
+    "mask",  # r inside (1 - clip_low, 1 + clip_high), else 0: a hard zero outside (SkyRL's rollout_is)
+)
+# DPPO's divergence between the anchor policy mu and the current policy pi on the sampled token
+DPPO_DIVERGENCES = (
+    "binary_tv",  # p - mu (probabilities): the total variation of the binary {token, rest} distributions
+    "binary_kl",  # KL(Bernoulli(mu) || Bernoulli(p)), with the sign of p - mu
+)
+# What the policy ratio r = pi / pi_anchor is measured against
+RATIO_ANCHORS = (
+    "old",  # old_logprobs (the policy that computed them; on-policy when None)
+    "rollout",  # rollout_logprobs, the sampler's (SkyRL's rollout anchor, prime-rl, torchtitan's generator)
+)
+IS_LEVELS = (
+    None,
+    "token",  # rho_t = exp(old_t - rollout_t)
+    "sequence",  # rho_i = exp(sum_t (old_t - rollout_t)), the product of the token weights
+    "sequence_geometric",  # rho_i = exp(mean_t (old_t - rollout_t)), their geometric mean (AReaL, SkyRL, NeMo-RL)
+)
 IS_MODES = ("truncate", "mask")
+# A gate on the sampler mismatch: tokens or sequences whose statistic between the sampler's and the old
+# policy's probability of the sampled token leaves [is_gate_min, is_gate_max] get IS weight 0
+IS_GATES = (
+    None,
+    "ratio",  # exp(old_t - rollout_t); per sequence their geometric mean
+    "binary_kl",  # KL(Bernoulli(p_rollout) || Bernoulli(p_old)); per sequence the mean over its tokens
+    "tv",  # |p_rollout - p_old|; per sequence the mean over its tokens
+)
+IS_GATE_LEVELS = ("token", "sequence")
 OLD_PROB_SIDES = ("low", "high")
 
 
@@ -80,9 +109,10 @@ class PolicyLossConfig:
     (``PolicyLossConfig.dapo()``, ``PolicyLossConfig.grpo(kl_coef=0.0)``, ``from_preset("gspo")``), or
     change one (``cfg.replace(clip_high=0.28)``). Each preset's docstring cites its source. The fields
     (each commented where it is declared): the per-token objective (``loss_type``, ``ratio_level``,
-    clip bounds and each objective's parameters), the KL term (``kl_coef``, ``kl_estimator``), the
-    entropy term, sampler-mismatch corrections (``is_level``, ``off_policy_mask_threshold``), token
-    selection, the aggregation modes, and ``temperature``. The formulas and gradients:
+    clip bounds and each objective's parameters, what the ratio is measured against (``ratio_anchor``)
+    and its squared log-ratio penalty (``ratio_kl_coef``)), the KL term (``kl_coef``, ``kl_estimator``),
+    the entropy term, sampler-mismatch corrections (``is_level``, ``is_gate``,
+    ``off_policy_mask_threshold``), token selection, the aggregation modes, and ``temperature``. The formulas and gradients:
     grpo_kernels/ops/loss_head/README.md. An invalid value or combination raises ``ValueError`` naming it.
     """
 
@@ -95,8 +125,14 @@ class PolicyLossConfig:
     delta: float | None = None  # TRL/INTELLECT-2 two-sided clip: the unclipped ratio is capped at delta
     # (recommended > 1 + clip_high; a smaller delta also caps ratios the clip would let through, as in TRL)
     log_ratio_clamp: float | None = 20.0  # log-ratios entering exp() are clamped to [-c, c] (verl's guard)
-    cispo_form: str = "relative"  # "relative": clip(r, 1-clip_low, 1+clip_high) (verl, paper)
+    cispo_form: str = "relative"  # "relative": clip(r, 1-clip_low, 1+clip_high) (verl, paper); "mask": a hard
+    # zero outside (1-clip_low, 1+clip_high) (SkyRL rollout_is); "absolute": min(r, cispo_cap) (TRL)
     cispo_cap: float | None = None  # "absolute": min(r, cispo_cap) (TRL's epsilon_high, e.g. 5.0)
+    dppo_divergence: str = "binary_tv"  # dppo: "binary_tv" or "binary_kl"; its bounds are clip_low (A < 0)
+    # and clip_high (A > 0), SkyRL's delta_low / delta_high and prime-rl's dppo_mask_low / dppo_mask_high
+    ratio_anchor: str = "old"  # r = pi / pi_anchor: "old" (old_logprobs) or "rollout" (rollout_logprobs)
+    ratio_kl_coef: float = 0.0  # Kimi-style penalty ratio_kl_coef * (log r_t)^2 / 2 on every valid token
+    # (token log-ratio against the anchor; prime-rl's kl_tau = ratio_kl_coef / 2)
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
     pspo_alpha: float = 0.1  # PSPO smoothing weight toward the old policy
@@ -115,10 +151,14 @@ class PolicyLossConfig:
     kl_straight_through: bool = False  # verl "<name>+": the estimator's value with k2's gradient
     kl_agg_mode: str | None = None  # aggregation of the KL term; None: loss_agg_mode (verl sapo: differs)
     # --- sampler / trainer mismatch (rollout_logprobs from vLLM etc.) -----------------------------
-    is_level: str | None = None  # None (off), "token" or "sequence" importance weights old / rollout
+    is_level: str | None = None  # None (off), "token", "sequence" (product) or "sequence_geometric" IS weights
     is_mode: str = "truncate"  # "truncate" (TIS: clamp) or "mask" (MIS / IcePop: zero outside)
     is_min: float | None = None  # lower bound of the IS weight (None: none)
-    is_max: float = 2.0  # upper bound of the IS weight
+    is_max: float | None = 2.0  # upper bound of the IS weight (None: none; "truncate" then keeps the raw weight)
+    is_gate: str | None = None  # None, "ratio", "binary_kl" or "tv": IS weight 0 where the statistic leaves
+    is_gate_level: str = "token"  # the gate's unit: "token", or "sequence" (the statistic's mean / geometric mean)
+    is_gate_min: float | None = None  # the gate's lower bound (ratio gate only; None: none)
+    is_gate_max: float | None = None  # the gate's upper bound (None: none; a divergence gate needs one)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 sequence mask: drop A<0 seqs with KL > delta
     # --- token selection --------------------------------------------------------------------------
     top_entropy_quantile: float = 1.0  # rho: keep tokens with entropy >= the (1 - rho) quantile
@@ -161,7 +201,19 @@ class PolicyLossConfig:
             f"unknown entropy_agg_mode {self.entropy_agg_mode!r}; known: {ENTROPY_AGG_MODES}",
         )
         _check(self.cispo_form in CISPO_FORMS, f"unknown cispo_form {self.cispo_form!r}; known: {CISPO_FORMS}")
+        _check(
+            self.dppo_divergence in DPPO_DIVERGENCES,
+            f"unknown dppo_divergence {self.dppo_divergence!r}; known: {DPPO_DIVERGENCES}",
+        )
+        _check(
+            self.ratio_anchor in RATIO_ANCHORS, f"unknown ratio_anchor {self.ratio_anchor!r}; known: {RATIO_ANCHORS}"
+        )
         _check(self.is_level in IS_LEVELS, f"unknown is_level {self.is_level!r}; known: {IS_LEVELS}")
+        _check(self.is_gate in IS_GATES, f"unknown is_gate {self.is_gate!r}; known: {IS_GATES}")
+        _check(
+            self.is_gate_level in IS_GATE_LEVELS,
+            f"unknown is_gate_level {self.is_gate_level!r}; known: {IS_GATE_LEVELS}",
+        )
         _check(self.is_mode in IS_MODES, f"unknown is_mode {self.is_mode!r}; known: {IS_MODES}")
         _check(
             self.old_prob_side in OLD_PROB_SIDES,
@@ -169,14 +221,14 @@ class PolicyLossConfig:
         )
         for name in (
             "clip_low", "clip_high", "sapo_tau_pos", "sapo_tau_neg", "pspo_alpha", "vespo_k_pos",
-            "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_coef", "is_max",
+            "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_coef",
             "top_entropy_quantile", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
             "kl_cov_coef", "entropy_coef", "temperature", "dcpo_max_ratio", "prefix_decay", "dpo_beta",
-            "length_power",
+            "length_power", "ratio_kl_coef",
         ):  # fmt: skip
             _finite(name, getattr(self, name))
-        for name in ("dual_clip", "delta", "log_ratio_clamp", "cispo_cap", "is_min",
-                     "off_policy_mask_threshold", "old_prob_threshold"):  # fmt: skip
+        for name in ("dual_clip", "delta", "log_ratio_clamp", "cispo_cap", "is_min", "is_max",
+                     "off_policy_mask_threshold", "old_prob_threshold", "is_gate_min", "is_gate_max"):  # fmt: skip
             if getattr(self, name) is not None:
                 _finite(name, getattr(self, name))
         _check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low and clip_high must be >= 0")
@@ -199,11 +251,27 @@ class PolicyLossConfig:
             _check(self.ratio_level == "token", "group_dpo compares summed log-probs; ratio_level must be 'token'")
             _check(
                 self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None and self.is_level is None
-                and self.off_policy_mask_threshold is None,
+                and self.off_policy_mask_threshold is None and self.is_gate is None,
                 "group_dpo is a sequence-pair objective: token selection and IS corrections are not defined for it",
             )  # fmt: skip
         else:
             _check(self.group_size is None, "group_size is only used by loss_type='group_dpo'")
+        if self.loss_type == "dppo":
+            _check(
+                self.ratio_level == "token",
+                "loss_type='dppo' masks tokens by their own probability change; ratio_level must be 'token'",
+            )
+        else:
+            _check(
+                self.dppo_divergence == "binary_tv",
+                f"dppo_divergence={self.dppo_divergence!r} is only used by loss_type='dppo'",
+            )
+        _check(self.ratio_kl_coef >= 0, f"ratio_kl_coef must be >= 0, got {self.ratio_kl_coef}")
+        if self.ratio_kl_coef > 0:
+            _check(
+                self.loss_type not in ("gmpo", "group_dpo"),
+                f"ratio_kl_coef adds a per-token term; loss_type={self.loss_type!r} is a sequence-level objective",
+            )
         if self.delta is not None:
             _check(self.delta > 0, f"delta caps a ratio (> 0); it must be > 0, got {self.delta}")
             _check(self.loss_type == "ppo_clip", "delta applies to loss_type='ppo_clip' only")
@@ -238,9 +306,23 @@ class PolicyLossConfig:
             )
         if self.loss_type == "vespo" and self.is_level is not None:
             _check(self.is_level == "token", "vespo folds token-level IS weights only (is_level='token')")
-        _check(self.is_max > 0, f"is_max must be > 0, got {self.is_max}")
+        if self.loss_type == "vespo":
+            _check(self.is_gate is None, "vespo folds token-level IS weights into its own weight; is_gate is not "
+                   "defined for it")  # fmt: skip
+        if self.is_max is not None:
+            _check(self.is_max > 0, f"is_max must be > 0, got {self.is_max}")
         if self.is_min is not None:
-            _check(0 <= self.is_min < self.is_max, f"need 0 <= is_min < is_max, got {self.is_min}, {self.is_max}")
+            _check(self.is_min >= 0, f"is_min must be >= 0, got {self.is_min}")
+            _check(
+                self.is_max is None or self.is_min < self.is_max,
+                f"need 0 <= is_min < is_max, got {self.is_min}, {self.is_max}",
+            )
+        if self.is_level is not None and self.is_mode == "mask":
+            _check(
+                self.is_min is not None or self.is_max is not None,
+                "is_mode='mask' with neither is_min nor is_max would mask nothing: set a bound",
+            )
+        self._check_rollout_fields()
         if self.off_policy_mask_threshold is not None:
             _check(self.off_policy_mask_threshold >= 0, "off_policy_mask_threshold must be >= 0")
         _check(
@@ -272,6 +354,43 @@ class PolicyLossConfig:
         # (torch.compile reads the attribute of the frozen config; it would trace a json.dumps call)
         object.__setattr__(self, "_as_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
+    def _check_rollout_fields(self) -> None:
+        """The policy ratio's anchor and the sampler-mismatch gate."""
+        if self.ratio_anchor == "rollout":
+            _check(
+                self.loss_type in ("ppo_clip", "cispo", "dppo"),
+                f"ratio_anchor='rollout' is defined for loss_type 'ppo_clip', 'cispo' and 'dppo', not "
+                f"{self.loss_type!r} (the others have no ratio, or read the old policy's probabilities)",
+            )
+        if self.is_gate is None:
+            _check(
+                self.is_gate_min is None and self.is_gate_max is None and self.is_gate_level == "token",
+                "is_gate_min / is_gate_max / is_gate_level are only used with is_gate set",
+            )
+            return
+        if self.is_gate == "ratio":
+            _check(
+                self.is_gate_min is not None or self.is_gate_max is not None,
+                "is_gate='ratio' needs is_gate_min or is_gate_max (the range of the old / rollout ratio it keeps)",
+            )
+            if self.is_gate_min is not None:
+                _check(self.is_gate_min >= 0, f"is_gate_min must be >= 0, got {self.is_gate_min}")
+            if self.is_gate_min is not None and self.is_gate_max is not None:
+                _check(
+                    self.is_gate_min < self.is_gate_max,
+                    f"need is_gate_min < is_gate_max, got {self.is_gate_min}, {self.is_gate_max}",
+                )
+        else:
+            _check(
+                self.is_gate_min is None,
+                f"is_gate={self.is_gate!r} is a divergence (>= 0), bounded above only: drop is_gate_min",
+            )
+            _check(
+                self.is_gate_max is not None and self.is_gate_max >= 0,
+                f"is_gate={self.is_gate!r} needs is_gate_max >= 0 (the largest divergence it keeps), got "
+                f"{self.is_gate_max!r}",
+            )
+
     # --- derived properties -------------------------------------------------------------------------
     @property
     def needs_global_statistics(self) -> bool:
@@ -285,11 +404,12 @@ class PolicyLossConfig:
         sequence's valid length: a sequence may then be cut into pieces computed apart (the fused
         one-pass schedule for completions longer than a chunk). Not so for sequence-valued ratios (GSPO,
         GMPO, TIC-GRPO: each token's gradient needs the whole sequence's log-ratio), the prefix trace (a
-        scan along the sequence), sequence-level IS and off-policy masking (sequence sums), VESPO, and
+        scan along the sequence), sequence-level IS, sequence gates and off-policy masking (sequence sums), VESPO, and
         the batch-global variants (needs_global_statistics)."""
         return (
             self.ratio_level == "token"
-            and self.is_level != "sequence"
+            and self.is_level not in ("sequence", "sequence_geometric")
+            and not (self.is_gate is not None and self.is_gate_level == "sequence")
             and self.off_policy_mask_threshold is None
             and self.loss_type not in ("vespo", "gmpo", "group_dpo")
             and not self.needs_global_statistics
@@ -298,6 +418,17 @@ class PolicyLossConfig:
     @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0 or self.loss_type == "group_dpo"
+
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        """True when the loss reads the sampler's log-probs: the IS weights and gate (which need them), the
+        rollout anchor of the ratio (needs them), the off-policy mask (which falls back to old without)."""
+        return (
+            self.is_level is not None
+            or self.is_gate is not None
+            or self.ratio_anchor == "rollout"
+            or self.off_policy_mask_threshold is not None
+        )
 
     @property
     def needs_entropy(self) -> bool:
@@ -433,8 +564,21 @@ class PolicyLossConfig:
             loss_agg_mode="seq-mean-token-mean",
         ).replace(**overrides)  # fmt: skip
 
+    @classmethod
+    def dppo(cls, **overrides: Any) -> PolicyLossConfig:
+        """DPPO (arXiv 2602.04879, as SkyRL 0.4.0 `policy_loss_type="dppo"` and prime-rl's default loss
+        implement it): PPO's ratio clip replaced by a binary trust region on the sampled token's
+        probability change p - mu, binary total variation with delta_low = delta_high = 0.2 (both peers'
+        defaults), the surrogate -r A on the tokens inside it; token-level mean, no KL. Both peers measure
+        r and the mask against the sampler's log-probs when they have them: add ratio_anchor="rollout".
+        prime-rl's default also adds the squared log-ratio penalty: ratio_kl_coef=2e-3 (its kl_tau 1e-3)."""
+        return cls(
+            loss_type="dppo", dppo_divergence="binary_tv", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
+            loss_agg_mode="token-mean",
+        ).replace(**overrides)  # fmt: skip
+
     PRESETS = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "gpg", "gmpo", "sapo", "olmo3", "pspo", "dcpo",
-               "vespo", "tic_grpo")  # fmt: skip
+               "vespo", "tic_grpo", "dppo")  # fmt: skip
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:

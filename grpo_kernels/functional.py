@@ -65,14 +65,20 @@ class GRPOLossOutput:
             entropy_loss                  the aggregated entropy term (entropy_coef != 0)
             ppo_kl                        mean of -log r (old minus new log-prob: verl ``actor/ppo_kl``)
             ratio/mean, ratio/min, /max   the importance ratio r (1, 1, 1 for an all-masked batch)
-            clip_ratio/low_mean           tokens with r < 1 - clip_low and A < 0 (TRL ``clip_ratio/low_mean``)
-            clip_ratio/high_mean          tokens with r > 1 + clip_high and A > 0 (TRL ``clip_ratio/high_mean``)
+            clip_ratio/low_mean           tokens with r < 1 - clip_low and A < 0 (TRL ``clip_ratio/low_mean``;
+                                          dppo: the trust region drops them, A < 0)
+            clip_ratio/high_mean          tokens with r > 1 + clip_high and A > 0 (TRL ``clip_ratio/high_mean``;
+                                          dppo: dropped, A > 0)
             clip_ratio/region_mean        either of the two (TRL ``clip_ratio/region_mean``)
             clip_ratio/low_min, high_max  per-sequence extremes of the two (TRL's names)
             clip_ratio/dual_mean          tokens where verl's dual clip binds (dual_clip set)
-            clip_ratio/any_mean           CISPO: tokens whose weight is capped
-            is_weight/mean, min, max      sampler importance weights (is_level set or is_weights given)
-            is_weight/masked_frac         tokens masked by is_mode="mask"
+            clip_ratio/any_mean           CISPO: tokens whose weight is capped (cispo_form="mask": zeroed)
+            is_weight/mean, min, max      sampler importance weights (is_level or is_gate set, or
+                                          is_weights given)
+            is_weight/masked_frac         tokens whose weight is 0 with is_mode="mask"
+            is_weight/gated_frac          tokens the sampler gate drops (is_gate set)
+            ratio_kl, ratio_kl_loss       the squared log-ratio penalty: mean of lr^2 / 2, and its
+                                          aggregated term (ratio_kl_coef > 0)
             selection/...                 fractions kept or dropped by token selection (top entropy, Lopti,
                                           off-policy masking, Clip-Cov / KL-Cov)
             ppo_kl_abs                    KL-Cov: mean |log r|
@@ -623,8 +629,10 @@ def _flatten_batch(
         chk.check_shape(name, x, token_shape, token_name)
         flat[name] = x.reshape(-1)
         if check_finite:
-            # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled
-            where = valid & ~torch.isnan(flat[name]) if name == "rollout_logprobs" else valid
+            # NaN sampler log-probs mean "could not score this token" (TRL): allowed, handled; not where the
+            # ratio is measured against them (ratio_anchor="rollout": no ratio without the sampler's log-prob)
+            unscored_ok = name == "rollout_logprobs" and config.ratio_anchor != "rollout"
+            where = valid & ~torch.isnan(flat[name]) if unscored_ok else valid
             chk.check_finite(name, flat[name], where)
 
     # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused
@@ -679,10 +687,14 @@ def _check_inputs_used(cfg: PolicyLossConfig, flat: dict) -> None:
         chk.fail("loss_type='group_dpo' needs ref_logprobs (DPO compares against the reference policy)")
     if cfg.is_level is not None and flat.get("rollout_logprobs") is None:
         chk.fail(f"is_level={cfg.is_level!r} needs rollout_logprobs (the sampler's log-probs)")
-    if flat.get("rollout_logprobs") is not None and cfg.is_level is None and cfg.off_policy_mask_threshold is None:
+    if cfg.is_gate is not None and flat.get("rollout_logprobs") is None:
+        chk.fail(f"is_gate={cfg.is_gate!r} needs rollout_logprobs (the sampler's log-probs)")
+    if cfg.ratio_anchor == "rollout" and flat.get("rollout_logprobs") is None:
+        chk.fail("ratio_anchor='rollout' needs rollout_logprobs (the ratio is measured against the sampler's log-probs)")
+    if flat.get("rollout_logprobs") is not None and not cfg.uses_rollout_logprobs:
         chk.fail(
-            "rollout_logprobs were given but nothing uses them: set is_level (TIS / MIS) or "
-            "off_policy_mask_threshold, or drop the argument"
+            "rollout_logprobs were given but nothing uses them: set is_level (TIS / MIS), is_gate, "
+            "ratio_anchor='rollout' or off_policy_mask_threshold, or drop the argument"
         )
     if cfg.loss_type == "gmpo" and flat.get("token_weights") is not None:
         chk.fail("token_weights are not defined for gmpo (a sequence-level objective)")
@@ -940,8 +952,9 @@ def fused_linear_grpo_loss(
         ref_logprobs: [B, T] the reference policy's log-probs; needed when ``config.kl_coef > 0`` (the KL
             term) or for ``loss_type="group_dpo"``; None otherwise.
         rollout_logprobs: [B, T] the inference engine's log-probs of the sampled tokens (vLLM / SGLang),
-            for the sampler-mismatch corrections ``config.is_level`` / ``off_policy_mask_threshold``;
-            NaN marks a token the engine did not score (no correction for it).
+            for the sampler-mismatch corrections ``config.is_level`` / ``is_gate`` /
+            ``off_policy_mask_threshold`` and the ratio with ``config.ratio_anchor="rollout"``; NaN marks a
+            token the engine did not score (no correction for it; refused with the rollout anchor).
         config: a ``PolicyLossConfig`` (or a preset: ``PolicyLossConfig.dapo()``); default
             ``PolicyLossConfig()``: PPO clip 0.2, no KL, token-mean.
         cu_seqlens: int [S + 1] cumulative sequence lengths for packed inputs ([N] per-token tensors);

@@ -1,1 +1,2 @@
-"""Framework adapters (TRL, verl). Import the submodule you need: each imports its framework lazily."""
+"""Framework adapters (TRL, verl, SkyRL, torchtitan). Import the submodule you need: each imports its framework
+lazily."""

@@ -42,8 +42,9 @@ each call passes its final_logit_softcapping (Gemma 2 / 3) and logit_scale (Gran
 Distributed: the LM-head weight arrives gathered (TRL's forward does it). In "logprobs" mode the
 backward re-enters `maybe_gather_lm_head_ctx` before recomputing (as TRL's kernel does); "fused"
 mode computes its gradients inside the forward. Metrics are reduced across processes exactly as
-TRL does (token-weighted global means, gathered min / max). Only the single-process path is tested
-here; the ZeRO-3, FSDP2 and multi-process paths follow TRL's code but are not exercised by the tests.
+TRL does (token-weighted global means, gathered min / max). Tested in one process, ZeRO-3 included (both
+modes, DeepSpeed's CPU accelerator); the FSDP2 and multi-process paths follow TRL's code but are not
+exercised by the tests.
 """
 
 from __future__ import annotations

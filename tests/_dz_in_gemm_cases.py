@@ -10,6 +10,7 @@ import json
 import os
 
 import torch
+from interpreter_runner import wanted
 
 from grpo_kernels.ops.lm_head import triton as tri
 
@@ -30,13 +31,18 @@ def dz_magnitude(z, lse, mean_z, c_lp, c_h, targets, softcap):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    report = {}
+    report, index = {}, -1
     n, h, v, temperature = 37, 48, 131, 0.7  # odd sizes: every tile edge of the 32 x 64 x 32 interpreter tiles
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for bias_on in (False, True):
             for grads in ("both", "logprobs", "entropy"):
                 for capped in (False, True):
-                    g = torch.Generator().manual_seed(len(report))
+                    index += 1  # the case's seed: its place in the grid, whichever cases run
+                    name = f"{str(dtype).removeprefix('torch.')}-{'bias' if bias_on else 'nobias'}-{grads}" + (
+                        "-softcap" if capped else "")  # fmt: skip
+                    if not wanted(name):
+                        continue
+                    g = torch.Generator().manual_seed(index)
                     x = torch.randn(n, h, generator=g).to(dtype)
                     w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
                     b = torch.randn(v, generator=g).to(dtype) if bias_on else None
@@ -58,8 +64,6 @@ def main():
                                        (g_lp if g_lp is not None else zeros) * inv_t,
                                        (g_h if g_h is not None else zeros) * inv_t, y, cap)  # fmt: skip
                     u_op, u32 = UNIT[dtype], UNIT[torch.float32]
-                    name = f"{str(dtype).removeprefix('torch.')}-{'bias' if bias_on else 'nobias'}-{grads}" + (
-                        "-softcap" if capped else "")  # fmt: skip
                     entry = {}
                     # grad_hidden = dz W: both round dz to the operand dtype (at most u_op |dz| apart), sum
                     # V products in fp32 in different orders (2 V u32 of the absolute sum), and round the

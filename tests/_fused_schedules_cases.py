@@ -55,7 +55,7 @@ def inputs(dtype, seed=0):
 
 def per_token(cfg, d):
     return dict(ref=d["ref"] if cfg.needs_reference else None,
-                rollout=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None)  # fmt: skip
+                rollout=d["rollout"] if cfg.uses_rollout_logprobs else None)  # fmt: skip
 
 
 def run(cfg, d, backend, schedule, dtype):
@@ -95,6 +95,24 @@ def worst(got, expected, bound):
     i = int(ratio.reshape(-1).argmax())
     return [got.reshape(-1)[i].item(), expected.reshape(-1)[i].item(), i, bound.reshape(-1)[i].item(),
             bound.max().item()]  # fmt: skip
+
+
+def bf16_store_rounds_toward_zero() -> bool:
+    """Whether this interpreter stores an fp32 value to a bf16 tensor by truncation (round toward zero, an
+    error up to one ulp, 2 u) instead of rounding to nearest as a GPU does (triton 3.6's does: numpy has no
+    bf16 and the interpreter drops the low 16 bits). The dz slab of the bf16 runs is such a store."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_bf16(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.bfloat16))
+
+    x = torch.randn(256, generator=torch.Generator().manual_seed(1))
+    y = torch.empty(256, dtype=torch.bfloat16)
+    store_bf16[(1,)](x, y, BLOCK=256)
+    return bool((y != x.bfloat16()).any()) and bool((y.float().abs() <= x.abs()).all())
 
 
 def main():
@@ -138,6 +156,8 @@ def main():
                     "kernels": sorted({k for k in launched if k.startswith("lm_head_fwd")}),
                 }
     lm_triton._launch = launch
+    # not a case: how this interpreter rounds a bf16 store (the test's bound for the dz slab)
+    report["_interpreter"] = {"bf16_store_rounds_toward_zero": bf16_store_rounds_toward_zero()}
     print(json.dumps(report))
 
 

@@ -155,6 +155,21 @@ TMA_CASE_IDS = (
 )
 CASES += [dict(c, id=f"{c['id']}-tma", forward_kernel="tma") for c in CASES if c["id"] in TMA_CASE_IDS]
 
+# fused_linear_logprobs' cuBLAS logits GEMM (use_logits_gemm("cublas")) through LMHeadFunction: chunks of
+# `chunk_rows` tokens (16 and 32 rows: several chunks and a ragged last one at N = 37 and 70) in the forward
+# and in the backward's recompute, without a bias in fp32 and bf16. With a bias, or in fp16, both directions
+# keep the Triton path (triton.py, _cublas_logits): the test checks kernel A ran.
+CASES += [
+    dict(id="autograd-cublas-fp32-N37-H48-V1001-T0.7", dtype="float32", N=37, H=48, V=1001, bias=False, T=0.7,
+         autograd=True, logits_gemm="cublas", chunk_rows=16),
+    dict(id="autograd-cublas-bf16-N70-H64-V3000-T1", dtype="bfloat16", N=70, H=64, V=3000, bias=False, T=1.0,
+         autograd=True, logits_gemm="cublas", chunk_rows=32),
+    dict(id="autograd-cublas-fp32-N37-H48-V1001-bias-T0.7", dtype="float32", N=37, H=48, V=1001, bias=True,
+         T=0.7, autograd=True, logits_gemm="cublas", chunk_rows=16),
+    dict(id="autograd-cublas-fp16-N37-H64-V1001-T1.3", dtype="float16", N=37, H=64, V=1001, bias=False, T=1.3,
+         autograd=True, logits_gemm="cublas", chunk_rows=16),
+]  # fmt: skip
+
 FORWARD_FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
 AUTOGRAD_FIELDS = ("logprobs", "entropy")
 
@@ -362,13 +377,33 @@ def _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch):
     from grpo_kernels.ops.lm_head import get_impl
     from grpo_kernels.ops.lm_head.function import LMHeadFunction
 
+    from grpo_kernels.ops.lm_head import triton as tri
+
     T = case["T"]
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
-    logprobs, entropy = LMHeadFunction.apply(*leaves, y, T, get_impl("triton"), True)
-    loss = (logprobs * g_lp).sum() + (entropy * g_h).sum()
-    grads = torch.autograd.grad(loss, leaves)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) if t is not None]
+    impl = get_impl("triton")
+    launched, launch = [], tri._launch
+    patched = dict(_launch=lambda kernel, *args: (launched.append(kernel.__name__), launch(kernel, *args))[1])
+    if "chunk_rows" in case:  # the cuBLAS path's chunks (forward and backward): logits + dz slab + grad_hidden
+        element = x.element_size()
+        slab = -(-case["V"] // tri.WORKSPACE_ROW_ALIGN) * tri.WORKSPACE_ROW_ALIGN * element
+        per_row = 4 * case["V"] + slab + (4 * case["H"] if element < 4 else 0)
+        patched.update(DEFAULT_WORKSPACE_BYTES=case["chunk_rows"] * per_row)
+    saved = {name: getattr(tri, name) for name in patched}
+    for name, value in patched.items():
+        setattr(tri, name, value)
+    try:
+        with tri.use_logits_gemm(case.get("logits_gemm", "triton")):
+            logprobs, entropy = LMHeadFunction.apply(*leaves[:2], leaves[2] if b is not None else None, y, T,
+                                                     impl, True)  # fmt: skip
+            loss = (logprobs * g_lp).sum() + (entropy * g_h).sum()
+            grads = torch.autograd.grad(loss, leaves)
+    finally:
+        for name, value in saved.items():
+            setattr(tri, name, value)
+    grads = tuple(grads) + ((None,) if b is None else ())
     gt_stats, gt_grads = _stats_and_grads(
-        x.double(), w.double(), b.double(), y, T, g_lp.double(), g_h.double(), torch
+        x.double(), w.double(), b.double() if b is not None else None, y, T, g_lp.double(), g_h.double(), torch
     )
     ref_stats, ref_grads = _stats_and_grads(x, w, b, y, T, g_lp, g_h, torch, compute_dtype=torch.float32)
     out = {
@@ -378,18 +413,20 @@ def _run_autograd_case(case, x, w, b, y, g_lp, g_h, torch):
         "returned": dict(
             grad_hidden=True,
             grad_weight=True,
-            grad_bias=True,
+            grad_bias=b is not None,
             acc_in_place=None,
             grad_hidden_dtype=str(grads[0].dtype),
             grad_weight_dtype="torch.float32",
         ),
-        "expected_returned": dict(grad_hidden=True, grad_weight=True, grad_bias=True),
-        "autograd_dtypes": [str(g.dtype) for g in grads],
+        "expected_returned": dict(grad_hidden=True, grad_weight=True, grad_bias=b is not None),
+        "autograd_dtypes": [str(g.dtype) for g in grads if g is not None],
+        "kernels": sorted(set(launched)),
     }
     for name, got, gt, ref in zip(
         ("grad_hidden", "grad_weight", "grad_bias"), grads, gt_grads, ref_grads, strict=True
     ):
-        out[name] = _compare(got, gt, ref, torch)
+        if got is not None:
+            out[name] = _compare(got, gt, ref, torch)
     return out
 
 
@@ -403,10 +440,12 @@ def main(argv):
 
     warnings.simplefilter("ignore")  # numpy warnings from masked-out lanes the interpreter evaluates
     np.seterr(all="ignore")
-    wanted = set(argv) or {c["id"] for c in CASES}
+    from interpreter_runner import wanted
+
+    named = set(argv)  # case ids on the command line, else the selected tests' (GRPO_KERNELS_CASES), else all
     results = {}
     for case in CASES:
-        if case["id"] in wanted:
+        if case["id"] in named if named else wanted(case["id"]):
             try:
                 results[case["id"]] = run_case(case)
             except Exception as exc:  # reported per case, so one failure does not hide the others

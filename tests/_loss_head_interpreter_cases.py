@@ -15,7 +15,8 @@ import grpo_kernels as gk  # noqa: E402
 import grpo_kernels.ops.loss_head.triton as loss_head_triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_loss_head import CONFIGS, batch  # noqa: E402
+from interpreter_runner import wanted  # noqa: E402
+from test_loss_head import CONFIGS, UNSCORED_CASES, batch  # noqa: E402
 
 # 4-token blocks: sequences of 1..9 tokens span 1..3 blocks, so carries across blocks are exercised
 loss_head_triton.DEFAULT_BLOCK = 4
@@ -27,7 +28,7 @@ def run(cfg, d, backend, layout):
     kwargs = dict(
         old_logprobs=d["old"],
         ref_logprobs=d["ref"] if cfg.needs_reference else None,
-        rollout_logprobs=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+        rollout_logprobs=d["rollout"] if cfg.uses_rollout_logprobs else None,
         entropy=ent,
         config=cfg,
         backend=backend,
@@ -57,8 +58,10 @@ def main():
     for name, cfg in sorted(CONFIGS.items()):
         for layout in ("padded", "packed"):
             per_token = layout == "padded" and cfg.loss_type not in ("gmpo", "group_dpo")
-            d = batch(per_token_adv=per_token, seed=11)
             case = f"{name}-{layout}"
+            if not wanted(case):
+                continue
+            d = batch(per_token_adv=per_token, seed=11)
             try:
                 ref, g_ref = run(cfg, d, "torch", layout)
                 tri, g_tri = run(cfg, d, "triton", layout)
@@ -76,7 +79,9 @@ def main():
             errors["extra_metrics"] = sorted(set(tri.metrics) - set(ref.metrics))
             report[case] = errors
     # NaN sampler log-probs: tokens the sampler could not score are neutral (TRL's convention)
-    for name in ("tis_token", "mis_sequence", "off_policy_mask"):
+    for name in UNSCORED_CASES:
+        if not wanted(f"{name}-nan-rollout"):
+            continue
         cfg = CONFIGS[name]
         d = batch(per_token_adv=True, seed=13)
         d["rollout"][0, 2] = float("nan")

@@ -18,6 +18,7 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _selection import COLLECTED_IDS, QUICK_IDS  # noqa: E402
 from checkout import use_this_checkouts_integrations  # noqa: E402
 from parity_helpers import PINS, installed_version  # noqa: E402
 
@@ -51,7 +52,12 @@ def _default_chunk_tokens():
 
 
 def pytest_report_header(config):
-    """torch / triton versions, and the peer versions the parity suite ran against (marker `parity`)."""
+    """torch / triton versions, and the peer versions the parity suite ran against (marker `parity`).
+    pytest prints report headers only without -q; under -q pytest_sessionstart below prints the same lines."""
+    return _version_lines()
+
+
+def _version_lines() -> list[str]:
     import importlib.metadata as md
 
     base = [f"torch {torch.__version__}"]
@@ -83,6 +89,48 @@ def pytest_sessionstart(session):
     import time
 
     _session_started.append(time.time())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and reporter.verbosity < 0:  # -q: pytest shows no header, so the versions here
+        for line in _version_lines():
+            reporter.write_line(line)
+
+
+# ---- the quick tier: `python -m pytest -q -m quick` -------------------------------------------------------
+# tests/quick.txt lists node ids (a file, a test, or a test with its parameters; each line matches the ids
+# it is a prefix of, up to a `::` or `[`); those tests get the marker `quick`. An entry that matches no test
+# of a file this session collected is an error (a renamed test must not drop out of the tier unseen);
+# tests/test_quick_tier.py checks what the tier covers.
+QUICK_FILE = os.path.join(os.path.dirname(__file__), "quick.txt")
+
+
+def quick_entries() -> list[str]:
+    with open(QUICK_FILE) as f:
+        return [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip()]
+
+
+def _matches(nodeid: str, entry: str) -> bool:
+    return nodeid == entry or (nodeid.startswith(entry) and nodeid[len(entry)] in ":[")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
+def pytest_collection_modifyitems(session, config, items):
+    entries = quick_entries()
+    used = set()
+    for item in items:
+        hit = [e for e in entries if _matches(item.nodeid, e)]
+        if hit:
+            item.add_marker(pytest.mark.quick)
+            used.update(hit)
+    # a file named with a test id on the command line is collected in part: its entries are not checked
+    partial = {arg.split("::", 1)[0] for arg in config.args if "::" in arg}
+    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    checked = {f for f in collected_files if not any(p.replace("\\", "/").endswith(f) for p in partial)}
+    stale = [e for e in entries if e not in used and e.split("::", 1)[0] in checked]
+    if stale:
+        raise pytest.UsageError(f"tests/quick.txt: {len(stale)} entries match no test: {stale}")
+    config.stash[QUICK_IDS] = [item.nodeid for item in items if item.get_closest_marker("quick")]
+    config.stash[COLLECTED_IDS] = [item.nodeid for item in items]
+
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -99,11 +147,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                                                        "error")}  # fmt: skip
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(__file__))  # fmt: skip
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for field in ("ru_utime", "ru_stime"))  # fmt: skip
     record = {
         **counts,
         "tests": sum(counts.values()),
         "seconds": round(time.time() - _session_started[0]),
-        "command": "python -m pytest -q (the README's test command)",
+        # CPU time of pytest and the subprocesses it waited for (the wall time above depends on the load)
+        "cpu_seconds": round(cpu),
+        "load_average_1min_at_end": round(os.getloadavg()[0], 1),
+        "command": " ".join(["python -m pytest", *config.invocation_params.args]),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

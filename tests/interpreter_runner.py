@@ -16,8 +16,59 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def run_case_script(name: str, timeout: int = 900) -> dict:
+def selected_params(request, name: str) -> list | None:
+    """The values of parameter `name` of the requesting module's selected tests; None when the whole module is
+    selected or a selected test has no such parameter (then a module fixture does all its work)."""
+    from _selection import COLLECTED_IDS
+
+    prefix = request.node.nodeid + "::"
+    collected = [i for i in request.config.stash.get(COLLECTED_IDS, []) if i.startswith(prefix)]
+    selected = [item for item in request.session.items if item.nodeid.startswith(prefix)]
+    if not collected or len(selected) == len(collected):
+        return None
+    values = []
+    for item in selected:
+        if not hasattr(item, "callspec") or name not in item.callspec.params:
+            return None
+        if item.callspec.params[name] not in values:
+            values.append(item.callspec.params[name])
+    return values
+
+
+def selected_cases(request, params: tuple[str, ...] = ("case", "name")) -> list[str] | None:
+    """The case keys the selected tests of the requesting module read: the value of its first parameter named
+    in `params` (a dict case gives its "id"), for each selected test; None (every case) when the whole module
+    is selected or a selected test has no such parameter. A case script runs a case when its key equals one of
+    these or starts with one and a `-` (tests/_selection.py, `wanted` in the case scripts)."""
+    from _selection import COLLECTED_IDS
+
+    prefix = request.node.nodeid + "::"
+    collected = [i for i in request.config.stash.get(COLLECTED_IDS, []) if i.startswith(prefix)]
+    selected = [item for item in request.session.items if item.nodeid.startswith(prefix)]
+    if not collected or len(selected) == len(collected):
+        return None
+    keys = set()
+    for item in selected:
+        values = [item.callspec.params[p] for p in params if hasattr(item, "callspec") and p in item.callspec.params]
+        if not values:
+            return None
+        keys.add(values[0]["id"] if isinstance(values[0], dict) else str(values[0]))
+    return sorted(keys)
+
+
+def wanted(key: str) -> bool:
+    """In a case script: whether to run case `key` (GRPO_KERNELS_CASES, set by run_case_script from the
+    selected tests; absent: every case)."""
+    only = os.environ.get("GRPO_KERNELS_CASES")
+    return only is None or any(key == k or key.startswith(k + "-") for k in json.loads(only))
+
+
+def run_case_script(name: str, timeout: int = 900, cases: list[str] | None = None) -> dict:
+    """Run tests/<name> under the interpreter; `cases` (selected_cases): only those, else every case."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
+    env.pop("GRPO_KERNELS_CASES", None)
+    if cases is not None:
+        env["GRPO_KERNELS_CASES"] = json.dumps(cases)
     proc = subprocess.run([sys.executable, str(HERE / name)], env=env, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
     if proc.returncode != 0:

@@ -32,7 +32,8 @@ def require_peer(dist: str, module: str):
     version = installed_version(dist)
     if version is None:
         pytest.skip(
-            f"{dist} is not installed (parity pinned to {dist}=={PINS[dist]})", allow_module_level=True
+            f"{dist} is not installed (parity pinned to {dist}=={PINS[dist]}: the [parity] extra installs it)",
+            allow_module_level=True,
         )
     if version != PINS[dist]:
         pytest.skip(

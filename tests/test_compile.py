@@ -198,7 +198,7 @@ def test_metric_names_are_those_eager_reports(has_ref, has_entropy, has_is_weigh
         needs_ref = cfg.kl_coef > 0 or cfg.loss_type == "group_dpo"
         if needs_ref and not has_ref:
             continue
-        uses_rollout = cfg.is_level is not None or cfg.off_policy_mask_threshold is not None
+        uses_rollout = cfg.uses_rollout_logprobs
         out = gk.grpo_loss(lp, d["advantages"], d["mask"], d["old"], d["ref"] if has_ref else None,
                            rollout if uses_rollout else None,
                            entropy=torch.full((B, T), 0.5) if has_entropy else None, config=cfg,

@@ -36,6 +36,6 @@ def test_zero3_partitioned_parameter_is_refused_with_the_ways_out():
 def test_trl_adapter_refuses_an_fsdp2_head_in_its_own_unit():
     """TRL's own full_tensor() gather of such a head would drop the other ranks' gradients (Replicate
     placement); the adapter says so and what to do instead."""
-    pytest.importorskip("trl")
+    pytest.importorskip("trl", reason="needs trl: the [trl] or [parity] extra")
     (report,) = run_group(workers.trl_fsdp2_head_worker, 1)
     assert "own FSDP2 unit" in report["with_grad"] and "root FSDP unit" in report["with_grad"], report

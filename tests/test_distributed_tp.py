@@ -58,6 +58,6 @@ def test_one_rank_group_is_exactly_no_group():
 def test_verl_linear_cross_entropy_under_megatron_tp():
     """verl's Megatron forward always passes the TP group, also at TP = 1 (refused before): a 2-rank
     group, and each rank's own 1-rank group."""
-    pytest.importorskip("verl")
+    pytest.importorskip("verl", reason="needs verl: the [verl] or [parity] extra")
     for rank, report in enumerate(run_group(workers.verl_lce_worker, 2)):
         check(report, rank)

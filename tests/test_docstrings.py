@@ -22,6 +22,15 @@ INTEGRATIONS = {
                                       "unsupported_settings", "KernelOptions", "check_fsdp2_head"),
     "grpo_kernels.integrations.verl": ("policy_loss", "register_policy_losses", "linear_cross_entropy",
                                        "install_linear_cross_entropy"),
+    # importing it does not import OpenRLHF
+    "grpo_kernels.integrations.openrlhf": ("launch", "runtime_env", "install", "uninstall", "ray_worker_setup",
+                                           "PolicyLoss", "policy_loss_config", "unsupported_options",
+                                           "kl_config", "actor_forward", "logit_transform",
+                                           "check_openrlhf_options", "install_actor_forward",
+                                           "uninstall_actor_forward"),
+    "grpo_kernels.integrations.unsloth": ("use_grpo_kernels", "UnslothLogProbsKernel", "KernelOptions",
+                                          "bypass_reasons", "loss_settings", "policy_loss_config",
+                                          "loss_normalizers", "unmapped_settings"),
 }  # fmt: skip
 
 

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from interpreter_runner import run_case_script  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -34,8 +34,8 @@ CASES = [f"{d}-{b}-{g}{c}" for d in ("float32", "float16", "bfloat16") for b in 
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_dz_in_gemm_cases.py", timeout=900)
+def report(request):
+    return run_case_script("_dz_in_gemm_cases.py", timeout=900, cases=selected_cases(request))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -34,7 +34,7 @@ def optional_inputs(cfg, d):
     return dict(
         old_logprobs=d["old"],
         ref_logprobs=d["ref"] if cfg.needs_reference else None,
-        rollout_logprobs=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+        rollout_logprobs=d["rollout"] if cfg.uses_rollout_logprobs else None,
     )
 
 

@@ -8,6 +8,11 @@ dz):
                (<= u |partial sum| <= u B each, K of them) or once at the end: <= (K + 2) u B
   grad_hidden  dz rounded (u B) and the fp32 result rounded once (u B): <= 2 u B
   grad_bias    fp32 column sums of the fp32 dz, rounded once: <= u B
+The interpreter stores an fp32 value to bf16 by truncation (round toward zero: up to one ulp, 2 u), where a
+GPU rounds to nearest; the cases script checks it (`_interpreter` in its report), and where it truncates the
+dz slab's term is 2 u B instead of u B for grad_weight and grad_hidden in bf16 (the other roundings are
+torch's, to nearest). Measured: grad_hidden of a bf16 run 2.13 u B from exact, 1 ulp beyond rounding dz to
+nearest (is_sequence_geometric_mask, one_pass and one_pass_cublas alike).
 plus the fp32 reassociation both backends have: 2e-5 of the gradient's largest bound (TOL, as the other
 fused interpreter tests). Loss, metrics and log-probs: the statistics come from fp32 sums of exact products
 on both sides, |diff| <= TOL (1 + |expected|).
@@ -34,6 +39,17 @@ TOL = 2e-5
 CHUNKS = 4
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 ROUNDINGS = {"weight": CHUNKS + 2, "hidden": 2, "bias": 1}
+READS_DZ_SLAB = {"weight": 1, "hidden": 1, "bias": 0}  # the gradients contracted from the rounded dz slab
+
+
+def cases(report: dict) -> dict:
+    return {k: v for k, v in report.items() if not k.startswith("_")}
+
+
+def roundings(label: str, dname: str, report: dict) -> int:
+    """u B terms of a gradient's bound: one more for the dz slab where the interpreter truncates to bf16."""
+    truncates = dname == "bf16" and report["_interpreter"]["bf16_store_rounds_toward_zero"]
+    return ROUNDINGS[label] + (READS_DZ_SLAB[label] if truncates else 0)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +58,7 @@ def report():
 
 
 def test_every_configuration_ran(report):
-    names = {case.split("-")[0] for case in report}
+    names = {case.split("-")[0] for case in cases(report)}
     assert names == set(CONFIGS), set(CONFIGS) ^ names
     for name in GRID_CONFIGS:
         for dname in DTYPES:
@@ -52,7 +68,7 @@ def test_every_configuration_ran(report):
 
 def test_new_schedules_match_torch(report):
     failures = []
-    for case, r in sorted(report.items()):
+    for case, r in sorted(cases(report).items()):
         name, dname, schedule = case.split("-")
         cfg = CONFIGS[name]
         if cfg.needs_global_statistics:
@@ -73,10 +89,11 @@ def test_new_schedules_match_torch(report):
                 failures.append(f"{case}: metric {key} {got} vs {expected}")
         u = UNIT_ROUNDOFF[dname]
         for label, (got, expected, index, bound, bound_max) in r["grads"].items():
-            allowed = ROUNDINGS[label] * u * bound + TOL * bound_max
+            k = roundings(label, dname, report)
+            allowed = k * u * bound + TOL * bound_max
             if abs(got - expected) > allowed:
                 failures.append(f"{case}: grad_{label} worst at flat index {index}: triton {got}, torch {expected}, "
-                                f"allowed {allowed:.3g} ({ROUNDINGS[label]} u B, B = {bound:.3g})")  # fmt: skip
+                                f"allowed {allowed:.3g} ({k} u B, B = {bound:.3g})")  # fmt: skip
         cublas = "cublas" in schedule
         kernels = ["lm_head_fwd_kernel_merge", "lm_head_fwd_kernel_stats_from_logits" if cublas
                    else "lm_head_fwd_kernel_partial"]  # fmt: skip

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import interpreter_runner  # noqa: E402
-from interpreter_runner import run_case_script  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
 from test_loss_head import CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -27,8 +27,9 @@ TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_fused_interpreter_cases.py", timeout=1200)
+def report(request):
+    # a selection of these tests (the quick tier) runs the cases of the configurations it names
+    return run_case_script("_fused_interpreter_cases.py", timeout=1200, cases=selected_cases(request, ("name",)))
 
 
 def close(got, expected, scale=None):

@@ -205,6 +205,8 @@ def train(trainer_cls, model_dir, tmp_path, config, *, vllm=False, peft=False, e
     if vllm:
         trainer_cls = type(f"VLLM{trainer_cls.__name__}", (EmulatedVLLM, trainer_cls), {})
     extra = {}
+    if peft:  # TRL takes PEFT adapters from the peft package, which the [test] extra lists
+        pytest.importorskip("peft", reason="the PEFT cases need peft: pip install -e '.[test]' (or pip install peft)")
     if peft == "prompt_tuning":  # a prompt-learning adapter: 3 virtual tokens before every row
         from peft import PromptTuningConfig
 
@@ -631,10 +633,16 @@ def test_logprobs_head_regathers_the_weight_for_its_backward(monkeypatch):
 def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
     """Under ZeRO-3 TRL wraps the reference model in a DeepSpeed engine (whose .config is the DeepSpeed
     dict): the adapter looks through it. One process started as torchrun would (gloo, DeepSpeed's CPU
-    accelerator), beta > 0, one step against TRL's GRPOTrainer under the same ZeRO-3 config: the same
-    loss and parameters, to within 16 ulp of the largest parameter (fp32 sums in another order, one
-    SGD step)."""
-    pytest.importorskip("deepspeed")
+    accelerator), beta > 0, two optimizer steps of two micro-batches, both modes, against TRL's GRPOTrainer
+    under the same ZeRO-3 config: the same losses and parameters, to within 16 ulp of the largest parameter
+    (fp32 sums in another order, SGD steps). The LM head is partitioned outside the forward (numel 0) and
+    its update is real: TRL's ZeRO-3 run moves it as far as TRL without DeepSpeed, far beyond the tolerance,
+    so a lost or partial head gradient would fail. In "logprobs" mode the adapter's head computes its
+    gradients in its backward: each one (one per training micro-batch) reads the whole weight. DeepSpeed
+    has gathered the head again before that backward starts (its hooks on the model's output), so the
+    adapter's own gather (maybe_gather_lm_head_ctx, as TRL's kernel) is a no-op here; the path where the
+    weight is still partitioned then is test_logprobs_head_regathers_the_weight_for_its_backward's."""
+    pytest.importorskip("deepspeed", reason="the ZeRO-3 case needs deepspeed: the [parity] extra")
     import json
     import os
     import subprocess
@@ -648,11 +656,19 @@ def test_deepspeed_zero3_with_a_reference_model_trains_like_trl(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    ours = report["fused"]
-    assert ours["losses"] and len(ours["losses"]) == len(report["trl_losses"])
-    for a, b in zip(ours["losses"], report["trl_losses"]):
-        assert abs(a - b) <= 1e-6 * (1 + abs(b)), (a, b)
-    assert ours["param_diff"] <= 16 * 2**-23 * ours["param_scale"], ours
+    tolerance = 16 * 2**-23 * report["fused"]["param_scale"]
+    assert report["trl_head_partitioned"], report
+    assert report["trl_plain_head_diff"] <= tolerance and report["trl_head_moved"] > 1000 * tolerance, report
+    for mode in gk_trl.MODES:
+        ours = report[mode]
+        assert len(ours["losses"]) == len(report["trl_losses"]) == 2, (mode, report)
+        for a, b in zip(ours["losses"], report["trl_losses"]):
+            assert abs(a - b) <= 1e-6 * (1 + abs(b)), (mode, a, b)
+        assert ours["param_diff"] <= tolerance, (mode, ours)
+        assert ours["head_partitioned"] and ours["head_moved"] > 1000 * tolerance, (mode, ours)
+    backwards = report["logprobs"]["gathered_backwards"]
+    assert len(backwards) == 4 and all(inside == 32 * len(WORDS) for _, inside in backwards), backwards
+    assert report["fused"]["gathered_backwards"] == []  # the fused head computes its gradients in the forward
 
 
 @pytest.mark.parametrize("mode", gk_trl.MODES)

@@ -11,7 +11,7 @@ import torch
 
 from grpo_kernels.testing import assert_close
 
-verl = pytest.importorskip("verl")
+verl = pytest.importorskip("verl", reason="needs verl: the [verl] or [parity] extra")
 pytestmark = pytest.mark.parity
 if verl.__version__ != "0.9.1":
     pytest.skip(f"the adapter is pinned to verl 0.9.1, found {verl.__version__}", allow_module_level=True)

@@ -25,6 +25,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from interpreter_runner import selected_params  # noqa: E402
+
 from grpo_kernels.testing import aot  # noqa: E402
 from grpo_kernels.testing import lm_head_compile as matrix  # noqa: E402
 
@@ -41,9 +43,11 @@ INT32_MAX = 2**31 - 1
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    rows = matrix.run_matrix()
-    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1":
+def rows(request, tmp_path_factory):
+    # a selection of the compile tests (the quick tier, -k) compiles only the cases it reads
+    selected = selected_params(request, "case")
+    rows = matrix.run_matrix(selected=selected)
+    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1" and selected is None:
         out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     else:
         out = tmp_path_factory.mktemp("compile_report")

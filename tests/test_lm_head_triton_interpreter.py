@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _lm_head_interpreter_cases import AUTOGRAD_FIELDS, CASES, FORWARD_FIELDS  # noqa: E402
-from interpreter_runner import run_case_script  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -37,8 +37,8 @@ GRADIENTS = ("grad_hidden", "grad_weight", "grad_bias")
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_lm_head_interpreter_cases.py")
+def report(request):
+    return run_case_script("_lm_head_interpreter_cases.py", cases=selected_cases(request))
 
 
 def _check(name: str, m: dict) -> None:
@@ -81,7 +81,15 @@ def test_lm_head_triton_interpreter(case, report):
     if returned["grad_weight"]:
         assert returned["grad_weight_dtype"] == "torch.float32"  # the fp32 accumulator, cast by the caller
     if case.get("autograd"):  # LMHeadFunction casts the fp32 accumulators once, to the parameters' dtype
-        assert r["autograd_dtypes"] == [f"torch.{case['dtype']}"] * 3
+        assert r["autograd_dtypes"] == [f"torch.{case['dtype']}"] * (3 if case["bias"] else 2)
+        kernels = set(r["kernels"])
+        if case.get("logits_gemm") == "cublas" and not case["bias"] and case["dtype"] != "float16":
+            # forward: cuBLAS logits + the streaming statistics kernel, never kernel A (the cuBLAS GEMMs launch
+            # nothing through _launch); backward: dz streamed from the recomputed chunk
+            assert "lm_head_fwd_kernel_stats_from_logits" in kernels and "lm_head_fwd_kernel_partial" not in kernels, kernels
+        else:  # kernel A forward, the recomputing dlogits kernel backward
+            assert "lm_head_fwd_kernel_partial" in kernels and "lm_head_fwd_kernel_stats_from_logits" not in kernels, kernels
+        assert "lm_head_bwd_kernel_dlogits" in kernels, kernels
     if returned["acc_in_place"] is not None:
         assert returned["acc_in_place"], "grad_weight_acc must be accumulated into in place and returned"
     if "zero_rows" in case and "zero_rows_grad_hidden_max_abs" in r:

@@ -72,6 +72,19 @@ CONFIGS = {
     "tic_grpo": C.tic_grpo(),
     "group_dpo": C(loss_type="group_dpo", group_size=5, dpo_beta=0.5),
     "seq_mean_token_sum": C(loss_agg_mode="seq-mean-token-sum"),
+    # the trust region, the rollout anchor, the squared log-ratio penalty, geometric IS and the gates
+    "dppo_binary_tv": C.dppo(clip_low=0.1, clip_high=0.1),
+    "dppo_binary_kl": C.dppo(dppo_divergence="binary_kl", clip_low=0.01, clip_high=0.01),
+    "dppo_rollout_ratio_kl": C.dppo(ratio_anchor="rollout", ratio_kl_coef=0.5, clip_low=0.05, clip_high=0.05),  # prime-rl
+    "rollout_is": C(loss_type="cispo", cispo_form="mask", ratio_anchor="rollout"),  # SkyRL rollout_is
+    "cispo_rollout_anchor": C.cispo(ratio_anchor="rollout", clip_low=0.2, clip_high=0.2),
+    "gspo_rollout_ratio_kl": C.gspo(ratio_anchor="rollout", ratio_kl_coef=0.3, clip_low=0.05, clip_high=0.05),
+    "is_sequence_geometric_truncate": C(is_level="sequence_geometric", is_min=0.95, is_max=1.02),
+    "is_sequence_geometric_mask": C(is_level="sequence_geometric", is_mode="mask", is_min=0.95, is_max=1.05),
+    "seq_mask_tis": C(is_level="token", is_max=None, is_gate="ratio", is_gate_level="sequence", is_gate_min=0.95,
+                      is_gate_max=1.05),  # NeMo-RL seq-mask-tis  # fmt: skip
+    "gate_binary_kl_token": C(is_gate="binary_kl", is_gate_max=0.005),
+    "gate_tv_sequence_tis": C(is_level="token", is_gate="tv", is_gate_level="sequence", is_gate_max=0.03),
 }
 
 
@@ -83,7 +96,7 @@ def call(cfg, d, *, lp=None, old="default", layout="padded", **kw):
     args = dict(
         old_logprobs=old_lp,
         ref_logprobs=d["ref"] if cfg.needs_reference else None,
-        rollout_logprobs=d["rollout"] if (cfg.is_level or cfg.off_policy_mask_threshold is not None) else None,
+        rollout_logprobs=d["rollout"] if cfg.uses_rollout_logprobs else None,
         entropy=ent,
         config=cfg,
         backend="torch",
@@ -113,11 +126,13 @@ def agg_weights(cfg, mask):
 
 ON_POLICY_VALUE_IS_MINUS_A = {"grpo", "dapo", "dr_grpo", "bnpo", "gspo", "gspo_token", "tic_grpo_seq_sum",
                               "dual_clip", "delta", "kl_cov", "token_sum", "seq_mean_token_sum", "length_pow",
-                              "pspo", "dcpo", "prefix_trace", "tic_grpo"}  # fmt: skip
+                              "pspo", "dcpo", "prefix_trace", "tic_grpo", "dppo_binary_tv", "dppo_binary_kl"}  # fmt: skip
+# measured against the sampler's log-probs or weighted by their mismatch: no ratio-1 limit with old = None
+SAMPLER_DEPENDENT = {name for name, cfg in CONFIGS.items() if cfg.uses_rollout_logprobs}
 
 
-@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"clip_cov", "top_entropy", "olmo3", "tis_token", "group_dpo",
-                                                         "mis_sequence", "lopti_low", "off_policy_mask"}))  # fmt: skip
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"clip_cov", "top_entropy", "group_dpo", "lopti_low"}
+                                        - SAMPLER_DEPENDENT))  # fmt: skip
 def test_on_policy_gradient_is_minus_advantage(name):
     """old = None (ratio 1): every objective's gradient w.r.t. log p_t is -A_t times its aggregation
     weight; for the ratio objectives the loss itself is the aggregated -A."""
@@ -177,7 +192,7 @@ def test_all_masked_batch_gives_zero_loss(name):
     assert bool((g_lp == 0).all()) and bool((g_ent == 0).all())
 
 
-@pytest.mark.parametrize("name", ["dapo", "grpo", "gpg", "cispo_relative", "sapo", "gspo"])
+@pytest.mark.parametrize("name", ["dapo", "grpo", "gpg", "cispo_relative", "sapo", "gspo", "dppo_binary_tv"])
 def test_gradient_sign_follows_advantage(name):
     """Descending the loss raises log p of tokens with A > 0 and lowers it for A < 0 (on-policy)."""
     d = batch(per_token_adv=False)  # a sequence-level ratio (gspo) mixes the advantages of one sequence
@@ -292,7 +307,11 @@ def test_truncated_and_masked_importance_weights_by_hand():
     assert_close("sequence IS (sum of log-diffs = 0)", out.metrics["is_weight/mean"], torch.tensor(1.0), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["tis_token", "mis_sequence", "off_policy_mask"])
+UNSCORED_CASES = ["tis_token", "mis_sequence", "off_policy_mask", "is_sequence_geometric_mask", "seq_mask_tis",
+                  "gate_binary_kl_token", "gate_tv_sequence_tis"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", UNSCORED_CASES)
 def test_unscored_rollout_tokens_are_neutral(name):
     """NaN sampler log-probs (tokens vLLM could not score, TRL's convention) carry no evidence: the
     IS weight of such a token is that of rollout = old, its off-policy divergence that of rollout = logp."""

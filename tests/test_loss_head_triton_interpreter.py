@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("triton")
 
 import interpreter_runner  # noqa: E402
-from interpreter_runner import run_case_script  # noqa: E402
-from test_loss_head import CONFIGS  # noqa: E402
+from interpreter_runner import run_case_script, selected_cases  # noqa: E402
+from test_loss_head import CONFIGS, UNSCORED_CASES  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.interpreter
@@ -24,8 +24,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_case_script("_loss_head_interpreter_cases.py")
+def report(request):
+    return run_case_script("_loss_head_interpreter_cases.py", cases=selected_cases(request))
 
 
 def close(got, expected):
@@ -33,7 +33,7 @@ def close(got, expected):
 
 
 CASES = [f"{name}-{layout}" for name in sorted(CONFIGS) for layout in ("padded", "packed")] + [
-    f"{name}-nan-rollout" for name in ("tis_token", "mis_sequence", "off_policy_mask")
+    f"{name}-nan-rollout" for name in UNSCORED_CASES
 ]
 
 

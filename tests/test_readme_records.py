@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -59,8 +60,9 @@ def test_main_job_figures_come_from_the_record():
 
 
 def test_main_job_prefix_repeats_the_record(tmp_path):
-    """CI re-runs the main job's first steps (a few seconds): the record cannot go stale unnoticed. The run's
-    random-policy baseline (the plot's dashed line) is the record's, hence the README's."""
+    """The main job's first steps (a few seconds; CI re-runs all 200 in .ci/steps/records.sh): a change of the
+    trajectory shows in the suite too. The run's random-policy baseline (the plot's dashed line) is the
+    record's, hence the README's."""
     from grpo_kernels.trainer import TrainConfig, train
 
     script = record_script("main_job_record")
@@ -69,6 +71,31 @@ def test_main_job_prefix_repeats_the_record(tmp_path):
     result = train(TrainConfig(steps=steps, run_dir=str(tmp_path / "run")), progress=False, log=quiet)
     assert_prefix_repeats(result.metrics, record["per_step"], steps, "main job")
     assert round(result.random_reward, 4) == record["random_policy_reward"]
+
+
+def test_records_check_names_the_first_differing_step_and_the_command():
+    """records.py --check (CI's full re-run, .ci/steps/records.sh) against the committed records: the records
+    themselves pass; a reward changed at one step, or a loss moved beyond fp32 rounding, fails naming that
+    step and the command that regenerates records and README spans."""
+    import copy
+
+    records = record_script("records")
+    main_job = json.loads((RECORDS / "main_job.json").read_text())
+    lookup = json.loads((RECORDS / "lookup_turn_credit.json").read_text())
+    assert records.check(main_job, lookup)[0] == []
+    rounding = copy.deepcopy(main_job)
+    rounding["per_step"]["loss"] = [x * (1 + 3e-6) for x in rounding["per_step"]["loss"]]
+    assert records.check(rounding, lookup)[0] == []
+    moved = copy.deepcopy(main_job)
+    moved["per_step"]["reward"][64] += 0.001
+    moved["per_step"]["loss"][70] *= 1.001
+    problems = records.check(moved, lookup)[0]
+    assert len(problems) == 2 and "step 65 reward" in problems[0] and "step 71 loss" in problems[1], problems
+    assert records.COMMAND in records.failure_text(problems)
+    other = copy.deepcopy(lookup)
+    other["runs"]["gigpo"]["per_step"]["reward"][2] = -1.0
+    assert records.check(main_job, other)[0] == ["lookup gigpo: step 3 reward -1.0, recorded "
+                                                 f"{lookup['runs']['gigpo']['per_step']['reward'][2]!r} (the first step that differs)"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -106,27 +133,72 @@ def test_verl_install_changes_come_from_the_record():
     assert record["changed"] and all(c["from"] != c["to"] for c in record["changed"])
 
 
-def test_ci_runs_the_readme_test_line_with_its_pins():
-    """.ci/run takes the README's test line as it is; the pins a newcomer gets are in that line, and CI
-    installs no other Triton or numpy before it."""
+def test_unsloth_install_changes_come_from_the_record():
+    """The README's sentence on what [unsloth] changes on top of the base install is generated from a real resolve."""
+    script = record_script("unsloth_install_record")
+    spans = record_script("readme_spans")
+    record = json.loads((RECORDS / "unsloth_install.json").read_text())
+    assert spans.read_span("unsloth-install") == script.readme_sentence(record)
+    assert any(a["name"] == "trl" for a in record["added"])
+
+
+def readme_test_line(tier: str) -> str:
+    """The line .ci/run runs for a test-command marker: the first `pip install` / `python` line after it that
+    installs no torch (CI installs its CPU torch itself)."""
     readme = (CHECKOUT / "README.md").read_text()
-    after_marker = readme[readme.index("<!-- test-command") :].splitlines()[1:]
-    line = next(x for x in after_marker if x.startswith(("pip install", "python")))
-    assert '"triton==3.6.0"' in line and '"numpy<2.3"' in line and line.endswith("python -m pytest -q"), line
+    after = readme[readme.index(f"<!-- test-command: {tier}") :].splitlines()[1:]
+    return next(x for x in after if x.startswith(("pip install", "python")) and not re.match(r"pip install torch[ =]", x))
+
+
+def test_ci_runs_the_readme_test_lines_with_their_pins():
+    """.ci/run takes the README's two test lines as they are: the quick tier (with the pins a newcomer gets)
+    then the full suite; CI installs no other Triton or numpy before them, and the CPU torch line the README
+    shows first is the torch CI installs."""
+    quick, full = readme_test_line("quick"), readme_test_line("full")
+    assert '"triton==3.6.0"' in quick and '"numpy<2.3"' in quick and quick.endswith("python -m pytest -q -m quick"), quick
+    assert full == "python -m pytest -q", full
     ci = (CHECKOUT / ".ci" / "run").read_text()
-    first_env = ci[: ci.index('bash -c "$test_command"')]
+    first_env = ci[: ci.index('bash -c "$quick_command"')]
     assert not re.search(r"pip install.*(triton|numpy)", first_env), "CI pins beside the README's test line"
+    assert "pip install -q torch==2.13.0" in first_env
+    readme = (CHECKOUT / "README.md").read_text()
+    block = readme[readme.index("<!-- test-command: quick") :].split("```")[1]
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in block.splitlines()[1]
+    # the line-reading rule .ci/run uses (awk) is the one above
+    proc = subprocess.run(["bash", "-c", ci[ci.index("readme_line() {") : ci.index("quick_command=")]
+                           + 'readme_line quick; readme_line full'], cwd=CHECKOUT, capture_output=True, text=True)  # fmt: skip
+    assert proc.stdout.splitlines() == [quick, full], proc.stdout + proc.stderr
 
 
-def test_test_count_and_time_come_from_the_record():
+def test_test_counts_and_times_come_from_the_record():
+    """The README's test-figures span is generated from docs/records/tests.json (tests_record.py), the record
+    of passing runs of the two README commands; CI checks its counts against each run (.ci/steps/test_counts.sh)."""
+    script = record_script("tests_record")
+    spans = record_script("readme_spans")
     record = json.loads((RECORDS / "tests.json").read_text())
-    expected = (
-        f"About {round(record['tests'], -2):,} tests ({record['skipped']} skip: they need CUDA"
-        + (f"; {record['xfailed']} strict xfail" if record["xfailed"] else "")
-        + f"), about {round(record['seconds'] / 60)} minutes on {record['cpus']} CPU cores"
+    assert spans.read_span("test-figures") == script.readme_sentence(record), (
+        f"README test figures differ from docs/records/tests.json: run {script.COMMAND} after a clean-clone .ci/run"
     )
-    assert expected in readme_text(), f"README test figures differ from docs/records/tests.json; expected:\n{expected}"
-    assert record["failed"] == 0 and record["error"] == 0, "the recorded run must be a passing one"
+    for tier in ("quick", "full"):
+        assert record[tier]["failed"] == 0 and record[tier]["error"] == 0, f"{tier}: the recorded run must pass"
+
+
+def test_test_count_check_fails_on_other_counts(tmp_path):
+    """tests_record.py --check against runs whose counts differ from the record: exit 1 naming the refresh."""
+    script = record_script("tests_record")
+    record = json.loads((RECORDS / "tests.json").read_text())
+    paths = []
+    for tier in ("quick", "full"):
+        run = dict(record[tier], tests=record[tier]["tests"] + (tier == "full"))
+        paths.append(tmp_path / f"{tier}.json")
+        paths[-1].write_text(json.dumps(run))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "tests_record.py"), "--check", *map(str, paths)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and script.COMMAND in proc.stderr and "full:" in proc.stderr, proc.stderr
+    paths[1].write_text(json.dumps(record["full"]))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "tests_record.py"), "--check", *map(str, paths)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
 
 
 def trl_suite_sentence(record: dict) -> str:
@@ -154,6 +226,31 @@ def test_trl_suite_figures_come_from_the_record():
     assert record["counts"]["stock"] == record["counts"]["swapped"] and not record["differ"], (
         "the recorded run must give every test the same outcome both ways"
     )
+
+
+def openrlhf_suite_sentence(record: dict) -> str:
+    """The integrations README's summary of the recorded run of OpenRLHF's own loss tests
+    (openrlhf_suite.py)."""
+    stock = record["counts"]["stock"]
+    v = record["versions"]
+    return (
+        f"openrlhf {v['openrlhf']}, transformers {v['transformers']}, deepspeed {v['deepspeed']}, "
+        f"torch {v['torch']}, grpo_kernels at {record['grpo_kernels_git_sha'][:7]}): "
+        f"**{sum(stock.values())} tests, {stock['passed']} pass stock; with the adapter "
+        f"{record['passed_both']} pass both ways ({record['passed_both_through_the_adapter']} of them "
+        f"through it) and {len(record['differ'])} differ**"
+    )
+
+
+def test_openrlhf_suite_figures_come_from_the_record():
+    record = json.loads((RECORDS / "openrlhf_suite.json").read_text())
+    text = " ".join((CHECKOUT / "integrations" / "README.md").read_text().split())
+    expected = openrlhf_suite_sentence(record)
+    assert expected in text, (
+        f"integrations/README.md differs from docs/records/openrlhf_suite.json; expected:\n{expected}"
+    )
+    assert not record["unexplained"] and not record["explained_but_not_seen"], "every difference explained"
+    assert all(d["reason"] and d["stock"] == "passed" for d in record["differ"]), record["differ"]
 
 
 def test_agreement_check_cost_comes_from_the_record():
@@ -233,3 +330,42 @@ def test_vllm_rollout_figures_come_from_the_record():
     record = json.loads((RECORDS / "vllm_rollouts.json").read_text())
     expected = vllm_rollouts_sentence(record)
     assert expected in readme_text(), f"README differs from records/vllm_rollouts.json; expected:\n{expected}"
+
+
+def test_readme_says_what_a_jsonl_task_needs_on_the_embedded_model(tmp_path):
+    """The README's paragraph on `.jsonl` tasks states the trainer's own numbers: prompts per step, the
+    embedded model's words, the task's default reward and budget."""
+    from grpo_kernels.trainer import TrainConfig
+    from grpo_kernels.trainer.model import EMBEDDED_VOCAB
+    from grpo_kernels.trainer.task import jsonl_task
+
+    text = readme_text()
+    words = EMBEDDED_VOCAB[4:]  # after <pad> <bos> <eos> <unk>
+    assert set(words) == {str(d) for d in range(10)} | {"=", "+"}
+    assert f"needs at least {TrainConfig().prompts_per_step} distinct prompts" in text
+    assert f"model's {len(words)} words only: the digits `0` to `9`, `=` and `+`" in text
+    path = tmp_path / "task.jsonl"
+    path.write_text('{"prompt": "3 + 4 =", "answer": "7"}\n')
+    task = jsonl_task(str(path))
+    assert f"is `{task.reward}`, its budget {task.max_new_tokens} new tokens" in text
+
+
+def test_every_install_block_starts_with_the_cpu_torch():
+    """Every shell block of the docs that pip-installs the package starts with the CPU torch (the CPU index, or
+    torch==2.13.0 with the line saying it is the CPU build): a plain torch requirement installs the CUDA build,
+    about 5 GB that cannot run on a CPU-only machine. A block opening with "# on a GPU machine" is exempt."""
+    pages = [CHECKOUT / "README.md", CHECKOUT / "integrations" / "README.md", CHECKOUT / "tests" / "README.md",
+             *sorted((CHECKOUT / "docs").rglob("*.md"))]  # fmt: skip
+    bad = []
+    for page in pages:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", page.read_text(), flags=re.S):
+            if block.startswith("# on a GPU machine"):
+                continue  # said to be for a GPU machine, where the CUDA torch is the one wanted
+            installs = [line for line in block.splitlines() if re.match(r"\s*pip install", line)]
+            if not any(re.search(r"pip install (-e |-q |--no-deps )*['\"]?\.", line) for line in installs):
+                continue  # installs no grpo_kernels (e.g. only tools)
+            first = installs[0]
+            cpu = "download.pytorch.org/whl/cpu" in first or ("torch==" in first and "CPU" in first.upper())
+            if not (re.match(r"\s*pip install torch[ =]", first) and cpu):
+                bad.append(f"{page.relative_to(CHECKOUT)}: {first.strip()}")
+    assert not bad, f"install blocks that do not start with the CPU torch: {bad}"

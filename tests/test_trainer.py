@@ -480,7 +480,7 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
     )
     assert (run_dir / "config.json").is_file()
     returns(["--run-dir", str(run_dir)], 2, "exists and is not empty")  # never overwrites a run
-    returns(["--resume", str(run_dir), "--lr", "0.1"], 2, "only --steps may be given")
+    returns(["--resume", str(run_dir), "--temperature", "0.5"], 2, "only --steps and --lr may be given")
     returns(["--resume", str(run_dir)], 2, "has no checkpoint")
 
 

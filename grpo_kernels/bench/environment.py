@@ -47,12 +47,14 @@ def git_info() -> dict:
     import grpo_kernels
 
     root = Path(grpo_kernels.__file__).resolve().parents[1]
+    if os.environ.get("GRPO_KERNELS_GIT_SHA"):
+        # set by the GPU session from the source it verified (a GPU machine's own git, if any, knows only an
+        # older commit of the copied tree: its HEAD would be wrong)
+        dirty = os.environ.get("GRPO_KERNELS_GIT_DIRTY")
+        return {"sha": os.environ["GRPO_KERNELS_GIT_SHA"], "dirty": None if dirty is None else dirty == "1"}
     sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if sha is None:
-        # a copy of the tree without .git (a GPU machine): the sha recorded where the copy was made
-        sha = os.environ.get("GRPO_KERNELS_GIT_SHA") or None
-        dirty = os.environ.get("GRPO_KERNELS_GIT_DIRTY")
-        return {"sha": sha, "dirty": None if dirty is None else dirty == "1"}
+        return {"sha": None, "dirty": None}
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
     return {"sha": sha, "dirty": bool(dirty)}
 

@@ -1,41 +1,55 @@
-"""Two commands on a GPU machine give the whole verdict: `bash benchmarks/gpu/run.sh` (call 1), then
-`bash benchmarks/gpu/run.sh --call 2`. Built so that a first GPU lease cannot be wasted.
+"""The GPU session: the verdict from one command on a GPU machine, the rest from a second that resumes it.
+Built so that a lent GPU's 15 minutes cannot be wasted.
 
-A GPU machine here has no network, at most 10 minutes per command, 30 minutes of device time per
-session and keeps 8 result files; the two calls are planned to fit 20 minutes of device time with
-both machine starts (`--dry-run` prints the plan and the sum).
+The lease (the device notes): 15 minutes of device time per session, each machine start (1-2 minutes) and
+every idle wait counted, one command at most 10 minutes, no machine started with under 4 minutes left, 8
+result files kept per command. So one call is one command of at most CALL_LIMIT_S = 300 s (the session
+stops starting parts after CALL_BUDGET_S = 270 s), and `--dry-run` fails unless one machine start plus two
+such calls fit the lease (120 + 2 x (300 + 30) = 780 <= 900 s).
 
-Isolation: every measurement runs in a child process (grpo_kernels/bench/session_worker.py), one per
-provider, each row announced before it starts and appended to results.jsonl (flushed, fsync'd) the
-moment it is measured. A row that crashes its process (a CUDA fault), hangs past its row limit or is
-cut by its part's limit is recorded as lost (status "crashed" / "timeout", named in session.json's
-`lost_rows`) and a fresh process measures the rest: one fault costs one row. The never-executed
-opt-in kernels (TMA kernel A, the dz-in-GEMM kernels) run only after every core row.
-
-Call 1 (under 10 minutes):
-  wheels          install the carried peer wheels (.whl/, from `run.sh make-wheels`) into a private folder
-  preflight       versions, the GPU and its datasheet peaks, which peers import, which profilers exist
+Order (priority: what the verdict needs first, then what the next change is chosen from):
+  wheels          install the carried peer wheels (.whl/, from `run.sh make-wheels`) one by one: a wheel that
+                  fails costs its providers only (session.json `wheels`, `skipped_providers`)
+  preflight       versions, the GPU and its peaks, every provider's modules imported (not just the lazy
+                  package: trl.trainer.grpo_trainer, Liger's chunked loss, ...), profilers; a provider whose
+                  import fails is skipped with the reason
+  headline        fused_grpo + logprobs at the target shape: the 3-GEMM floor, grpo_kernels (auto), TRL,
+                  Liger; each provider checked against the fp32 reference before it is timed; verdict.json
+                  (ratios to the floor, to TRL, to Liger, extra memory, met / missed) rewritten after each row
   smoke           each kernel and fused-loss schedule against the PyTorch backend on the same bf16 inputs,
                   a small shape then the target; stops with a report at the first wrong one
-  micro           per-kernel microbenchmarks at the target head (microbench.py): TF/s and GB/s against
-                  the device's peaks and the ceilings measured in the same run
-  headline        fused_grpo + logprobs at the target shape: the floor, then CALL1_PROVIDERS
+  micro           per-kernel microbenchmarks at the target head (microbench.py): TF/s and GB/s against the
+                  device's peaks and the ceilings measured in the same run
+  schedules       the other schedules and plain PyTorch at the target shape (SCHEDULE_PROVIDERS)
   sweep           fused_grpo over 4k-64k tokens: the floor and SWEEP_PROVIDERS
   gpu-tests       the GPU test tier, tests/test_gpu.py
   opt-in-kernels  microbenchmarks of the opt-in kernels (TMA kernel A, one_pass_dz's dz kernels)
-Call 2: wheels, preflight, the opt-in smoke (TMA kernel A, OPT_IN_SCHEDULES), every other provider of
-the registry (opt-in variants, the other peers; torch-compile last), and a profile of the fused loss
-(torch.profiler's kernel table; ncu on its three hottest kernels and nsys where they exist).
+  smoke-opt-in    the TMA kernel A and OPT_IN_SCHEDULES against the PyTorch backend
+  opt-in          every other provider of the registry (opt-in variants, the other peers; torch-compile last)
+  profile         torch.profiler's kernel table of the fused loss; ncu on its three hottest kernels, nsys
+A call runs the parts in this order while its budget lasts. `--resume DIR` (DIR: an earlier call's folder,
+copied back into the tree) keeps every row measured there, skips it, and goes on with the rest, on a fresh
+machine too (wheels and preflight run again).
 
-Files in the output folder: call 1 session.json, log.txt, results.jsonl, headline.json (the benchmark
-report of the headline and sweep rows), headline.png, sweep.png, kernels.png; call 2 session.json,
-log.txt, results.jsonl, optin.json, optin.png.
+Isolation: every measurement runs in a child process (grpo_kernels/bench/session_worker.py), one per
+provider, each row announced before it starts and appended to results.jsonl (flushed, fsync'd) the moment
+it is measured. A row that crashes its process (a CUDA fault), hangs past its row limit or is cut by its
+part's limit is recorded as lost (status "crashed" / "timeout", named in session.json's `lost_rows`) and a
+fresh process measures the rest: one fault costs one row; a kill of the whole call keeps every row written
+and the verdict of the headline rows measured before it.
 
-  python -m grpo_kernels.bench.gpu_session run [--call 1|2] [--out DIR] [--budget S] [--dry-run] [--rehearsal]
+Files (8): session.json (every call's parts, lost rows, wheels, skipped providers, verdict), log.txt,
+results.jsonl, verdict.json, headline.json (the benchmark report of every target-shape and sweep row),
+headline.png, sweep.png, kernels.png. The last lines printed: the verdict table, the three kernels furthest
+from their measured ceilings, what was lost or not reached and how to resume.
+
+  python -m grpo_kernels.bench.gpu_session run [--out DIR] [--resume DIR] [--budget S] [--parts a,b]
+                                               [--dry-run] [--rehearsal] [--row-limit S]
   python -m grpo_kernels.bench.gpu_session make-wheels [--dest .whl] [--dry-run]
+  python -m grpo_kernels.bench.gpu_session stamp        # .whl/SOURCE.json: the commit of the tree, before a call
 
 --rehearsal runs the same flow on tiny CPU shapes with fewer providers (what CI does: the flow, the
-isolation and the files, not the numbers).
+isolation, the resume and the files, not the numbers).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import collections
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,13 +84,18 @@ from .session_worker import (
     smoke_keys,
 )
 
-SCHEMA = "grpo_kernels.gpu_session/2"
+SCHEMA = "grpo_kernels.gpu_session/3"
 ROOT = Path(__file__).resolve().parents[2]  # the repository (a copy of it on the GPU machine)
-CALL_BUDGET_S = {1: 570, 2: 400}  # each inside the 10-minute command limit
-DEVICE_TIME_S = 20 * 60  # what both calls may spend together, the machine starts included
-MACHINE_START_S = (
-    90  # a fresh machine's start and the tree's transfer, per call (the device notes: "a minute or more")
-)
+# The lease (the device notes): 15 minutes of device time per session, each machine start (1-2 minutes) and
+# every idle wait counted, one command at most 10 minutes, no machine started with under 4 minutes left.
+# A call is one command of at most CALL_LIMIT_S (the `timeout_s` to ask for); the session's own clock stops
+# starting parts CALL_BUDGET_S into it, so the files are written well inside the command's limit.
+LEASE_S = 15 * 60
+MACHINE_START_S = 120  # one machine start, at most (seen: 30 s to 2 minutes)
+TRANSFER_S = 30  # the tree out and the files back, per call
+CALL_LIMIT_S = 300
+CALL_BUDGET_S = 270
+CALLS = 2  # the plan must fit this many calls (the second resumes the first): start + CALLS x (limit + transfer)
 RESERVE_S = 15  # kept back for writing session.json and the plots
 MIN_PART_S = 20  # a part with less time than this left is skipped, not started
 MAX_FILES = 8
@@ -97,6 +117,8 @@ PEER_WHEELS = (
     "dill==0.4.1",  # datasets'
     "multiprocess==0.70.19",  # datasets'
 )
+# A carried dependency's providers are those of the peer that needs it (a wheel that fails costs them only)
+WHEEL_NEEDED_BY = {"datasets": "trl", "dill": "trl", "multiprocess": "trl"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 
 # Performance targets (the README's goals, checked on the headline shape)
@@ -105,32 +127,39 @@ TARGETS = {
     "logprobs": {"x_floor": 1.1},
 }
 
-# What runs where. Providers are names of grpo_kernels/bench/providers.py's REGISTRY; a provider the
-# registry gains is measured in call 2 until its name is added to CALL1_PROVIDERS (one line), and a
-# schedule fused/function.py's SCHEDULES gains is smoke-tested in call 1 unless it is in OPT_IN_SCHEDULES.
-CALL1_PROVIDERS = (  # the core headline, in this order, after the floor: the verdict's rows first
+# What runs, in this order. Providers are names of grpo_kernels/bench/providers.py's REGISTRY; a provider the
+# registry gains is measured in the "opt-in" part (after every core row) until its name is added to one of
+# the lists below (one line), and a schedule fused/function.py's SCHEDULES gains is smoke-tested with the
+# core schedules unless it is in OPT_IN_SCHEDULES.
+HEADLINE_PROVIDERS = (  # the verdict's rows, first after the floor: ours, then the peers it is judged against
     "grpo_kernels",  # schedule="auto"
     "trl",
     "liger-chunked",  # compiles its loss inside the row
+)
+SCHEDULE_PROVIDERS = (  # the other schedules and plain PyTorch, at the same shape, after smoke and micro
     "torch-eager",
     "grpo_kernels-one-pass",
     "grpo_kernels-two-pass",
     "grpo_kernels-low-memory",
-    # kernel A against the cuBLAS forward with grad_weight summed in place: "auto" (above) runs the cuBLAS
-    # one at the target head by its time model; these two rows are what that choice should be checked by
+    # kernel A against the cuBLAS forward with grad_weight summed in place: "auto" runs the cuBLAS one at
+    # the target head by its time model; these two rows are what that choice is checked by
     "grpo_kernels-one-pass-inplace",
     "grpo_kernels-one-pass-cublas",
 )
 SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")  # auto (in place in bf16) against fp32 accumulation
-OPT_IN_SCHEDULES = ("one_pass_dz",)  # call 2 only (README: estimated ~2x slower than one_pass)
-# Not in any call: verl's wheel brings too much to carry; grpo_kernels-torch is the CPU backend.
+OPT_IN_SCHEDULES = ("one_pass_dz",)  # after the core rows (README: estimated ~2x slower than one_pass)
+# Not in any part: verl's wheel brings too much to carry; grpo_kernels-torch is the CPU backend.
 EXCLUDED_PROVIDERS = ("verl", "verl-torch", "grpo_kernels-torch")
-LAST_PROVIDERS = ("torch-compile",)  # call 2's end: inductor compiles inside the row
-# The rehearsal (CPU, tiny shapes): the providers and schedules that run on the PyTorch backend.
-REHEARSAL_CALL1 = ("grpo_kernels", "grpo_kernels-low-memory", "torch-eager")
+LAST_PROVIDERS = ("torch-compile",)  # the opt-in part's end: inductor compiles inside the row
+# The rehearsal (CPU, tiny shapes): the providers and schedules that run on the PyTorch backend; TRL's path
+# runs on CPU, so the verdict's peer rows are rehearsed too (skipped with the reason where TRL is absent).
+REHEARSAL_HEADLINE = ("grpo_kernels", "trl", "torch-eager")
+REHEARSAL_SCHEDULES_PROVIDERS = ("grpo_kernels-low-memory",)
 REHEARSAL_SWEEP = ("grpo_kernels",)
-REHEARSAL_CALL2 = ("grpo_kernels-batch-invariant", "grpo_kernels-tp")
+REHEARSAL_OPT_IN = ("grpo_kernels-batch-invariant", "grpo_kernels-tp")
 REHEARSAL_SCHEDULES = ("auto", "low_memory")
+# The parts whose rows feed the verdict: it is rewritten after each of their rows
+VERDICT_PARTS = ("headline",)
 
 
 def core_schedules() -> tuple[str, ...]:
@@ -139,11 +168,13 @@ def core_schedules() -> tuple[str, ...]:
     return tuple(s for s in SCHEDULES if s not in OPT_IN_SCHEDULES)
 
 
-def call2_providers() -> tuple[str, ...]:
+def opt_in_providers() -> tuple[str, ...]:
+    """Every provider of the registry not in an earlier part (the opt-in variants, the other peers), with
+    the ones that compile inside their row last."""
     from .providers import REGISTRY
 
-    rest = [p for p in REGISTRY.providers
-            if p not in CALL1_PROVIDERS and p not in EXCLUDED_PROVIDERS and p not in LAST_PROVIDERS]  # fmt: skip
+    earlier = set(HEADLINE_PROVIDERS) | set(SCHEDULE_PROVIDERS) | set(EXCLUDED_PROVIDERS) | set(LAST_PROVIDERS)
+    rest = [p for p in REGISTRY.providers if p not in earlier]
     return tuple(rest) + tuple(p for p in LAST_PROVIDERS if p in REGISTRY.providers)
 
 
@@ -156,6 +187,7 @@ class Job:
     keys: list[str]  # the rows it measures, in order
     row_limit_s: float
     lost_fields: dict = field(default_factory=dict)  # key -> the fields a lost row of it carries
+    provider: str | None = None  # a bench job's provider (skipped when its imports failed in preflight)
 
 
 @dataclass
@@ -178,18 +210,24 @@ def _bench_job(part: str, provider: str, ops: tuple[str, ...], preset: str, comm
     lost = {k: {"op": op, "provider": provider, "shape": shape.as_dict(), "shape_label": shape.label,
                 "impl": "", "parity": None, "time": None, "memory": None} for k, op, shape in keys}  # fmt: skip
     argv = ["bench", "--provider", provider, "--ops", ",".join(ops), "--shapes", preset, *common]
-    return Job(
-        provider, argv, [k for k, _, _ in keys], row_limit or ROW_LIMITS.get(provider, ROW_LIMIT_S), lost
-    )
+    return Job(provider, argv, [k for k, _, _ in keys], row_limit or ROW_LIMITS.get(provider, ROW_LIMIT_S), lost,
+               provider=None if provider == FLOOR else provider)  # fmt: skip
 
 
-def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Part]:
-    """The parts of one call, in order, with their budgets (the GPU plan; a rehearsal has the same
-    parts on tiny shapes with the providers and schedules the PyTorch backend runs)."""
+def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list[Part]:
+    """Every part of the session, in priority order, with its budget. One call runs them in order while
+    its budget lasts; a later call (--resume) skips every row already measured and goes on. The rows of
+    the "schedules" and "opt-in" parts belong to the headline (same shape, same floor, one report)."""
     timing = ["--warmup", "1", "--iters", "2"] if rehearsal else ["--warmup", "2", "--iters", "5"]
     sweep_timing = ["--warmup", "1", "--iters", "2"] if rehearsal else ["--warmup", "1", "--iters", "3"]
     flag = ["--rehearsal"] if rehearsal else []
     head, sweep = ("tiny", "tiny") if rehearsal else ("qwen3-8b", "session-sweep")
+    headline = REHEARSAL_HEADLINE if rehearsal else HEADLINE_PROVIDERS
+    others = REHEARSAL_SCHEDULES_PROVIDERS if rehearsal else SCHEDULE_PROVIDERS
+    opt_in = REHEARSAL_OPT_IN if rehearsal else opt_in_providers()
+    schedules = REHEARSAL_SCHEDULES if rehearsal else core_schedules()
+    sweepers = REHEARSAL_SWEEP if rehearsal else SWEEP_PROVIDERS
+    opt_in_schedules = () if rehearsal else OPT_IN_SCHEDULES
 
     def common(part: str, t=timing) -> list[str]:
         return ["--part", part, *t, *flag]
@@ -197,63 +235,51 @@ def plan(call: int, rehearsal: bool, row_limit: float | None = None) -> list[Par
     def rows(name, what, budget, jobs):
         return Part(name, what, budget, "rows", jobs)
 
-    wheels = Part("wheels", "install the carried peer wheels (.whl/) into a private folder", 20, "wheels")
-    preflight = rows(
-        "preflight",
-        "versions, GPU and peaks, peers importable, profilers",
-        30,
-        [Job("preflight", ["preflight", *common("preflight")], ["preflight|preflight"], 60)],
-    )
-    if call == 1:
-        schedules = REHEARSAL_SCHEDULES if rehearsal else core_schedules()
-        providers = REHEARSAL_CALL1 if rehearsal else CALL1_PROVIDERS
-        sweepers = REHEARSAL_SWEEP if rehearsal else SWEEP_PROVIDERS
-        return [
-            wheels,
-            preflight,
-            rows("smoke", f"kernel A, backward, loss head, schedules {', '.join(schedules)} vs the PyTorch "
-                 "backend (bf16), small then target shape; stops at the first wrong", 100,
-                 [Job("smoke", ["smoke", "--schedules", ",".join(schedules), *common("smoke")],
-                      smoke_keys("smoke", schedules, False, rehearsal), row_limit or SMOKE_ROW_LIMIT_S)]),
-            rows("micro", "per-kernel microbenchmarks (core kernels, cuBLAS at the same shapes, ceilings)", 45,
-                 [Job("micro", ["micro", *common("micro")], micro_keys("micro", False), row_limit or ROW_LIMIT_S)]),
-            rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(providers)}", 200,
-                 [_bench_job("headline", p, HEADLINE_OPS, head, common("headline"), row_limit)
-                  for p in (FLOOR, *providers)]),
-            rows("sweep", f"fused_grpo over {sweep}: floor, {', '.join(sweepers)}", 60,
-                 [_bench_job("sweep", p, ("fused_grpo",), sweep, common("sweep", sweep_timing), row_limit)
-                  for p in (FLOOR, *sweepers)]),
-            Part("gpu-tests", "GPU test tier: tests/test_gpu.py", 60, "tests",
-                 command=[_python(), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                          str(ROOT / "tests" / "test_gpu.py")]),
-            rows("opt-in-kernels", "microbenchmarks of the opt-in kernels (TMA kernel A, dz-in-GEMM), after "
-                 "every core row", 35,
-                 [Job("micro-opt-in", ["micro", "--opt-in", *common("opt-in-kernels")],
-                      micro_keys("opt-in-kernels", True), row_limit or ROW_LIMIT_S)]),
-        ]  # fmt: skip
-    schedules = () if rehearsal else OPT_IN_SCHEDULES
-    providers = REHEARSAL_CALL2 if rehearsal else call2_providers()
+    def bench(part_of_rows: str, providers, ops=HEADLINE_OPS, preset=head, t=timing):
+        return [_bench_job(part_of_rows, p, ops, preset, common(part_of_rows, t), row_limit) for p in providers]
+
+    every = (*headline, *others, *opt_in)
     return [
-        wheels,
-        preflight,
-        rows("smoke-opt-in", f"TMA kernel A{''.join(', schedule=' + s for s in schedules)} vs the PyTorch backend "
-             "(bf16); stops at the first wrong", 60,
-             [Job("smoke-opt-in", ["smoke", "--opt-in", "--schedules", ",".join(schedules), *common("smoke-opt-in")],
-                  smoke_keys("smoke-opt-in", schedules, True, rehearsal), row_limit or SMOKE_ROW_LIMIT_S)]),
-        rows("opt-in", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(providers)}", 160,
-             [_bench_job("opt-in", p, HEADLINE_OPS, head, common("opt-in"), row_limit) for p in (FLOOR, *providers)]),
-        rows("profile", "torch.profiler of the fused loss (auto) at the target; ncu on its 3 hottest kernels, nsys", 115,
+        Part("wheels", "install the carried peer wheels (.whl/) one by one into a private folder", 20, "wheels"),
+        # importing every provider's modules takes ~10-20 s on a GPU machine, longer on a loaded CPU
+        rows("preflight", "versions, GPU and peaks, each provider's imports, profilers", 90 if rehearsal else 40,
+             [Job("preflight", ["preflight", "--providers", ",".join(every), "--call-key", f"call{call}",
+                               "--import-timeout", "80" if rehearsal else "30", *common("preflight")],
+                  [f"preflight|call{call}"], 90 if rehearsal else 60)]),
+        # (a rehearsal's headline imports TRL in each of its processes and may restart after a planted fault)
+        rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(headline)} (the verdict, "
+             "rewritten after each row)", 240 if rehearsal else 120, bench("headline", (FLOOR, *headline))),
+        rows("smoke", f"kernel A, backward, loss head, schedules {', '.join(schedules)} vs the PyTorch "
+             "backend (bf16), small then target shape; stops at the first wrong", 45,
+             [Job("smoke", ["smoke", "--schedules", ",".join(schedules), *common("smoke")],
+                  smoke_keys("smoke", schedules, False, rehearsal), row_limit or SMOKE_ROW_LIMIT_S)]),
+        rows("micro", "per-kernel microbenchmarks (core kernels, cuBLAS at the same shapes, ceilings)", 30,
+             [Job("micro", ["micro", *common("micro")], micro_keys("micro", False), row_limit or ROW_LIMIT_S)]),
+        rows("schedules", f"the other schedules and PyTorch at {head}: {', '.join(others)}", 70,
+             bench("headline", others)),
+        rows("sweep", f"fused_grpo over {sweep}: floor, {', '.join(sweepers)}", 70,
+             bench("sweep", (FLOOR, *sweepers), ("fused_grpo",), sweep, sweep_timing)),
+        Part("gpu-tests", "GPU test tier: tests/test_gpu.py", 45, "tests",
+             command=[_python(), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                      str(ROOT / "tests" / "test_gpu.py")]),
+        rows("opt-in-kernels", "microbenchmarks of the opt-in kernels (TMA kernel A, dz-in-GEMM)", 30,
+             [Job("micro-opt-in", ["micro", "--opt-in", *common("opt-in-kernels")],
+                  micro_keys("opt-in-kernels", True), row_limit or ROW_LIMIT_S)]),
+        rows("smoke-opt-in", f"TMA kernel A{''.join(', schedule=' + s for s in opt_in_schedules)} vs the "
+             "PyTorch backend (bf16); stops at the first wrong", 40,
+             [Job("smoke-opt-in", ["smoke", "--opt-in", "--schedules", ",".join(opt_in_schedules),
+                                   *common("smoke-opt-in")],
+                  smoke_keys("smoke-opt-in", opt_in_schedules, True, rehearsal), row_limit or SMOKE_ROW_LIMIT_S)]),
+        rows("opt-in", f"the opt-in paths and the other peers at {head}: {', '.join(opt_in)}", 120,
+             bench("headline", opt_in)),
+        rows("profile", "torch.profiler of the fused loss (auto) at the target; ncu on its 3 hottest kernels, nsys", 60,
              [Job("profile", ["profile", *common("profile")], profile_keys("profile"), row_limit or 150)]),
     ]  # fmt: skip
 
 
-def file_list(call: int) -> list[str]:
-    files = ["session.json", "log.txt", "results.jsonl"]
-    files += (
-        ["headline.json", "headline.png", "sweep.png", "kernels.png"]
-        if call == 1
-        else ["optin.json", "optin.png"]
-    )
+def file_list() -> list[str]:
+    files = ["session.json", "log.txt", "results.jsonl", "verdict.json", "headline.json", "headline.png",
+             "sweep.png", "kernels.png"]  # fmt: skip
     assert len(files) <= MAX_FILES, files
     return files
 
@@ -264,15 +290,25 @@ def file_list(call: int) -> list[str]:
 
 
 class Session:
-    def __init__(self, out: Path, budget_s: float, rehearsal: bool, call: int = 1, row_limit: float | None = None,
-                 parts: list[Part] | None = None):  # fmt: skip
+    """One call of the session: the parts in order while the budget lasts, every row on disk as it is
+    measured, the verdict rewritten after each headline row. With `resume` (the results folder of an
+    earlier call, copied back into the tree), every row measured there is kept and skipped."""
+
+    def __init__(self, out: Path, budget_s: float, rehearsal: bool, row_limit: float | None = None,
+                 parts: list[Part] | None = None, resume: Path | None = None):  # fmt: skip
         self.out = out
-        self.call = call
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.rehearsal = rehearsal
-        self.parts = parts if parts is not None else plan(call, rehearsal, row_limit)
         self.results = out / "results.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        earlier = _earlier_session(resume) if resume is not None else None
+        self.call = 1 + len(earlier["calls"]) if earlier else 1
+        if resume is not None and resume.resolve() != out.resolve():
+            for name in ("results.jsonl", "log.txt"):  # the whole session in one folder
+                if (resume / name).exists():
+                    shutil.copyfile(resume / name, out / name)
+        self.parts = parts if parts is not None else plan(rehearsal, row_limit, self.call)
         self.site = Path(tempfile.gettempdir()) / "grpo_kernels_session_site"
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -284,21 +320,25 @@ class Session:
             self.env["GRPO_KERNELS_GIT_SHA"] = self.source["sha"]
             if self.source.get("dirty") is not None:
                 self.env["GRPO_KERNELS_GIT_DIRTY"] = "1" if self.source["dirty"] else "0"
-        self.record = {
-            "schema": SCHEMA,
-            "call": call,
+        self.this_call = {
+            "call": self.call,
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "rehearsal": rehearsal,
             "budget_s": budget_s,
             "source": self.source,
             "environment": _environment(),
-            "plan": [_planned(p) for p in self.parts],
-            "files": file_list(call),
             "parts": [],
-            "lost_rows": [],
-            "verdict": None,
         }
-        out.mkdir(parents=True, exist_ok=True)
+        self.record = {
+            "schema": SCHEMA,
+            "rehearsal": rehearsal,
+            "plan": [_planned(p) for p in self.parts],
+            "files": file_list(),
+            "calls": [*(earlier["calls"] if earlier else []), self.this_call],
+            "lost_rows": list(earlier.get("lost_rows", [])) if earlier else [],
+            "wheels": {},
+            "skipped_providers": {},
+            "verdict": earlier.get("verdict") if earlier else None,
+        }
         self.log = open(out / "log.txt", "a", buffering=1)
 
     def left(self) -> float:
@@ -309,20 +349,22 @@ class Session:
         self.log.write(text + "\n")
 
     def save(self) -> None:
-        tmp = self.out / "session.json.tmp"
-        tmp.write_text(json.dumps(self.record, indent=1) + "\n")
-        tmp.replace(self.out / "session.json")
+        _write_json(self.out / "session.json", self.record)
 
     def run(self) -> int:
-        self.say(
-            f"grpo_kernels GPU session, call {self.call}: budget {self.budget_s:.0f} s, results in {self.out}"
-        )
+        resumed = f", resuming {len(self.done_keys())} row(s) measured before" if self.call > 1 else ""
+        self.say(f"grpo_kernels GPU session, call {self.call}: budget {self.budget_s:.0f} s, results in "
+                 f"{self.out}{resumed}")  # fmt: skip
         self.save()
         stop_reason = None
         for part in self.parts:
             limit = min(part.budget_s, self.left() - RESERVE_S)
             entry: dict = {"name": part.name, "status": "skipped", "seconds": 0.0}
-            self.record["parts"].append(entry)
+            self.this_call["parts"].append(entry)
+            if part.kind != "wheels" and self._measured(part):
+                entry.update(status="done", reason="every row measured by an earlier call")
+                self.say(f"[{part.name}] done earlier")
+                continue
             if stop_reason or limit < MIN_PART_S:
                 entry["reason"] = stop_reason or f"out of time ({self.left():.0f} s left of the budget)"
                 self.say(f"[{part.name}] skipped: {entry['reason']}")
@@ -337,38 +379,57 @@ class Session:
             self._outputs(part, entry)
             self.say(f"[{part.name}] {entry['status']} in {entry['seconds']:.0f} s")
             self.save()
-            if part.name == "preflight" and not self.rehearsal and not self._on_gpu():
-                stop_reason = "no CUDA device (see the preflight row): nothing else can run"
-        if self.call == 1:
-            self.record["verdict"] = verdict(self.out)
-        self.record["seconds"] = round(time.monotonic() - self.start, 1)
+            if part.name == "preflight":
+                self._read_preflight()
+                if not self.rehearsal and not self._on_gpu():
+                    stop_reason = "no CUDA device (see the preflight row): nothing else can run"
+        self._write_verdict()
+        self.this_call["seconds"] = round(time.monotonic() - self.start, 1)
         self.save()
-        if self.record["verdict"]:
-            self.say(json.dumps(self.record["verdict"], indent=1))
-        if self.record["lost_rows"]:
-            self.say(
-                "lost rows: " + ", ".join(f"{r['key']} ({r['status']})" for r in self.record["lost_rows"])
-            )
+        self.say(closing_summary(self.record, read_rows(self.results), self.out))
         self.log.close()
-        failed = [p["name"] for p in self.record["parts"] if p["status"] not in ("ok", "skipped")]
+        failed = [p["name"] for p in self.this_call["parts"] if p["status"] not in ("ok", "skipped", "done")]
         return 1 if failed else 0
 
+    def _measured(self, part: Part) -> bool:
+        """Every row of the part is in the results (measured, lost or skipped by an earlier call)."""
+        done = self.done_keys()
+        if part.kind == "tests":
+            return f"{part.name}|tests" in done
+        keys = [k for j in part.jobs for k in j.keys]
+        return bool(keys) and all(k in done for k in keys)
+
     def _on_gpu(self) -> bool:
-        """False only when the preflight saw no CUDA device (a lost preflight row stops nothing)."""
-        rows = [
-            r for r in read_rows(self.results) if r.get("kind") == "preflight" and r.get("status") == "ok"
-        ]
-        return not rows or bool(rows[-1].get("cuda_available"))
+        """False only when this call's preflight saw no CUDA device (a lost preflight row stops nothing)."""
+        row = self._preflight_row()
+        return row is None or bool(row.get("cuda_available"))
+
+    def _preflight_row(self) -> dict | None:
+        rows = [r for r in read_rows(self.results)
+                if r.get("kind") == "preflight" and r.get("key") == f"preflight|call{self.call}"]  # fmt: skip
+        return rows[-1] if rows and rows[-1].get("status") == "ok" else None
+
+    def _read_preflight(self) -> None:
+        """Providers whose modules did not import here are skipped, each with its reason."""
+        row = self._preflight_row()
+        for provider, status in ((row or {}).get("providers") or {}).items():
+            if status != "ok":
+                self.record["skipped_providers"][provider] = status
+        for wheel, status in self.record["wheels"].items():
+            if status != "ok":
+                for provider in _wheel_providers(wheel):
+                    self.record["skipped_providers"].setdefault(provider, f"its wheel {wheel} did not install: {status}")
 
     # -- child processes --------------------------------------------------------------------------
 
-    def watch(self, command: list[str], row_limit: float, deadline: float, rows: bool = True):
+    def watch(self, command: list[str], row_limit: float, deadline: float, rows: bool = True, on_row=None):
         """Run a command, echoing its output; kill its process group at the deadline and, for a worker
-        (`rows`), when a row outlasts row_limit or no row starts for STARTUP_LIMIT_S. Returns (exit code
-        or None if killed, the key in flight, why it was killed, its last lines)."""
+        (`rows`), when a row outlasts row_limit or no row starts for STARTUP_LIMIT_S. `on_row` runs (in
+        this thread) after each row the worker finishes. Returns (exit code or None if killed, the key in
+        flight, why it was killed, its last lines)."""
         proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)  # fmt: skip
-        state = {"key": None, "since": time.monotonic(), "tail": collections.deque(maxlen=15)}
+        state = {"key": None, "since": time.monotonic(), "tail": collections.deque(maxlen=15), "ended": 0}
 
         def pump():
             assert proc.stdout is not None
@@ -378,15 +439,19 @@ class Session:
                     state["key"], state["since"] = line[8:], time.monotonic()
                 elif line.startswith("@@end "):
                     state["key"], state["since"] = None, time.monotonic()
+                    state["ended"] += 1
                 else:
                     state["tail"].append(line)
                     self.say("  " + line)
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        why = None
+        why, seen = None, 0
         while proc.poll() is None:
             now = time.monotonic()
+            if on_row is not None and state["ended"] != seen:
+                seen = state["ended"]
+                on_row()
             if state["key"] is not None and now - state["since"] > row_limit:
                 why = f"timeout: the row ran past its limit of {row_limit:.0f} s"
             elif rows and state["key"] is None and now - state["since"] > STARTUP_LIMIT_S:
@@ -399,6 +464,8 @@ class Session:
             time.sleep(0.1)
         code = proc.wait()
         reader.join(timeout=10)
+        if on_row is not None and state["ended"] != seen:
+            on_row()
         return (None if why else code), state["key"], why, list(state["tail"])
 
     def done_keys(self) -> set[str]:
@@ -406,25 +473,39 @@ class Session:
 
     def lose(self, part: Part, job: Job, key: str, status: str, reason: str) -> None:
         kind = job.argv[0]
-        row = {"kind": kind, "part": part.name, "key": key, **job.lost_fields.get(key, {}), "status": status,
+        row = {"kind": kind, "part": _row_part(job), "key": key, **job.lost_fields.get(key, {}), "status": status,
                "reason": reason}  # fmt: skip
         append(self.results, row)
-        lost = {"part": part.name, "job": job.label, "key": key, "status": status, "reason": reason}
+        lost = {"call": self.call, "part": part.name, "job": job.label, "key": key, "status": status, "reason": reason}
         self.record["lost_rows"].append(lost)
         self.say(f"  LOST {key}: {status}: {reason}")
 
+    def skip_job(self, job: Job, keys: list[str], reason: str) -> None:
+        """The rows of a provider that cannot run here, recorded as skipped with the reason (the verdict and
+        the report name it) instead of being attempted."""
+        for key in keys:
+            append(self.results, {"kind": job.argv[0], "part": _row_part(job), "key": key,
+                                  **job.lost_fields.get(key, {}), "status": "skipped", "reason": reason})  # fmt: skip
+        self.say(f"  {job.label}: skipped ({reason})")
+
     def run_job(self, part: Part, job: Job, entry: dict, deadline: float) -> None:
+        on_row = self._write_verdict if part.kind == "rows" and _row_part(job) in VERDICT_PARTS else None
         while True:
             done = self.done_keys()
             remaining = [k for k in job.keys if k not in done]
             if not remaining:
+                return
+            if job.provider in self.record["skipped_providers"]:
+                self.skip_job(job, remaining, f"not importable here: {self.record['skipped_providers'][job.provider]}")
+                if on_row:
+                    on_row()
                 return
             if deadline - time.monotonic() < 3:
                 entry.setdefault("not_run", []).extend(remaining)
                 return
             command = [_python(), "-m", "grpo_kernels.bench.session_worker", *job.argv, "--jsonl", str(self.results),
                        "--only", ",".join(remaining)]  # fmt: skip
-            code, key, why, tail = self.watch(command, job.row_limit_s, deadline)
+            code, key, why, tail = self.watch(command, job.row_limit_s, deadline, on_row=on_row)
             if code == STOPPED:
                 entry["stopped"] = job.label
                 entry.setdefault("not_run", []).extend(k for k in job.keys if k not in self.done_keys())
@@ -444,6 +525,8 @@ class Session:
             if key is None and not left:  # killed after its last row (on its way out): nothing lost
                 return
             self.lose(part, job, key or left[0], status, detail)
+            if on_row:
+                on_row()
             if why == "timeout: the part's time limit":
                 entry.setdefault("not_run", []).extend(k for k in job.keys if k not in self.done_keys())
                 return
@@ -458,7 +541,8 @@ class Session:
         rows = [r for r in read_rows(self.results) if r.get("key") in keys and r.get("kind") != "meta"]
         counts = collections.Counter(r.get("status", "?") for r in rows)
         entry["rows"] = dict(counts)
-        entry["lost"] = [r["key"] for r in self.record["lost_rows"] if r["part"] == part.name]
+        entry["lost"] = [r["key"] for r in self.record["lost_rows"]
+                         if r["part"] == part.name and r.get("call") == self.call]  # fmt: skip
         if entry.get("stopped"):
             first = next((r for r in rows if r.get("status") not in ("ok", "skipped")), None)
             entry.update(status="stopped", reason=f"first wrong: {first['key']}" if first else "stopped")
@@ -470,20 +554,31 @@ class Session:
             entry["status"] = "ok-with-errors"  # measured; the rows say which provider failed and why
         else:
             entry["status"] = "ok"
-        if part.name in ("headline", "sweep", "opt-in"):
+        if part.name in ("headline", "schedules", "sweep", "opt-in"):
             entry["summary"] = summarize({"results": [r for r in rows if r.get("kind") == "bench"]})
 
     def _wheels(self, part: Part, entry: dict, limit: float) -> None:
+        """Each carried wheel on its own: one that does not install costs its providers only."""
         wheels = sorted((ROOT / ".whl").glob("*.whl"))
+        if self.rehearsal:  # cp312 wheels for the GPU image; the rehearsal runs on this environment's packages
+            entry.update(status="skipped", reason="rehearsal: this environment's own packages")
+            return
         if not wheels:
             entry.update(status="skipped", reason="no .whl/ folder carried: peers absent here are skipped")
             return
-        command = [_python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--no-cache-dir", "--upgrade", "--target", str(self.site), *map(str, wheels)]  # fmt: skip
-        code, _, why, _ = self.watch(command, limit, time.monotonic() + limit, rows=False)
-        entry.update(
-            wheels=[w.name for w in wheels], status="ok" if code == 0 else ("timeout" if why else "failed")
-        )
+        deadline = time.monotonic() + limit
+        for wheel in wheels:
+            command = [_python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                       "--no-cache-dir", "--upgrade", "--target", str(self.site), str(wheel)]  # fmt: skip
+            left = deadline - time.monotonic()
+            if left < 1:
+                self.record["wheels"][wheel.name] = "not installed: the part's time limit"
+                continue
+            code, _, why, tail = self.watch(command, left, deadline, rows=False)
+            self.record["wheels"][wheel.name] = "ok" if code == 0 else (
+                why or f"pip exit status {code}: {' | '.join(tail[-2:])[-300:]}")  # fmt: skip
+        failed = [w for w, s in self.record["wheels"].items() if s != "ok"]
+        entry.update(wheels=dict(self.record["wheels"]), status="partial" if failed else "ok")
 
     def _tests(self, part: Part, entry: dict, limit: float) -> None:
         junit = Path(tempfile.gettempdir()) / f"grpo_kernels_gpu_tests_{os.getpid()}.xml"
@@ -498,36 +593,81 @@ class Session:
             entry["status"] = "ok"
         else:
             entry.update(status="failed", reason=f"pytest exit code {code}")
+        if not why:  # the tier ran to its end: a resumed call does not run it again
+            append(self.results, {"kind": "tests", "part": part.name, "key": f"{part.name}|tests",
+                                  "status": entry["status"], "tests": entry["tests"]})  # fmt: skip
 
     # -- result files -----------------------------------------------------------------------------
+
+    def _write_verdict(self) -> None:
+        """verdict.json and headline.json from every row on disk now (after each headline row, so that a
+        later fault or kill keeps the verdict of the rows measured before it)."""
+        rows = read_rows(self.results)
+        report = assemble(rows, ("headline", "sweep"), self.record["calls"])
+        if report is not None:
+            _write_json(self.out / "headline.json", report)
+        self.record["verdict"] = verdict_of(report, self.record.get("skipped_providers", {}))
+        _write_json(self.out / "verdict.json", self.record["verdict"])
+        self.save()
 
     def _outputs(self, part: Part, entry: dict) -> None:
         """Rewrite the benchmark report and redraw the plots the part feeds (a failed plot never loses
         the JSON)."""
-        stem = {"headline": "headline", "sweep": "headline", "opt-in": "optin", "micro": None,
-                "opt-in-kernels": None}.get(part.name, "")  # fmt: skip
-        if stem == "":
-            return
         rows = read_rows(self.results)
         try:
-            if stem is None:  # the microbenchmark parts: one plot of every micro row so far
-                if kernels_plot(rows, self.out / "kernels.png", self.record["environment"], self.source):
+            if part.name in ("micro", "opt-in-kernels"):  # one plot of every micro row so far
+                if kernels_plot(rows, self.out / "kernels.png", self.this_call["environment"], self.source):
                     entry["files"] = ["kernels.png"]
                 return
-            report = assemble(rows, ("headline", "sweep") if stem == "headline" else ("opt-in",))
+            if part.name not in ("headline", "schedules", "sweep", "opt-in"):
+                return
+            self._write_verdict()
+            report = assemble(rows, ("headline", "sweep"), self.record["calls"])
             if report is None:
                 return
-            (self.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-            entry["files"] = [f"{stem}.json"]
+            entry["files"] = ["verdict.json", "headline.json"]
             if part.name == "sweep":
                 sweep_plot(report, self.out / "sweep.png")
                 entry["files"].append("sweep.png")
             else:
-                name = "headline.png" if stem == "headline" else "optin.png"
-                headline_plot(report, self.out / name, part.name)
-                entry["files"].append(name)
+                headline_plot(report, self.out / "headline.png", "headline")
+                entry["files"].append("headline.png")
         except Exception as exc:  # noqa: BLE001 - a plot must not stop the session
             entry["plot_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _row_part(job: Job) -> str:
+    """The part a job's rows belong to (its worker's --part)."""
+    return job.argv[job.argv.index("--part") + 1] if "--part" in job.argv else job.label
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _earlier_session(folder: Path) -> dict:
+    """The session.json of an earlier call's results folder (its calls, lost rows and verdict)."""
+    path = folder / "session.json"
+    if not (folder / "results.jsonl").exists():
+        raise SystemExit(f"--resume {folder}: no results.jsonl there (the folder of an earlier call's files)")
+    if not path.exists():
+        return {"calls": [{"call": 1, "note": "session.json missing: results.jsonl only"}]}
+    data = json.loads(path.read_text())
+    if "calls" not in data:  # a call of the two-call plan (schema 2): one call
+        data = {"calls": [{k: data.get(k) for k in ("call", "started", "budget_s", "source", "environment", "parts")}],
+                "lost_rows": data.get("lost_rows", []), "verdict": data.get("verdict")}  # fmt: skip
+    return data
+
+
+def _wheel_providers(wheel: str) -> list[str]:
+    """The providers a carried wheel serves (by its distribution; a dependency by the peer that needs it)."""
+    from .providers import REGISTRY
+
+    dist = wheel.split("-")[0].lower().replace("_", "-")
+    dist = WHEEL_NEEDED_BY.get(dist.replace("-", "_"), WHEEL_NEEDED_BY.get(dist, dist))
+    return [name for name, p in REGISTRY.providers.items() if (p.dist or "").lower() == dist]
 
 
 def _planned(part: Part) -> dict:
@@ -546,9 +686,11 @@ def _exit_text(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def assemble(rows: list[dict], parts: tuple[str, ...]) -> dict | None:
+def assemble(rows: list[dict], parts: tuple[str, ...], calls: list[dict] | None = None) -> dict | None:
     """The benchmark report (the schema of `python -m benchmarks`' JSON) of the bench rows of `parts`,
-    with the ratios to the floor and to grpo_kernels per (part, op, shape)."""
+    with the ratios to the floor and to grpo_kernels per (part, op, shape). `calls` (session.json's): the
+    report's git is the source the last call verified (the rows' own may be a GPU machine's older git),
+    every call's listed in `sources`."""
     from .ops import OPS, compulsory_bytes, op_flops
     from .shapes import BenchShape
 
@@ -584,6 +726,10 @@ def assemble(rows: list[dict], parts: tuple[str, ...]) -> dict | None:
     report["skipped"] = [{"op": r["op"], "provider": r["provider"], "reason": r["reason"]}
                          for r in results if r["status"] == "skipped"]  # fmt: skip
     report["date"] = max(m["date"] for m in metas)
+    sources = [c.get("source") for c in calls or [] if c.get("source") and c["source"].get("sha")]
+    if sources:
+        report["git"] = {"sha": sources[-1]["sha"], "dirty": sources[-1].get("dirty")}
+        report["sources"] = [{"call": c.get("call"), **c["source"]} for c in calls if c.get("source")]
     return report
 
 
@@ -622,22 +768,30 @@ def summarize(report: dict) -> list[dict]:
     return rows
 
 
-def verdict(out: Path) -> dict | None:
-    """The headline rows against the targets: met, missed, or not measured (never guessed)."""
-    path = out / "headline.json"
-    if not path.exists():
-        return {"measured": False, "why": "no headline results (see the parts' status)"}
-    report = json.loads(path.read_text())
+def verdict_of(report: dict | None, skipped_providers: dict | None = None) -> dict:
+    """The headline rows against the targets: met, missed, or not measured (never guessed). Computed from
+    whatever rows exist, so a call cut short still gives the verdict of what it measured."""
+    written = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    if report is None:
+        return {"measured": False, "why": "no headline results yet (see the parts' status)", "written": written}
     on_gpu = report["device"]["type"] == "cuda"
-    result: dict = {"measured": on_gpu, "device": report["device"]["name"], "checks": []}
+    result: dict = {"measured": on_gpu, "device": report["device"]["name"], "git": report.get("git"),
+                    "written": written, "checks": [], "rows": []}  # fmt: skip
     if not on_gpu:  # a rehearsal: the values show the flow works; no target is judged off a GPU
         result["why"] = "not a GPU run: the targets are judged on H100 / H200 only, every 'met' is null"
+    judged = {FLOOR, "grpo_kernels", *(p for g in TARGETS.values() for p in g.get("faster_than", {}))}
     for op, goals in TARGETS.items():
-        rows = {
-            r["provider"]: r
-            for r in report["results"]
-            if r["op"] == op and r.get("part", "headline") == "headline"
-        }
+        # one row per provider: the largest shape measured (the target on a GPU; a rehearsal has two)
+        rows = {r["provider"]: r for r in sorted(report["results"], key=lambda r: r["shape"]["tokens"])
+                if r["op"] == op and r.get("part", "headline") == "headline"}  # fmt: skip
+        for name in sorted(judged & set(rows), key=lambda n: (n != FLOOR, n != "grpo_kernels", n)):
+            r, mem = rows[name], rows[name].get("memory") or {}
+            result["rows"].append({
+                "op": op, "provider": name, "status": r["status"], "reason": (r.get("reason") or "")[:200],
+                "median_ms": r["time"]["median_ms"] if r.get("time") else None, "x_floor": r.get("x_floor"),
+                "ours_speedup": r.get("ours_speedup"),
+                "extra_gib": mem["beyond_grads_bytes"] / 2**30 if mem.get("beyond_grads_bytes") is not None else None,
+            })  # fmt: skip
         ours = rows.get("grpo_kernels")
         if ours is None or not ours.get("time"):
             result["checks"].append({"op": op, "check": "grpo_kernels ran", "met": False,
@@ -645,7 +799,8 @@ def verdict(out: Path) -> dict | None:
             continue
         x = ours.get("x_floor")
         result["checks"].append({"op": op, "check": f"time <= {goals['x_floor']}x the GEMM floor", "value": x,
-                                 "met": None if x is None or not on_gpu else x <= goals["x_floor"]})  # fmt: skip
+                                 "met": None if x is None or not on_gpu else x <= goals["x_floor"],
+                                 **({} if x is not None else {"why": "no floor row"})})  # fmt: skip
         if "extra_gib" in goals:
             mem = ours.get("memory")
             gib = None if not mem else mem["beyond_grads_bytes"] / 2**30
@@ -654,11 +809,63 @@ def verdict(out: Path) -> dict | None:
         for peer, factor in goals.get("faster_than", {}).items():
             row = rows.get(peer)
             speed = row.get("ours_speedup") if row and row.get("time") else None
+            why = {}
+            if speed is None:
+                why = {"why": row["status"] + ": " + (row.get("reason") or "")[:160] if row else
+                       (f"skipped: {skipped_providers[peer]}" if peer in (skipped_providers or {}) else "not run yet")}
             result["checks"].append({"op": op, "check": f">= {factor}x faster than {peer}", "value": speed,
-                                     "met": None if speed is None or not on_gpu else speed >= factor,
-                                     **({} if speed is not None else {"why": row["status"] + ": " + row["reason"][:120]
-                                         if row else "not run"})})  # fmt: skip
+                                     "met": None if speed is None or not on_gpu else speed >= factor, **why})  # fmt: skip
     return result
+
+
+def slowest_kernels(rows: list[dict], count: int = 3) -> list[dict]:
+    """The microbenchmark cases furthest from their ceiling measured in the same run (share of it), the
+    ceiling rows themselves left out: where the next change should go."""
+    cases = []
+    for r in rows:
+        if r.get("kind") != "micro" or r.get("status") != "ok" or r.get("case", "").startswith("ceiling"):
+            continue
+        tf = r.get("tflops") is not None
+        share = r.get("pct_measured_tflops" if tf else "pct_measured_gbps")
+        if share is None:
+            continue
+        cases.append({"case": r["case"], "median_ms": r.get("median_ms"), "pct_of_ceiling": share,
+                      "rate": f"{r['tflops']:.0f} TF/s" if tf else f"{r.get('gbps', 0):.0f} GB/s"})  # fmt: skip
+    return sorted(cases, key=lambda c: c["pct_of_ceiling"])[:count]
+
+
+def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
+    """What the call printed last (only the end of the output comes back from the machine): the verdict
+    table, the three kernels furthest from their ceilings, what was lost or not reached, how to resume."""
+    lines = ["", "=" * 100, f"verdict ({(record.get('verdict') or {}).get('device', 'no device')})"]
+    v = record.get("verdict") or {}
+    if v.get("why"):
+        lines.append(f"  {v['why']}")
+    for r in v.get("rows", []):
+        ms = f"{r['median_ms']:9.2f} ms" if r.get("median_ms") is not None else f"{r['status']:>12}"
+        extra = f" x{r['x_floor']:.2f} floor" if r.get("x_floor") else ""
+        extra += f", ours {r['ours_speedup']:.2f}x faster" if r.get("ours_speedup") and r["provider"] != "grpo_kernels" else ""
+        extra += f", {r['extra_gib']:.2f} GiB extra" if r.get("extra_gib") is not None else ""
+        lines.append(f"  {r['op']:<10} {r['provider']:<16} {ms}{extra}")
+    for c in v.get("checks", []):
+        met = {True: "MET", False: "MISSED", None: "n/a"}[c.get("met")]
+        value = c.get("value")
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        lines.append(f"  [{met:>6}] {c['op']}: {c['check']}: {shown}{'  (' + c['why'] + ')' if c.get('why') else ''}")
+    slow = slowest_kernels(rows)
+    lines.append("kernels furthest from their measured ceilings:" if slow else
+                 "kernels: no microbenchmark rows yet (the micro part has not run)")  # fmt: skip
+    for c in slow:
+        lines.append(f"  {c['case']:<28} {c['median_ms']:9.3f} ms  {c['rate']:>12}  {c['pct_of_ceiling']:5.1f} % of the ceiling")
+    lost = [r for r in record.get("lost_rows", [])]
+    if lost:
+        lines.append("lost rows: " + ", ".join(f"{r['key']} ({r['status']})" for r in lost))
+    this = record["calls"][-1]
+    waiting = [p["name"] for p in this["parts"] if p["status"] in ("skipped",) and "out of time" in p.get("reason", "")]
+    if waiting:
+        lines.append(f"not reached in this call: {', '.join(waiting)}: copy {out} into the tree and run "
+                     f"`bash benchmarks/gpu/run.sh --resume <that folder>` (it measures only what is missing)")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -717,7 +924,13 @@ def headline_plot(report: dict, path: Path, part: str = "headline") -> Path:
         ax.set_title(f"{op} ({part}): N={shape.get('tokens')} H={shape.get('hidden')} V={shape.get('vocab')}",
                      fontsize=10)  # fmt: skip
         ax.set_ylabel("median ms (bar label: x GEMM floor)")
-        ax.set_ylim(0, top * 1.25)
+        positive = [t for t in times if t > 0]
+        if positive and top / min(positive) > 8:  # one slow provider would flatten every other bar
+            ax.set_yscale("log")
+            ax.set_ylim(min(positive) * 0.5, top * 2.0)
+            ax.set_ylabel("median ms, log scale (bar label: x GEMM floor)")
+        else:
+            ax.set_ylim(0, top * 1.25)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(caption_lines(report), fontsize=9)
     fig.tight_layout()
@@ -856,20 +1069,55 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _source_info() -> dict:
-    """The commit the tree came from: git where .git exists, else .whl/SOURCE.json (written by
-    make-wheels next to the wheels, so it travels with them), else unknown."""
+def _files_digest(paths: list[str]) -> str | None:
+    """sha256 over the paths and contents of `paths` (relative to the repository), in order; None if one is
+    missing. Pure Python: the GPU machine needs no git history (its own git, if any, is older)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for rel in paths:
+        path = ROOT / rel
+        if not path.is_file():
+            return None
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def stamp_source(dest: Path) -> dict:
+    """.whl/SOURCE.json: the commit, whether the tree differs from it, the files that travel and their
+    digest. The GPU machine gets the tree without this checkout's history (its git, if any, is older), so
+    the session trusts the stamp exactly when the digest of those files there equals the stamp's."""
     sha = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
+    wheels = sorted(p.name for p in dest.glob("*.whl")) if dest.exists() else []
+    listed = _git("ls-files", "--cached", "--others", "--exclude-standard")  # what travels: tracked + not ignored
+    files = sorted(f for f in (listed or "").splitlines() if (ROOT / f).is_file())
+    data = {"sha": sha, "dirty": dirty, "digest": _files_digest(files) if files else None, "files": files,
+            "wheels": wheels, "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "SOURCE.json").write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def _source_info(stamp_path: Path | None = None) -> dict:
+    """The commit the tree came from. .whl/SOURCE.json (stamp_source) when the files here are the stamped
+    ones (same digest): the GPU machine's own git, if any, knows only an older commit. Else git here (a
+    checkout: its HEAD and whether the tree differs), else the stamp marked unverified, else unknown."""
+    recorded = stamp_path or ROOT / ".whl" / "SOURCE.json"
+    stamp = json.loads(recorded.read_text()) if recorded.exists() else None
+    sha = _git("rev-parse", "HEAD")
+    same = bool(stamp and stamp.get("sha") and stamp.get("digest")
+                and _files_digest(stamp.get("files", [])) == stamp["digest"])  # fmt: skip
+    if same:
+        return {"sha": stamp["sha"], "dirty": stamp.get("dirty"), "from": ".whl/SOURCE.json (files digest equal)",
+                "git_head_here": sha}  # fmt: skip
     if sha:
-        return {
-            "sha": sha,
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-            "from": "git",
-        }
-    recorded = ROOT / ".whl" / "SOURCE.json"
-    if recorded.exists():
-        data = json.loads(recorded.read_text())
-        return {**data, "from": ".whl/SOURCE.json"}
+        info = {"sha": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "from": "git"}
+        if stamp and stamp.get("sha") and stamp["sha"] != sha:
+            info["stamp_ignored"] = f"{stamp['sha'][:10]}: the files here differ from the stamped tree"
+        return info
+    if stamp and stamp.get("sha"):
+        return {"sha": stamp["sha"], "dirty": stamp.get("dirty"), "from": ".whl/SOURCE.json (no git here to verify)"}
     return {"sha": None, "dirty": None, "from": "unknown (no .git, no .whl/SOURCE.json)"}
 
 
@@ -888,11 +1136,8 @@ def make_wheels(dest: Path, dry_run: bool) -> int:
     code = subprocess.run(command).returncode
     if code != 0:
         return code
-    sha = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if sha else None
+    stamp_source(dest)
     wheels = sorted(p.name for p in dest.glob("*.whl"))
-    (dest / "SOURCE.json").write_text(json.dumps({"sha": sha, "dirty": dirty, "wheels": wheels,
-        "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, indent=1) + "\n")  # fmt: skip
     total = sum(p.stat().st_size for p in dest.glob("*"))
     print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {dest}")
     if total > WHEEL_LIMIT_BYTES:
@@ -904,28 +1149,49 @@ def make_wheels(dest: Path, dry_run: bool) -> int:
     return 0
 
 
-def print_plan(out: Path, rehearsal: bool, row_limit: float | None = None) -> None:
+def lease_plan(rehearsal: bool = False, row_limit: float | None = None) -> dict:
+    """The plan against the lease: which parts the first call's budget reaches (by their budgets) and
+    which a second call would, the device time of both calls, and whether it fits."""
+    parts = plan(rehearsal, row_limit)
+    calls, call, used = [[]], 0, 0.0
+    for p in parts:
+        if used + p.budget_s + RESERVE_S > CALL_BUDGET_S and calls[call]:
+            calls.append([])
+            call, used = call + 1, 0.0
+            # a resumed call installs the wheels and checks the machine again
+            used += sum(q.budget_s for q in parts if q.name in ("wheels", "preflight"))
+            calls[call] += [q.name for q in parts if q.name in ("wheels", "preflight")]
+        calls[call].append(p.name)
+        used += p.budget_s
+    device = MACHINE_START_S + CALLS * (CALL_LIMIT_S + TRANSFER_S)
+    return {"parts": parts, "calls": calls, "device_s": device, "fits": device <= LEASE_S}
+
+
+def print_plan(out: Path, rehearsal: bool, row_limit: float | None = None) -> int:
     kind = "rehearsal, tiny CPU shapes" if rehearsal else "GPU"
+    lease = lease_plan(rehearsal, row_limit)
     print(f"grpo_kernels GPU session plan ({kind}); output in {out} (or $OUT)")
-    total = 0
-    for call in (1, 2):
-        parts = plan(call, rehearsal, row_limit)
-        budget = CALL_BUDGET_S[call]
-        planned = sum(p.budget_s for p in parts)
-        assert planned + RESERVE_S <= budget, (call, planned, budget)
-        total += budget + MACHINE_START_S
-        flag = "" if call == 1 else " --call 2"
-        print(f"\ncall {call}: bash benchmarks/gpu/run.sh{flag}  (budget {budget} s: parts {planned} s + "
-              f"{RESERVE_S} s for the files)")  # fmt: skip
-        for p in parts:
+    print(f"each call: one command, timeout_s={CALL_LIMIT_S}; the session stops starting parts after "
+          f"{CALL_BUDGET_S} s and writes {len(file_list())} files: {', '.join(file_list())}")  # fmt: skip
+    print("which call reaches which part, by the parts' budgets (upper bounds: a call goes on to the next part "
+          "while its budget lasts, so it usually reaches further)")
+    for i, names in enumerate(lease["calls"], start=1):
+        how = "bash benchmarks/gpu/run.sh" if i == 1 else "bash benchmarks/gpu/run.sh --resume <the last call's folder>"
+        later = "" if i <= CALLS else " (beyond this lease's two calls: a later lease)"
+        print(f"\ncall {i}{later}: {how}")
+        for p in lease["parts"]:
+            if p.name not in names:
+                continue
             print(f"  [{p.name}] up to {p.budget_s} s: {p.what}")
             if p.command:
                 print("      " + " ".join(p.command))
             for j in p.jobs:
                 print(f"      process {j.label}: {len(j.keys)} row(s), each up to {j.row_limit_s:.0f} s")
-        print("  files: " + ", ".join(file_list(call)))
-    print(f"\ndevice time: {CALL_BUDGET_S[1]} + {CALL_BUDGET_S[2]} s of commands + 2 x {MACHINE_START_S} s of "
-          f"machine start = {total} s <= {DEVICE_TIME_S} s ({DEVICE_TIME_S // 60} minutes)")  # fmt: skip
+    verdict = "fits" if lease["fits"] else "DOES NOT FIT"
+    print(f"\ndevice time: {MACHINE_START_S} s machine start + {CALLS} x ({CALL_LIMIT_S} s command + {TRANSFER_S} s "
+          f"transfers) = {lease['device_s']} s <= {LEASE_S} s ({LEASE_S // 60}-minute lease): {verdict}; "
+          f"{LEASE_S - lease['device_s']} s left for the second call's machine start")  # fmt: skip
+    return 0 if lease["fits"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -933,53 +1199,49 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="the session (default)")
-    run.add_argument(
-        "--call", type=int, choices=(1, 2), default=1, help="1: the core verdict; 2: opt-in, peers, profile"
-    )
-    run.add_argument(
-        "--out",
-        default=None,
-        help="output folder (default: $OUT if set, else benchmarks/results/gpu_session)",
-    )
-    run.add_argument(
-        "--budget", type=float, default=None, help="seconds for all parts together (default: the call's)"
-    )
-    run.add_argument(
-        "--row-limit", type=float, default=None, help="seconds one row may take (default: per part)"
-    )
-    run.add_argument(
-        "--parts", default=None, help="comma-separated: run only these parts of the call (default: all)"
-    )
-    run.add_argument(
-        "--dry-run", action="store_true", help="print the plan of both calls and the files, run nothing"
-    )
+    run.add_argument("--out", default=None,
+                     help="output folder (default: $OUT if set, else benchmarks/results/gpu_session)")  # fmt: skip
+    run.add_argument("--resume", default=None,
+                     help="an earlier call's results folder: its rows are kept and skipped, the rest measured")  # fmt: skip
+    run.add_argument("--budget", type=float, default=None,
+                     help=f"seconds this call may start parts in (default {CALL_BUDGET_S})")  # fmt: skip
+    run.add_argument("--row-limit", type=float, default=None, help="seconds one row may take (default: per part)")
+    run.add_argument("--parts", default=None, help="comma-separated: run only these parts (default: all)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the plan against the lease and the files; run nothing (exit 1 if it does not fit)")  # fmt: skip
     run.add_argument("--rehearsal", action="store_true", help="tiny CPU shapes: the flow, not the numbers")
-    wheels = sub.add_parser("make-wheels", help="download the peers' cp312 wheels to carry")
+    wheels = sub.add_parser("make-wheels", help="download the peers' cp312 wheels to carry (and stamp the tree)")
     wheels.add_argument("--dest", default=str(ROOT / ".whl"))
     wheels.add_argument("--dry-run", action="store_true")
+    stamp = sub.add_parser("stamp", help="record the tree's commit in .whl/SOURCE.json (just before a call)")
+    stamp.add_argument("--dest", default=str(ROOT / ".whl"))
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["run", *argv]
     args = parser.parse_args(argv)
     if args.command == "make-wheels":
         return make_wheels(Path(args.dest), args.dry_run)
+    if args.command == "stamp":
+        print(json.dumps(stamp_source(Path(args.dest)), indent=1))
+        return 0
     out = Path(args.out or os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu_session")
-    budget = args.budget if args.budget is not None else CALL_BUDGET_S[args.call]
+    budget = args.budget if args.budget is not None else CALL_BUDGET_S
     if budget < 60:
         parser.error(f"--budget must be at least 60 s, got {budget}")
     if args.dry_run:
-        print_plan(out, args.rehearsal, args.row_limit)
-        return 0
-    parts = plan(args.call, args.rehearsal, args.row_limit)
+        return print_plan(out, args.rehearsal, args.row_limit)
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None and not (resume / "results.jsonl").exists():
+        parser.error(f"--resume {resume}: no results.jsonl there (give the folder an earlier call wrote)")
+    call = 1 + len(_earlier_session(resume)["calls"]) if resume is not None else 1
+    parts = plan(args.rehearsal, args.row_limit, call)
     if args.parts:
         names = [n.strip() for n in args.parts.split(",") if n.strip()]
         unknown = sorted(set(names) - {p.name for p in parts})
         if unknown:
-            parser.error(
-                f"--parts: no part {', '.join(unknown)} in call {args.call} ({', '.join(p.name for p in parts)})"
-            )
+            parser.error(f"--parts: no part {', '.join(unknown)} ({', '.join(p.name for p in parts)})")
         parts = [p for p in parts if p.name in names]
-    return Session(out, budget, args.rehearsal, args.call, args.row_limit, parts).run()
+    return Session(out, budget, args.rehearsal, args.row_limit, parts, resume=resume).run()
 
 
 if __name__ == "__main__":

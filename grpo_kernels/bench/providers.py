@@ -65,6 +65,9 @@ class Provider:
     setups: dict[str, Callable[[BenchInputs, RunSettings], Forward]]
     outputs: tuple[str, ...] = ("logprobs", "entropy")  # per-token outputs of the LM-head ops
     dist: str | None = None  # the pip distribution it comes from (None: torch / grpo_kernels)
+    # the modules its setups import: the GPU session's preflight imports them (not just the lazy top-level
+    # package), so a missing dependency skips the provider with its reason before any row is attempted
+    imports: tuple[str, ...] = ()
     needs_cuda: str | None = None  # why it needs a CUDA device, if it does
     cuda_ops: tuple[str, ...] | None = None  # the ops needs_cuda applies to (None: all)
     extra_check: Callable[[RunSettings], str | None] | None = None
@@ -764,6 +767,7 @@ REGISTRY.add(
         "TRL 1.16: ChunkedLogProbFunction (as add_fused_lm_head calls it) + GRPOTrainer._compute_loss",
         _trl_setups(),
         dist="trl",
+        imports=("trl.kernels.chunked_logprob", "trl.trainer.grpo_trainer"),
     )
 )
 REGISTRY.add(
@@ -783,6 +787,7 @@ REGISTRY.add(
         "Liger 0.8.5 LigerFusedLinearGRPOLoss (chunked, grads in forward)",
         {"fused_grpo": _liger_chunked},
         dist="liger-kernel",
+        imports=("liger_kernel.chunked_loss",),
     )
 )
 REGISTRY.add(
@@ -791,6 +796,7 @@ REGISTRY.add(
         "Liger 0.8.5 triton_grpo_loss on materialised logits",
         {"fused_grpo": _liger_triton},
         dist="liger-kernel",
+        imports=("liger_kernel.transformers.grpo_loss",),
         needs_cuda="Triton kernel",
     )
 )
@@ -800,6 +806,7 @@ REGISTRY.add(
         "Liger 0.8.5 LigerFusedLinearScaledCrossEntropyFunction: NLL + entropy (CuTe on sm90, else PyTorch)",
         {"logprobs": _liger_flsce, "logprobs_grad": _liger_flsce},
         dist="liger-kernel",
+        imports=("liger_kernel.ops.fused_linear_scaled_cross_entropy",),
     )
 )
 REGISTRY.add(
@@ -808,6 +815,7 @@ REGISTRY.add(
         "verl 0.9.1 linear_cross_entropy (Triton) + core_algos loss (ppo_loss's lines)",
         _verl_setups("triton"),
         dist="verl",
+        imports=("verl.trainer.ppo.core_algos", "verl.utils.kernel.linear_cross_entropy"),
         needs_cuda="Triton kernel (asserts CUDA tensors)",
         cuda_ops=("logprobs", "logprobs_grad", "fused_grpo"),
     )
@@ -818,6 +826,7 @@ REGISTRY.add(
         "verl 0.9.1 FusedLinearForPPO(impl_backend='torch'), verl's default fused backend, + core_algos loss",
         _verl_setups("torch"),
         dist="verl",
+        imports=("verl.trainer.ppo.core_algos", "verl.utils.experimental.torch_functional"),
     )
 )
 REGISTRY.add(
@@ -827,6 +836,7 @@ REGISTRY.add(
         {"logprobs": _cce, "logprobs_grad": _cce},
         outputs=("logprobs",),
         dist="cut-cross-entropy",
+        imports=("cut_cross_entropy",),
         needs_cuda="Triton kernels (Ampere or newer)",
     )
 )

@@ -123,12 +123,14 @@ def smoke_shapes(rehearsal: bool):
     return [("small", BenchShape("smoke", 512, 4099, 1000, 250)), ("target", PRESETS["qwen3-8b"][0])]
 
 
-def smoke_checks(schedules: tuple[str, ...], opt_in: bool) -> list[tuple[str, str, dict]]:
+def smoke_checks(schedules: tuple[str, ...], opt_in: bool, rehearsal: bool = False) -> list[tuple[str, str, dict]]:
     """(name, op, what the candidate is) per check. Core: kernel A, the backward, the loss head, then
-    the fused loss in each schedule; opt-in: the TMA kernel A, and the schedules given."""
+    the fused loss in each schedule; opt-in: the TMA kernel A (its one-pass check on a GPU only: the
+    rehearsal's PyTorch backend has no one-pass schedule), and the schedules given."""
     if opt_in:
-        checks = [("tma kernel A", "logprobs", {"forward_kernel": "tma"}),
-                  ("tma kernel A one_pass", "fused_grpo", {"forward_kernel": "tma", "schedule": "one_pass"})]  # fmt: skip
+        checks = [("tma kernel A", "logprobs", {"forward_kernel": "tma"})]
+        if not rehearsal:
+            checks.append(("tma kernel A one_pass", "fused_grpo", {"forward_kernel": "tma", "schedule": "one_pass"}))
     else:
         checks = [("kernel A", "logprobs", {}), ("lm-head backward", "logprobs_grad", {}),
                   ("loss head", "loss_head", {})]  # fmt: skip
@@ -138,7 +140,7 @@ def smoke_checks(schedules: tuple[str, ...], opt_in: bool) -> list[tuple[str, st
 def smoke_keys(part: str, schedules: tuple[str, ...], opt_in: bool, rehearsal: bool) -> list[str]:
     """Check by check, each on the small shape then the target: a schedule added at the end of SCHEDULES
     (never run before) is checked after every core kernel, at both shapes."""
-    return [f"{part}|{label}|{name}" for name, _, _ in smoke_checks(schedules, opt_in)
+    return [f"{part}|{label}|{name}" for name, _, _ in smoke_checks(schedules, opt_in, rehearsal)
             for label, _ in smoke_shapes(rehearsal)]  # fmt: skip
 
 
@@ -178,7 +180,7 @@ def job_preflight(args) -> int:
 
     record: dict = {
         "kind": "preflight",
-        "key": f"{args.part}|preflight",
+        "key": f"{args.part}|{args.call_key}",
         "status": "ok",
         "python": platform.python_version(),
     }
@@ -196,23 +198,57 @@ def job_preflight(args) -> int:
                           cuda_runtime=torch.version.cuda, peaks=device_peaks(props.name))  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         record["torch"] = f"not importable: {type(exc).__name__}: {exc}"
-    peers = ("trl", "liger_kernel", "cut_cross_entropy", "verl")
-    for module in ("triton", "grpo_kernels", "matplotlib", *peers):
-        if args.rehearsal and module in peers:  # seconds of imports each: the rehearsal only looks them up
-            import importlib.util
-
-            found = importlib.util.find_spec(module) is not None
-            record.setdefault("imports", {})[module] = (
-                "found (not imported: rehearsal)" if found else "not installed"
-            )
-            continue
+    for module in ("triton", "grpo_kernels", "matplotlib"):
         try:
             mod = __import__(module)
             record.setdefault("imports", {})[module] = getattr(mod, "__version__", "imported")
-        except Exception as exc:  # noqa: BLE001 - a peer that does not import is skipped later, with this reason
-            record.setdefault("imports", {})[module] = (
-                f"not importable: {type(exc).__name__}: {str(exc)[:160]}"
-            )
+        except Exception as exc:  # noqa: BLE001
+            record.setdefault("imports", {})[module] = f"not importable: {type(exc).__name__}: {str(exc)[:160]}"
+    # each provider of the plan: the modules its setups import (a lazy top-level package is not enough:
+    # a missing dependency of trl.trainer.grpo_trainer shows only there), one process per provider, all
+    # at once (the imports are seconds each; the GPU machine has cores to spare); the session skips a
+    # provider whose import fails, with this reason, before attempting its rows
+    from .providers import REGISTRY
+
+    record["providers"], record["import_seconds"] = {}, {}
+    checks = {}
+    for name in [p for p in args.providers.split(",") if p]:
+        provider = REGISTRY.providers.get(name)
+        if provider is None:
+            record["providers"][name] = "not in the registry"
+        elif not provider.imports:
+            record["providers"][name] = "ok"
+        else:
+            code = ("import importlib, sys, time; t = time.perf_counter()\n"
+                    "for m in sys.argv[1:]:\n"
+                    "    try:\n        importlib.import_module(m)\n"
+                    "    except Exception as exc:\n"
+                    "        print(f'not importable: {m}: {type(exc).__name__}: {str(exc)[:200]}'); sys.exit(3)\n"
+                    "print(f'ok {time.perf_counter() - t:.1f}')")  # fmt: skip
+            checks[name] = (time.perf_counter(), subprocess.Popen([sys.executable, "-c", code, *provider.imports],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
+    for name, (started, proc) in checks.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, args.import_timeout - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            record["providers"][name] = f"not importable: the import did not finish within {args.import_timeout:.0f} s"
+            continue
+        line = (out or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        if proc.returncode == 0 and line[0].startswith("ok "):
+            record["providers"][name] = "ok"
+            record["import_seconds"][name] = float(line[0][3:])  # the import's own time, in its process
+        else:
+            record["providers"][name] = line[0]
+    for name in record["providers"]:
+        dist = REGISTRY.providers[name].dist if name in REGISTRY.providers else None
+        if dist and dist not in record["imports"]:
+            try:
+                from importlib.metadata import version
+
+                record["imports"][dist] = version(dist)
+            except Exception:  # noqa: BLE001
+                record["imports"][dist] = "not installed"
     record["profilers"] = {"torch.profiler": True, "ncu": shutil.which("ncu"), "nsys": shutil.which("nsys")}
     append(args.jsonl, record)
     print(json.dumps(record, indent=1))
@@ -244,7 +280,7 @@ def job_smoke(args) -> int:
     schedules = tuple(s for s in args.schedules.split(",") if s)
     cache: dict = {}
     keys = smoke_keys(args.part, schedules, args.opt_in, args.rehearsal)
-    for name, op, spec in smoke_checks(schedules, args.opt_in):
+    for name, op, spec in smoke_checks(schedules, args.opt_in, args.rehearsal):
         for label, shape in smoke_shapes(args.rehearsal):
             key = f"{args.part}|{label}|{name}"
             if only is not None and key not in only:
@@ -531,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=",".join(HEADLINE_OPS), help="bench: comma-separated ops")
     parser.add_argument("--shapes", default="qwen3-8b", help="bench: a shape preset")
     parser.add_argument("--schedules", default="", help="smoke: comma-separated schedules of the fused loss")
+    parser.add_argument("--providers", default="", help="preflight: the providers whose imports to check")
+    parser.add_argument("--call-key", default="call1", help="preflight: the row's key suffix (one per call)")
+    parser.add_argument("--import-timeout", type=float, default=50.0,
+                        help="preflight: seconds the providers' imports may take (in parallel)")  # fmt: skip
     parser.add_argument("--opt-in", action="store_true", help="smoke / micro: the opt-in kernels")
     parser.add_argument(
         "--tool-timeout", type=float, default=90.0, help="profile: seconds per ncu / nsys run"

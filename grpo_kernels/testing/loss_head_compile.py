@@ -63,6 +63,16 @@ CASES = {
                                  ("old", "token_weights")),
     "seq_mean_token_sum": (C(loss_agg_mode="seq-mean-token-sum"), ("old",)),
     "lopti_low": (C(old_prob_threshold=0.5), ("old",)),
+    # the trust region, the rollout anchor, the squared log-ratio penalty, geometric IS and the sampler gates
+    "dppo_rollout_ratio_kl": (C.dppo(ratio_anchor="rollout", ratio_kl_coef=2e-3), ("rollout",)),  # prime-rl
+    "dppo_binary_kl": (C.dppo(dppo_divergence="binary_kl", clip_low=0.05, clip_high=0.05), ("old",)),
+    "rollout_is": (C(loss_type="cispo", cispo_form="mask", ratio_anchor="rollout"), ("old", "rollout")),
+    "is_sequence_geometric": (C(is_level="sequence_geometric", is_mode="mask", is_min=0.5), ("old", "rollout")),
+    "seq_mask_tis": (C(is_level="token", is_max=None, is_gate="ratio", is_gate_level="sequence", is_gate_min=0.99,
+                       is_gate_max=1.01), ("old", "rollout")),
+    "gate_binary_kl_token": (C(is_gate="binary_kl", is_gate_max=0.01), ("old", "rollout")),
+    "gate_tv_sequence_weights": (C(is_level="token", is_gate="tv", is_gate_level="sequence", is_gate_max=0.05),
+                                 ("old", "rollout", "token_weights")),
     # pieces of longer sequences (the one-pass schedule cuts them for token-local objectives)
     "grpo_cut_sequences": (C.grpo(entropy_coef=0.01), ALL + ("seq_lengths",)),
 }

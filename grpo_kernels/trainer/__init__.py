@@ -12,7 +12,7 @@ from .config import PRESETS, TrainConfig
 from .hooks import EdgeGuidedErrorCorrection, GFPOFilter, HookContext, LoptiStages, RolloutHook
 from .rollout import Rollouts
 from .task import REWARDS, TASKS, Task
-from .trainer import TrainingError, TrainingInterrupted, TrainResult, train
+from .trainer import TrainingDiverged, TrainingError, TrainingInterrupted, TrainResult, train
 
 __all__ = [
     "PRESETS",
@@ -27,6 +27,7 @@ __all__ = [
     "Task",
     "TrainConfig",
     "TrainResult",
+    "TrainingDiverged",
     "TrainingError",
     "TrainingInterrupted",
     "train",

@@ -1,8 +1,9 @@
 """`grpo-kernels train`: one --option per TrainConfig field (help text from the field's comment),
 --preset, repeated KEY=VALUE options for the loss / advantage / hook, and --resume RUN_DIR.
 
-Exit status: 0 done, 2 bad input (unknown preset or option, missing model, bad config), 1 a failure
-during the run (a reward function that raises or returns NaN), 130 interrupted.
+Exit status: 0 done, 2 bad input (unknown preset or option, missing model, bad config, a task or model
+the checks before the run refuse, no intact checkpoint to resume), 1 a failure during the run (a reward
+function that raises or returns NaN, a write that fails, a divergence), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         default=argparse.SUPPRESS,
-        help="continue RUN_DIR from its last checkpoint, with its config.json (only --steps may change)",
+        help="continue RUN_DIR from its last intact checkpoint, with its config.json (only --steps and --lr "
+        "may change)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     comments = _field_comments()
@@ -110,29 +112,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# options a resume may change: the run's length, and its learning rate (to go back to the last checkpoint with a
+# lower one after a divergence; the rate is constant after warmup, so a change applies from the next step on)
+RESUME_OPTIONS = ("steps", "lr")
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     """(config, resume) from parsed arguments: the preset, then the options given on the command line."""
     given = {k: v for k, v in vars(args).items() if k not in ("preset", "resume", "no_progress")}
     if hasattr(args, "resume"):
-        extra = sorted(set(given) - {"steps"})
+        extra = sorted(set(given) - set(RESUME_OPTIONS))
         if extra or args.preset != "grpo":
             flags = ["--" + k.replace("_", "-") for k in extra] + (
                 ["--preset"] if args.preset != "grpo" else []
             )
             raise ValueError(
-                f"--resume uses the run's own config.json; only --steps may be given (got {flags})"
+                f"--resume uses the run's own config.json; only --steps and --lr may be given (got {flags})"
             )
         path = os.path.join(args.resume, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"cannot resume {args.resume!r}: no config.json there")
-        with open(path) as f:
-            config = TrainConfig.from_json_dict(json.load(f))
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(
+                f"cannot resume {args.resume!r}: {path} is not a valid run config ({exc}); each checkpoint's "
+                "state.json holds the run's settings under \"config\": restore config.json from it"
+            ) from None
+        config = TrainConfig.from_json_dict(data)
         return config.replace(run_dir=args.resume, **given), True
     base = TrainConfig.from_preset(args.preset)
     for name in OPTION_DICTS:
         if name in given:  # KEY=VALUE pairs extend the preset's own options
             given[name] = {**getattr(base, name), **dict(given[name])}
     return base.replace(**given), False
+
+
+def join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse reads a value that starts with '-' as an option unless it is a
+    plain negative integer or decimal ('-1e-3', '-inf' are not), and stops with 'expected one argument'. A
+    value option followed by a number (any form float() reads) gets it as its value, which the config then
+    checks like any other (`lr must be > 0, got -0.001`)."""
+    takes_value = {flag for action in parser._actions if action.nargs is None and action.option_strings
+                   and not isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction))
+                   for flag in action.option_strings}  # fmt: skip
+    joined, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
+            joined.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        joined.append(token)
+        i += 1
+    return joined
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # what the `train` extra installs (pyproject.toml), by import name: needed to train, not for --help
@@ -155,7 +199,7 @@ def missing_train_extra() -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # unknown options and bad values: usage + exit 2
+    args = parser.parse_args(join_negative_values(parser, argv))  # unknown options and bad values: usage + exit 2
     try:
         config, resume = config_from_args(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -46,6 +46,8 @@ class TrainConfig:
     model: str | None = None  # local Hugging Face causal LM folder; None: the embedded tiny Llama
     task: str = "copy"  # copy, reverse, max, lookup (two turns, a tool), a .jsonl file, or module:make_task
     reward: str | None = None  # REWARDS name or module:function; a,b: several (the first decides solved)
+    truncate_prompts: bool = False  # cut prompts too long for the model's context from the left (else refused)
+    keep_dropout: bool = False  # keep the model's dropout in the training forward (else off in policy and reference)
     # --- algorithm (what a preset sets) --------------------------------------------------------------
     preset: str = "grpo"  # the preset these fields started from (recorded in config.json)
     loss: str = "grpo"  # PolicyLossConfig preset
@@ -193,10 +195,11 @@ class TrainConfig:
                 f"{self.group_size}",
             )
             check(self.prune_fraction is None, "prune_fraction breaks the groups group_dpo compares")
-        if loss.is_level is not None or loss.off_policy_mask_threshold is not None:
+        if loss.uses_rollout_logprobs:
             check(
                 self.rollout_engine == "vllm",
-                "is_level / off_policy_mask_threshold need the sampler's log-probs (--rollout-engine vllm) "
+                "is_level / is_gate / ratio_anchor='rollout' / off_policy_mask_threshold need the sampler's log-probs "
+                "(--rollout-engine vllm) "
                 "(transformers' generate samples with the training weights: no mismatch to correct)",
             )
         spec = advantage_registry.get(self.advantage)  # raises on an unknown name
@@ -395,6 +398,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "pspo": dict(loss="pspo", advantage="grpo"),
     "tic_grpo": dict(loss="tic_grpo", advantage="grpo"),
     "vespo": dict(loss="vespo", advantage="grpo"),
+    # DPPO: a binary trust region on the sampled token's probability change instead of PPO's ratio clip (here
+    # against the old policy of the two updates per batch; with vLLM add --loss-option ratio_anchor=rollout).
+    "dppo": dict(loss="dppo", advantage="grpo"),
     # ProRL: DAPO's clip-higher and dynamic sampling, a small KL (1e-4) to a reference that is reset to the
     # current policy periodically (the paper resets on stalls; here on a fixed interval), optimizer reset too.
     "prorl": dict(

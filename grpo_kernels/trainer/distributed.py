@@ -2,10 +2,10 @@
 
 Data parallel, with every rank holding the same global batch and doing 1/K of the work:
   rollouts   the step's prompts are drawn on every rank alike; each rank generates its contiguous block
-             of prompt groups, each group with a generator seeded by (seed, step, call, group), and the
-             completions are all-gathered: the global batch is the same whatever K is, and the same as a
-             plain run's (one process without torchrun samples group by group under the same seeds), so
-             one seed is one run however it is launched
+             of prompt groups (in one generate call), each group's tokens drawn from a generator seeded by
+             (seed, step, call, group), and the completions are all-gathered: the global batch is the same
+             whatever K is, and the same as a plain run's (one process without torchrun samples every group
+             under the same seeds), so one seed is one run however it is launched
   rewards,   on the global batch, identically on every rank (cheap next to the model)
   advantages
   log-probs  old-policy / reference / entropy passes: each rank its block of rows, all-gathered
@@ -123,10 +123,18 @@ class ShardedSampler:
     """Wraps a sampler: each rank generates its block of groups (consecutive rows of `group_rows`), each
     group under its own seed, and every rank gets all the completions. Every run samples through it: with
     ctx None (a plain run, one process) the one process generates every group under the same seeds, so a
-    plain run, torchrun with 1 process and torchrun with K processes draw the same completions."""
+    plain run, torchrun with 1 process and torchrun with K processes draw the same completions.
+
+    A sampler with `generate_groups` (rollout.HFSampler) takes a rank's groups in one call per prompt width,
+    each group still drawn from its own seed; `batched = False` (or GRPO_KERNELS_PER_GROUP_SAMPLING=1)
+    keeps one call per group, the reference the tests compare it with."""
 
     def __init__(self, inner, ctx: DistContext | None, group_rows: int, seed: int):
         self.inner, self.ctx, self.group_rows, self.seed = inner, ctx, group_rows, seed
+        per_group = os.environ.get("GRPO_KERNELS_PER_GROUP_SAMPLING", "0")
+        if per_group not in ("0", "1"):
+            raise ValueError(f"GRPO_KERNELS_PER_GROUP_SAMPLING must be 0 or 1, got {per_group!r}")
+        self.batched = per_group == "0"
         self.step, self.calls = 0, 0
 
     def begin_step(self, step: int) -> None:
@@ -141,11 +149,16 @@ class ShardedSampler:
         mine = range(len(groups)) if self.ctx is None else range(len(groups))[self.ctx.block(len(groups))]
         call = self.calls
         self.calls += 1
-        local = []
-        for g in mine:
-            torch.manual_seed(group_seed(self.seed, self.step, call, g))
-            completions, truncated, logprobs = self.inner.generate(groups[g], max_new_tokens)
-            local.append((completions, truncated, logprobs))
+        seeds = [group_seed(self.seed, self.step, call, g) for g in mine]
+        if self.batched and getattr(self.inner, "groups_exact", False) and seeds:
+            # the same draws in one generate call per prompt width (rollout.HFSampler.generate_groups)
+            local = self.inner.generate_groups([groups[g] for g in mine], seeds, max_new_tokens)
+        else:  # one call per group, each after seeding torch's global generator with the group's seed
+            local = []
+            for g, seed in zip(mine, seeds):
+                torch.manual_seed(seed)
+                completions, truncated, logprobs = self.inner.generate(groups[g], max_new_tokens)
+                local.append((completions, truncated, logprobs))
         blocks = [local] if self.ctx is None else self.ctx.all_gather_objects(local)
         parts = [item for block in blocks for item in block]
         completions = [c for part in parts for c in part[0]]

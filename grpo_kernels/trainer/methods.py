@@ -76,9 +76,18 @@ METHODS: tuple[Method, ...] = (
            ("--loss-option", "loss_type=clip_cov")),
     Method("80/20 high-entropy tokens", "arXiv:2506.01939", "`top_entropy_quantile`",
            ("--loss-option", "top_entropy_quantile=0.2")),
+    Method("DPPO (binary TV / binary KL trust region)", "arXiv:2602.04879; SkyRL 0.4.0, prime-rl",
+           "`PolicyLossConfig.dppo` (`loss_type=\"dppo\"`, `dppo_divergence`)", ("--preset", "dppo")),
+    Method("Squared log-ratio penalty (Kimi K2.5)", "arXiv:2602.02276; prime-rl's default loss",
+           "`ratio_kl_coef`", ("--preset", "dppo", "--loss-option", "ratio_kl_coef=0.002")),
     Method("TIS / MIS / off-policy masking", "verl, TRL 1.16; DeepSeek-V3.2", "`is_level`, "
            "`off_policy_mask_threshold` (need the sampler's log-probs)",
            ("--rollout-engine", "vllm")),
+    Method("Sampler-anchored ratio, geometric-mean IS, gates", "SkyRL 0.4.0 (`rollout_is`, geometric mask), "
+           "OpenRLHF 0.11.2 (ratio / binary-KL / TV gating), AReaL 1.0.4, NeMo-RL (`seq-mask-tis`)",
+           "`ratio_anchor=\"rollout\"`, `cispo_form=\"mask\"`, `is_level=\"sequence_geometric\"`, `is_gate`",
+           ("--rollout-engine", "vllm", "--loss-option", "is_level=sequence_geometric",
+            "--loss-option", "is_gate=tv", "--loss-option", "is_gate_max=0.05")),
 )
 
 LEFT_OUT: tuple[tuple[str, str], ...] = (

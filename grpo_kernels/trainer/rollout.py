@@ -179,28 +179,67 @@ def cut_at_eos(tokens: list[int], eos_ids: list[int], budget: int) -> tuple[list
     return tokens[:budget], True
 
 
-class HFSampler:
-    """Samples with transformers' generate from the training weights (so no sampler mismatch to correct)."""
+class VocabularyMask:
+    """A logits processor for transformers' generate: ids >= `limit` get logit -inf, hence probability 0.
 
-    def __init__(self, model, tokenizer, eos_ids: list[int], temperature: float, autocast):
+    For a model whose vocabulary is padded beyond its tokenizer's (rows no token decodes to): sampled, such
+    an id would be decoded away and the reward would score text the policy did not write. The vLLM sampler
+    gets the same restriction as `allowed_token_ids` (vllm_vocabulary_options); the loss takes the LM head's
+    first `limit` rows, so all three use one distribution."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [B, V]
+        if scores.shape[-1] <= self.limit:
+            return scores
+        scores = scores.clone()
+        scores[..., self.limit :] = float("-inf")
+        return scores
+
+
+def vllm_vocabulary_options(limit: int | None) -> dict:
+    """The SamplingParams keywords that restrict a vLLM engine to token ids [0, limit) (none: no limit).
+    vLLM applies `allowed_token_ids` to the logits before the temperature and the sampling, so the
+    processed log-probs it returns are those of the restricted softmax, as the loss computes them."""
+    return {} if limit is None else {"allowed_token_ids": list(range(limit))}
+
+
+class HFSampler:
+    """Samples with transformers' generate from the training weights (so no sampler mismatch to correct).
+
+    Two ways, the same draws: `generate` samples a batch from torch's global generator (transformers' own
+    sampling); `generate_groups` samples many prompt groups in one generate call per prompt width, each
+    group's tokens drawn from a generator of its own, so that every group gets the tokens `generate` gives
+    it alone after `torch.manual_seed(its seed)` (the per-group seeding of distributed.ShardedSampler), at
+    a fraction of the calls (one per step instead of one per group on the built-in tasks).
+    `vocab`: sample only ids below it (a padded vocabulary, VocabularyMask)."""
+
+    def __init__(self, model, tokenizer, eos_ids: list[int], temperature: float, autocast, vocab: int | None = None):
         from transformers import GenerationConfig
 
         self.model, self.tokenizer, self.eos_ids, self.autocast = model, tokenizer, eos_ids, autocast
+        self.temperature = temperature
+        self.vocabulary_mask = VocabularyMask(vocab) if vocab is not None else None  # first of the processors
         # Every processor that would change the distribution the loss assumes (softmax(z / T)) is set to its
         # neutral value explicitly, so the model's own generation_config (top_k, top_p, ...) cannot apply.
-        self.generation_config = lambda max_new_tokens: GenerationConfig(
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            typical_p=1.0,
+        neutral = dict(
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             min_new_tokens=0,
-            max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=eos_ids,
+        )
+        warpers = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        self.generation_config = lambda max_new_tokens: GenerationConfig(
+            do_sample=True, temperature=temperature, **warpers, max_new_tokens=max_new_tokens, **neutral
+        )
+        # generate_groups: greedy decoding over scores that _GroupDraws has already sampled (one finite entry
+        # per row), so transformers draws nothing itself; the processors before the warpers are the sampling
+        # path's (the same neutral values); greedy decoding runs no warper (_GroupDraws applies the
+        # temperature), and setting none here keeps transformers from warning about sampling flags
+        self.greedy_config = lambda max_new_tokens: GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, **neutral
         )
 
     def sync_weights(self, model) -> None:
@@ -210,23 +249,119 @@ class HFSampler:
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int):
         """([B] completion token lists cut after the first EOS, [B] truncated flags, None: no sampler
         log-probs)."""
+        out, width = self._generate(prompt_tokens, self.generation_config(max_new_tokens))
+        return (*self._cut(out[:, width:].tolist(), max_new_tokens), None)
+
+    @property
+    def groups_exact(self) -> bool:
+        """Whether generate_groups draws what generate draws per group: the sampling path of transformers
+        (softmax(z / T) after the processors above) is what _GroupDraws reproduces, unless the model's own
+        generation_config adds a processor after the warpers or one this sampler does not neutralise."""
+        config = getattr(self.model, "generation_config", None)
+        return not (
+            getattr(config, "renormalize_logits", False)
+            or getattr(config, "watermarking_config", None) is not None
+            or getattr(config, "top_h", None) is not None
+        )
+
+    @torch.no_grad()
+    def generate_groups(self, groups: list[list[list[int]]], seeds: list[int], max_new_tokens: int):
+        """Per group: (completions, truncated flags, None), as `generate(group)` gives them right after
+        `torch.manual_seed(seed)`, and torch's global generator left where the last group's call leaves it.
+
+        groups: [G] groups of prompt token lists; seeds: [G]. One generate call per width the groups are
+        left-padded to (a group's longest prompt: the padding each group had alone); each row is computed as
+        in the group's own call (causal attention over the same positions and padding), and at every step
+        _GroupDraws draws each unfinished group's next tokens with torch.multinomial from that group's
+        generator, on that group's [rows, V] probabilities, as transformers' sampling does from the global
+        generator. The logits are the same to the last bit where the backend's matmuls are invariant to the
+        batch's row count (MKL on CPU is not for fewer than ~11 rows: a group decoded alone may round one
+        logit differently, which changes a draw only at a tie to that ulp)."""
+        device = next(self.model.parameters()).device
+        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        results: list = [None] * len(groups)
+        by_width: dict[int, list[int]] = {}
+        for g, group in enumerate(groups):
+            by_width.setdefault(max(len(row) for row in group), []).append(g)
+        for width, members in by_width.items():
+            rows = [row for g in members for row in groups[g]]
+            bounds, start = [], 0
+            for g in members:
+                bounds.append((start, start + len(groups[g])))
+                start += len(groups[g])
+            draws = _GroupDraws(bounds, [generators[g] for g in members], width, self.temperature, self.eos_ids)
+            out, _ = self._generate(rows, self.greedy_config(max_new_tokens), draws)
+            completions, truncated = self._cut(out[:, width:].tolist(), max_new_tokens)
+            for g, (a, b) in zip(members, bounds):
+                results[g] = (completions[a:b], truncated[a:b], None)
+        if seeds:  # the global generator as the per-group calls leave it: the last group's, after its draws
+            torch.manual_seed(seeds[-1])
+            if device.type == "cpu":
+                torch.set_rng_state(generators[-1].get_state())
+            else:
+                torch.get_device_module(device.type).set_rng_state(generators[-1].get_state(), device)
+        return results
+
+    def _generate(self, prompt_tokens: list[list[int]], generation_config, processor=None):
+        """(the generated [B, width + new] ids, width: the left-padded prompt width)."""
+        from transformers import LogitsProcessorList
+
         device = next(self.model.parameters()).device
         ids, mask = _pad(prompt_tokens, self.tokenizer.pad_token_id, left=True)
+        # the vocabulary mask first, as in the sampling path; _GroupDraws (generate_groups) last
+        processors = [p for p in (self.vocabulary_mask, processor) if p is not None]
+        extra = {"logits_processor": LogitsProcessorList(processors)} if processors else {}
         was_training = self.model.training
         self.model.eval()
         with self.autocast():
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.long().to(device),
-                generation_config=self.generation_config(max_new_tokens),
+                generation_config=generation_config,
+                **extra,
             )
         self.model.train(was_training)
+        return out, ids.shape[1]
+
+    def _cut(self, rows: list[list[int]], max_new_tokens: int):
         completions, truncated = [], []
-        for row in out[:, ids.shape[1] :].tolist():
+        for row in rows:
             tokens, cut = cut_at_eos(row, self.eos_ids, max_new_tokens)
             completions.append(tokens)
             truncated.append(cut)
-        return completions, truncated, None
+        return completions, truncated
+
+
+class _GroupDraws:
+    """The sampling step of transformers' generate, done per prompt group with the group's own generator.
+
+    Called last on each step's [B, V] fp32 scores (the processors before it are the ones the sampling path
+    runs first); it divides by the temperature as TemperatureLogitsWarper does (the warpers with neutral
+    values change nothing), and for each group with an unfinished row takes softmax over the group's rows
+    and torch.multinomial(probs, 1) from the group's generator: the draw transformers makes on the global
+    generator when the group is generated alone, and like it only while one of the group's rows is
+    unfinished (generate stops the group's loop then). It returns scores that are 0 at the drawn token
+    and -inf elsewhere, which greedy decoding then picks (a finished row's token is replaced by padding).
+    A plain callable (transformers' LogitsProcessorList takes any), so importing this module needs no
+    transformers."""
+
+    def __init__(self, bounds, generators, width: int, temperature: float, eos_ids: list[int]):
+        self.bounds, self.generators, self.width, self.temperature = bounds, generators, width, temperature
+        self.eos_ids = eos_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        eos = torch.as_tensor(self.eos_ids, device=input_ids.device)
+        finished = torch.isin(input_ids[:, self.width :], eos).any(dim=1)  # [B] an EOS was sampled
+        chosen = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+        for (a, b), generator in zip(self.bounds, self.generators):
+            if bool(finished[a:b].all()):
+                continue  # alone, this group's generate loop has stopped: no draw
+            probs = torch.nn.functional.softmax(scores[a:b], dim=-1)
+            chosen[a:b] = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+        picked = torch.full_like(scores, -float("inf"))
+        return picked.scatter_(1, chosen[:, None], 0.0)
 
 
 def vllm_install_hint() -> str:
@@ -286,6 +421,7 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool | None = None,
         distributed: bool = False,
+        vocab: int | None = None,
     ):
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"vllm dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
@@ -294,6 +430,7 @@ class VLLMSampler:
         from vllm.platforms import current_platform
 
         self.eos_ids, self.temperature, self.seed = eos_ids, temperature, seed
+        self.vocabulary_options = vllm_vocabulary_options(vocab)  # a padded vocabulary: ids below `vocab` only
         on_cpu = current_platform.is_cpu()
         if on_cpu:  # KV cache: a fixed 1 GiB (the default takes a share of the machine and may not fit)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -408,6 +545,7 @@ class VLLMSampler:
                 logprobs=0,
                 stop_token_ids=self.eos_ids,
                 seed=row_seed,
+                **self.vocabulary_options,
             )
             for row_seed in seeds
         ]

@@ -23,12 +23,16 @@ from .multiturn import LOOKUP_ENVIRONMENT, Environment, make_lookup
 
 def token_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """Position-wise share of correct whitespace-separated tokens, over the longer of answer and completion:
-    1 only for the exact answer, partial credit for each right token in its place, extra tokens cost."""
+    1 only for the exact answer (the empty answer included: an empty completion scores 1), partial credit
+    for each right token in its place, extra tokens cost."""
     rewards = []
     for completion, answer in zip(completions, answers):
         got, want = completion.split(), answer.split()
+        if not got and not want:  # the exact empty answer: 0 / max(0, 0) is a match, not a miss
+            rewards.append(1.0)
+            continue
         matches = sum(g == w for g, w in zip(got, want))
-        rewards.append(matches / max(len(got), len(want), 1))
+        rewards.append(matches / max(len(got), len(want)))
     return rewards
 
 
@@ -70,13 +74,23 @@ def resolve_reward(spec: str) -> Callable:
 
 
 @dataclass(frozen=True)
+class Example:
+    """One line of a .jsonl task: its prompt and answer, and where it came from (``file:line``)."""
+
+    prompt: str
+    answer: str
+    where: str  # "path:line", for the messages of the checks before a run
+
+
+@dataclass(frozen=True)
 class Task:
     """A verifiable task: draws prompts with known answers.
 
     ``make(generator) -> (prompt, answer)`` draws one pair; ``reward`` names the default reward function;
     ``max_new_tokens`` is the generation budget (per turn for multi-turn tasks); ``num_prompts`` the
     distinct prompts it can draw; ``environment`` makes it multi-turn (trainer/multiturn.py); ``words``
-    lets the trainer refuse words the embedded model's vocabulary lacks."""
+    lets the trainer refuse words the embedded model's vocabulary lacks; ``examples`` (a .jsonl task)
+    lets it check every prompt and answer against the model's tokenizer and context before the run."""
 
     name: str  # shown in logs and the plot title
     make: Callable[[torch.Generator], tuple[str, str]]
@@ -86,6 +100,7 @@ class Task:
     description: str  # one line for the run log
     environment: Environment | None = None  # multi-turn tasks: the replies and turn rewards (multiturn.py)
     words: frozenset[str] | None = None  # every word of its prompts and answers, when known in advance
+    examples: tuple[Example, ...] | None = None  # every (prompt, answer) with its file:line (.jsonl tasks)
 
     @property
     def multi_turn(self) -> bool:
@@ -143,32 +158,75 @@ TASKS: dict[str, Task] = {
 }
 
 
+def _json_type(value) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def read_jsonl_examples(path: str) -> tuple[list[Example], list[str]]:
+    """Every example of a .jsonl task file, typed: (examples, the other keys its lines hold, sorted).
+
+    Each non-blank line must be a JSON object whose "prompt" is a non-empty string and whose "answer" is a
+    string (possibly empty); anything else (a null answer, a list prompt, a number, bytes that are not
+    UTF-8, a line that is not JSON) is refused with the file and line, never converted with str()."""
+    with open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    examples, other_keys = [], set()
+    for line_number, raw in enumerate(raw_lines, 1):
+        where = f"{path}:{line_number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); a task file is "
+                "UTF-8 JSON lines"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'{where}: not a JSON line ({exc}); expected {{"prompt": "...", "answer": "..."}}') from None
+        if not isinstance(row, dict):
+            raise ValueError(f'{where}: {_json_type(row)}, not a JSON object {{"prompt": "...", "answer": "..."}}')
+        for key in ("prompt", "answer"):
+            if key not in row:
+                raise ValueError(f'{where}: no "{key}" key (keys: {sorted(row)})')
+            if not isinstance(row[key], str):
+                raise ValueError(
+                    f'{where}: "{key}" is {_json_type(row[key])} ({json.dumps(row[key])[:60]}), not a string; '
+                    f"write it as a JSON string"
+                )
+        if not row["prompt"].strip():
+            raise ValueError(f'{where}: "prompt" is empty')
+        other_keys.update(k for k in row if k not in ("prompt", "answer"))
+        examples.append(Example(row["prompt"], row["answer"], where))
+    return examples, sorted(other_keys)
+
+
 def jsonl_task(path: str) -> Task:
-    """A task from a .jsonl file of {"prompt": str, "answer": str} lines, drawn uniformly with replacement."""
+    """A task from a .jsonl file of {"prompt": str, "answer": str} lines, drawn uniformly with replacement
+    (read_jsonl_examples says what a line must hold)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"task file {path!r} does not exist")
-    examples = []
-    with open(path) as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                examples.append((str(row["prompt"]), str(row["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f'{path}:{line_number}: expected {{"prompt": ..., "answer": ...}} ({exc})'
-                ) from None
+    try:
+        examples, other_keys = read_jsonl_examples(path)
+    except PermissionError as exc:
+        raise ValueError(f"task file {path!r} cannot be read: {exc.strerror}") from None
     if not examples:
         raise ValueError(f"task file {path!r} holds no examples")
+    pairs = [(e.prompt, e.answer) for e in examples]
 
     def make(generator):
-        return examples[int(torch.randint(len(examples), (1,), generator=generator))]
+        return pairs[int(torch.randint(len(pairs), (1,), generator=generator))]
 
-    num_prompts = len({prompt for prompt, _ in examples})
+    num_prompts = len({prompt for prompt, _ in pairs})
     description = f"{len(examples)} examples ({num_prompts} distinct prompts) from {path}"
-    words = frozenset(w for pair in examples for text in pair for w in text.split())
-    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description, words=words)
+    if other_keys:  # said once at startup: nothing a line holds is dropped without a word
+        description += f"; keys other than prompt and answer are not used: {', '.join(other_keys)}"
+    words = frozenset(w for pair in pairs for text in pair for w in text.split())
+    return Task(os.path.basename(path), make, "exact_match", 32, num_prompts, description, words=words,
+                examples=tuple(examples))  # fmt: skip
 
 
 def resolve_task(spec: str) -> Task:

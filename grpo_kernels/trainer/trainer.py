@@ -19,8 +19,10 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import random
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -40,6 +42,16 @@ from .hooks import HookContext, make_hook
 from .model import EMBEDDED_VOCAB, eos_token_ids, lm_head_params, load_policy, logit_transform
 from .multiturn import generate_episodes
 from .plot import PlotInfo, plot_metrics, read_metrics
+from .preflight import (
+    PromptEncoder,
+    PromptTooLong,
+    check_model,
+    check_task_examples,
+    check_writable,
+    describe_dropout,
+    model_fingerprint,
+    prompt_limit,
+)
 from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler, import_vllm, sampler_mismatch
 from .task import REWARDS, check_rewards, resolve_reward, resolve_task
 
@@ -49,6 +61,22 @@ class TrainingError(RuntimeError):
 
     The message names the reward function, the offending prompt / completion and the run folder, which
     keeps every step completed before the failure (the CLI exits with status 1)."""
+
+
+class TrainingDiverged(TrainingError):
+    """The run diverged: a non-finite loss, gradient, hidden state or logit at step ``step``.
+
+    The step's update is not applied (the weights stay those of the step before); the message names what
+    went non-finite, the learning rate, the last checkpoint and the command that resumes from it with a
+    lower learning rate (the CLI exits with status 1)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class _NonFinite(Exception):
+    """Raised inside a step when a value went non-finite; the loop turns it into TrainingDiverged."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -96,13 +124,14 @@ def train(
 ) -> TrainResult:
     """Train a causal LM with a GRPO-family method (``grpo-kernels train`` calls this).
 
-    Everything that can fail on bad input (task, reward functions, options, backend) is checked before
-    the run folder is created. Started by torchrun, the ranks share each step's work
-    (trainer/distributed.py); rank 0 logs and writes.
+    Everything that can fail on bad input (task, reward functions, options, backend; the model, tokenizer,
+    task lines and run folder together, trainer/preflight.py) is checked before the run folder is created.
+    Started by torchrun, the ranks share each step's work (trainer/distributed.py); rank 0 logs and writes.
 
     Args:
         config: the run (``TrainConfig.from_preset("dapo", steps=100)``).
-        resume: continue ``config.run_dir`` from its last checkpoint (its config.json must match).
+        resume: continue ``config.run_dir`` from its newest intact checkpoint (every file verified; a damaged
+            one is named, moved aside and skipped; one of another model, config or tokenizer is refused).
         progress: show a progress bar with reward, KL, entropy and clip fraction.
         log: where the run's messages go (default ``print``).
 
@@ -110,8 +139,10 @@ def train(
         TrainResult: the run folder, the per-step metrics (as in metrics.jsonl), the model and tokenizer.
 
     Raises:
-        ValueError, FileNotFoundError: bad input, before anything is written.
-        TrainingError: a reward function failed during the run.
+        ValueError, FileNotFoundError: bad input, before anything is written (on resume: no intact
+            checkpoint, or one of another model).
+        TrainingError: a reward function failed, or a write to the run folder failed, during the run.
+        TrainingDiverged: a non-finite loss, gradient, hidden state or logit (a TrainingError).
         TrainingInterrupted: Ctrl-C (see its docstring).
     """
     if config.fsdp and not launched_by_torchrun():
@@ -160,18 +191,29 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     if config.rollout_engine == "vllm":
         import_vllm()  # a missing or broken vLLM fails here, naming what to install, before the run folder
     backend_description = _describe_backend(config.backend, device)
+    if main:
+        check_writable(config.run_dir, resume)  # before the model loads: a read-only folder fails in a second
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     policy, tokenizer, model_description = load_policy(config.model, config.seed)
     policy.to(device)
     eos_ids = eos_token_ids(policy, tokenizer)
+    # the model, tokenizer and task together (trainer/preflight.py): vocabulary, context, every task line
+    model_where = f"--model {config.model!r}" if config.model is not None else "the embedded model"
+    vocabulary = check_model(policy, tokenizer, eos_ids, model_where)
+    turns = task.environment.turns if task.multi_turn else 1
+    limit, why, context_line = prompt_limit(policy, budget, turns, model_where)
+    encode_prompt = PromptEncoder(tokenizer, limit, config.truncate_prompts, why)
+    if task.examples is not None:
+        builtin = reward_fns[0] if reward_names[0] in REWARDS else None  # a user's reward may cost: not called
+        context_line += check_task_examples(task.examples, tokenizer, vocabulary, encode_prompt, builtin)
+    else:
+        _check_drawn_prompts(task, encode_prompt, config.seed)
+    dropout_line = describe_dropout(policy, config.keep_dropout)
+    fingerprint = model_fingerprint(policy, tokenizer)
     if ctx is not None and config.prompts_per_step * config.group_size < ctx.world:
         raise ValueError(f"{ctx.world} processes need at least as many completions per step, got "
                          f"{config.prompts_per_step} x {config.group_size}")  # fmt: skip
-    if ctx is None:
-        run_dir, start_step = ckpt.open_run_folder(config, resume)
-    else:  # rank 0 makes (or reopens) the folder; every rank learns its path, or rank 0's error
-        run_dir, start_step = ctx.from_main(lambda: ckpt.open_run_folder(config, resume))
 
     # ---- the training state: policy, reference, optimizer, estimator state, random generators --------
     reference = None
@@ -184,17 +226,35 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
     fsdp = FSDPState(policy, ctx, make_optimizer) if config.fsdp else None
     optimizer = fsdp.optimizer if fsdp is not None else make_optimizer(policy)
+    saved_model = fsdp.mirror if fsdp is not None else policy  # what checkpoints hold (FSDP: the unsharded mirror)
+    saved_optimizer = fsdp.mirror_optimizer if fsdp is not None else optimizer
+
+    def choose_checkpoint(checkpoints_dir):  # the newest intact checkpoint of this model (checkpoint.py)
+        def verify(folder):
+            return ckpt.verify_checkpoint(folder, model=saved_model, reference=reference, optimizer=saved_optimizer,
+                                          fingerprint=fingerprint)  # fmt: skip
+
+        return ckpt.choose_checkpoint(checkpoints_dir, verify, log)
+
+    def open_run_folder():
+        try:
+            return ckpt.open_run_folder(config, resume, choose_checkpoint)
+        except OSError as exc:  # the probe passed, yet the folder could not be written (disk full, a race)
+            where = exc.filename or config.run_dir
+            raise ValueError(f"cannot write the run folder: {where}: {exc.strerror or exc}") from None
+
+    if ctx is None:
+        run_dir, start_step = open_run_folder()
+    else:  # rank 0 makes (or reopens) the folder; every rank learns its path, or rank 0's error
+        run_dir, start_step = ctx.from_main(open_run_folder)
     estimator_state = SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None
     prompt_generator = torch.Generator().manual_seed(config.seed)
     hook_generator = torch.Generator().manual_seed(config.seed + 1)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     if start_step > 0:
         folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(start_step))
-        if fsdp is None:
-            state, rng = ckpt.load_checkpoint(folder, model=policy, reference=reference, optimizer=optimizer)
-        else:  # into the unsharded mirror, then onto the shards
-            state, rng = ckpt.load_checkpoint(folder, model=fsdp.mirror, reference=reference,
-                                              optimizer=fsdp.mirror_optimizer)  # fmt: skip
+        state, rng = ckpt.load_checkpoint(folder, model=saved_model, reference=reference, optimizer=saved_optimizer)
+        if fsdp is not None:  # from the unsharded mirror onto the shards
             fsdp.push()
         ckpt.restore_rng(rng, state["python_rng"], prompt_generator, hook_generator)
         if estimator_state is not None:
@@ -202,12 +262,13 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         log(f"resumed {run_dir} at step {start_step}")
     engine_note = {}
     if config.rollout_engine == "vllm":
-        sampler = _start_vllm(config, policy, tokenizer, eos_ids, run_dir, ctx)
+        sampler = _start_vllm(config, policy, tokenizer, eos_ids, run_dir, ctx, vocabulary)
         engines.append(sampler)
         log(sampler.describe())
         engine_note = {"vllm/engine_start_s": sampler.start_seconds}  # in the first step's record
     else:
-        sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast)
+        sampler = HFSampler(policy, tokenizer, eos_ids, config.temperature, compute.autocast,
+                            vocab=vocabulary.limit if vocabulary.padded else None)  # fmt: skip
     loss_module = None
     # every group under its own seed (one seed, one run however it is launched); a single vLLM engine samples
     # the whole batch in one call (its requests seeded in turn from the run's generator), several engines
@@ -276,6 +337,8 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     )
     num_parameters = sum(p.numel() for p in policy.parameters())
     log(f"model: {model_description}, {num_parameters:,} parameters, on {device}")
+    log(f"{context_line}; {vocabulary.describe()}")
+    log(dropout_line)
     log(f"task: {task.name} ({task.description}); reward: {reward_name}; preset: {config.preset}")
     dtype_name = str(compute.dtype).removeprefix("torch.")
     log(f"loss: {backend_description}; compute dtype {dtype_name}")
@@ -285,6 +348,22 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     bar = _progress_bar(start_step, config.steps, progress)
 
     last_saved = start_step
+    vocab = vocabulary.limit if vocabulary.padded else None  # a padded vocabulary: its first rows only
+
+    def resume_hint(lr: float | None = None) -> str:
+        """Where the run can continue from: the last checkpoint and the command (with a learning rate)."""
+        lower = f" --lr {lr:g}" if lr is not None else ""
+        if last_saved == 0:
+            return f"no checkpoint was written yet: start a new run{' with' + lower if lower else ''}"
+        folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(last_saved))
+        return (f"the last checkpoint is step {last_saved} ({folder}); continue from it with: grpo-kernels train "
+                f"--resume {run_dir}{lower}")  # fmt: skip
+
+    def write_failed(what: str, exc: Exception) -> TrainingError:
+        """A write to the run folder failed (permission, disk full): what was being written, where, why."""
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return TrainingError(f"cannot write {what}{where}: {reason}; {resume_hint()}")
 
     def save(step: int) -> None:  # every rank calls it (FSDP gathers); rank 0 writes
         if fsdp is not None:
@@ -296,17 +375,23 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                 "python_rng": python_rng,
                 "estimator_state": None if estimator_state is None else estimator_state.state_dict(),
                 "config": config.to_json_dict(),
+                "model": fingerprint,  # a resume on another model, config or tokenizer is refused by name
             }
-            ckpt.save_checkpoint(
-                os.path.join(checkpoints_dir, ckpt.checkpoint_name(step)),
-                model=fsdp.mirror if fsdp is not None else policy,
-                reference=reference,
-                optimizer=fsdp.mirror_optimizer if fsdp is not None else optimizer,
-                rng_tensors=rng_tensors,
-                state=state,
-            )
-            ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
-            plot_metrics(metrics_path, plot_path, plot_info)
+            folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(step))
+            errors = _write_errors()
+            try:
+                ckpt.save_checkpoint(folder, model=saved_model, reference=reference, optimizer=saved_optimizer,
+                                     rng_tensors=rng_tensors, state=state)  # fmt: skip
+            except errors as exc:
+                raise write_failed(f"the checkpoint of step {step} to {folder}", exc) from exc
+            try:
+                ckpt.prune_checkpoints(checkpoints_dir, config.keep_checkpoints)
+            except errors as exc:
+                raise write_failed(f"(delete) the checkpoints older than step {step} in {checkpoints_dir}", exc) from exc
+            try:
+                plot_metrics(metrics_path, plot_path, plot_info)
+            except errors as exc:
+                raise write_failed(f"the plot {plot_path}", exc) from exc
         if ctx is not None:
             ctx.barrier()  # the checkpoint is on disk before any rank goes on (or resumes from it)
 
@@ -315,8 +400,18 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             try:
                 record = _train_step(
                     step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy,
-                    reference, optimizer, updates, compute, ctx, loss_module, estimator_state,
+                    reference, optimizer, updates, compute, ctx, loss_module, estimator_state, vocab=vocab,
+                    encode_prompt=encode_prompt,
                 )  # fmt: skip
+            except _NonFinite as exc:  # stop with what went non-finite, the rate, and where to resume from
+                bar.close()
+                lr = optimizer.param_groups[0]["lr"]
+                warmup = f" (rising to --lr {config.lr:g} over the warmup)" if lr != config.lr else ""
+                raise TrainingDiverged(
+                    f"training diverged at step {step}: {exc}, at learning rate {lr:g}{warmup}. The update that "
+                    f"produced it was not applied and nothing of step {step} was saved; "
+                    f"{resume_hint(config.lr / 10)} (a lower learning rate, e.g. a tenth)", step
+                ) from None
             except KeyboardInterrupt:  # the second Ctrl-C: stop now, mid-step (nothing of it is kept)
                 bar.close()
                 if os.path.isfile(metrics_path) and main:
@@ -336,8 +431,13 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
             if ctx is not None:
                 record["processes"] = ctx.world
             if main:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                try:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                except OSError as exc:
+                    raise write_failed(f"the metrics of step {step} to {metrics_path}", exc) from exc
+            if "skip_reason" in record:
+                log(f"step {step} skipped (no update): {record['skip_reason']}")
             shown = {"reward": "reward", "kl": "kl", "entropy": "entropy", "clip_ratio/region_mean": "clip",
                      "sampling/sampling_logp_difference/mean": "lp_diff", "is_weight/mean": "is_w"}
             bar.set_postfix({n: f"{record[k]:.1e}" if n == "lp_diff" else f"{record[k]:.3f}"  # fp32: ~1e-7
@@ -355,7 +455,10 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
     final_dir = os.path.join(run_dir, "final_model")
     if main:
-        _save_pretrained(fsdp.mirror if fsdp is not None else policy, tokenizer, final_dir)  # for --model
+        try:
+            _save_pretrained(saved_model, tokenizer, final_dir)  # for --model; complete or absent
+        except _write_errors() as exc:
+            raise write_failed(f"the final model to {final_dir}", exc) from exc
     if ctx is not None:
         ctx.barrier()
     metrics = read_metrics(metrics_path)
@@ -374,8 +477,11 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
 
 def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy, reference,
-                optimizer, updates, compute, ctx, loss_module, estimator_state) -> dict:  # fmt: skip
-    """One step: rollouts, rewards, log-probs, advantages, the updates. Returns the step's metrics."""
+                optimizer, updates, compute, ctx, loss_module, estimator_state, *, vocab: int | None = None,
+                encode_prompt=None) -> dict:  # fmt: skip
+    """One step: rollouts, rewards, log-probs, advantages, the updates. Returns the step's metrics (a skipped
+    step has "skipped": 1 and its "skip_reason"). `vocab`: the token ids the run samples and scores (a padded
+    vocabulary's first rows); `encode_prompt`: prompt text -> ids within the model's context."""
     device = compute.device
     step_started = time.time()
     warmup = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
@@ -386,9 +492,19 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     if isinstance(sampler, ShardedSampler):
         sampler.begin_step(step)
     sampler.sync_weights(policy)
-    rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
-        config, task, tokenizer, sampler, hook, hook_context, prompt_generator
-    )
+    try:
+        rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
+            config, task, tokenizer, sampler, hook, hook_context, prompt_generator, encode_prompt=encode_prompt
+        )
+    except PromptTooLong as exc:  # a task without a list of examples drew a prompt too long for the context
+        raise TrainingError(f"step {step}: {exc}") from None
+    except TrainingError:  # a reward function's failure, already explained
+        raise
+    except RuntimeError:  # e.g. generate's "probability tensor contains inf / nan": did the logits overflow?
+        _check_logits_finite(policy, tokenizer, compute)
+        raise
+    if getattr(encode_prompt, "truncate", False):
+        rollout_stats["prompts_truncated"] = encode_prompt.take_count()
     engine = getattr(sampler, "inner", sampler)  # under torchrun the ShardedSampler wraps it
     if hasattr(engine, "take_stats"):  # the vLLM engine: seconds in weight sync and generation
         rollout_stats.update(engine.take_stats())
@@ -400,7 +516,9 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         **rollout_stats,
     }
     if rollouts is None:
-        record["skipped"] = 1  # dynamic sampling found no informative group within max_sampling_rounds
+        record["skipped"] = 1
+        record["skip_reason"] = (f"dynamic sampling found no group with unequal rewards in {record['sampling_rounds']} "
+                                 "sampling round(s)")  # fmt: skip
         record["step_time_s"] = time.time() - step_started
         return record
     batch = rollouts.tensors(tokenizer.pad_token_id, device)
@@ -425,12 +543,12 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     need_old, need_entropy = len(updates) > 1, "entropy" in spec.options
     entropy = sampling_logprobs = None
     if need_old or need_entropy or config.kl_in_reward or batch.rollout_logprobs is not None:
-        sampling_logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx)
+        sampling_logprobs, entropy = _token_logprobs(policy, batch, config, compute, need_entropy, ctx, vocab=vocab)
         batch.old_logprobs = sampling_logprobs if need_old else None
     if batch.rollout_logprobs is not None:  # the sampler (vLLM) against the trainer on the same tokens
         record.update(sampler_mismatch(sampling_logprobs, batch.rollout_logprobs, batch.loss_mask))
     if reference is not None:
-        batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx)
+        batch.ref_logprobs, _ = _token_logprobs(reference, batch, config, compute, False, ctx, vocab=vocab)
 
     # 4. advantages from the registry, [B] or [B, C]; the batch fills the options an estimator takes
     group_index = rollouts.group_index.to(device)
@@ -466,15 +584,60 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         record["overlong/filtered_fraction"] = truncated.float().mean().item()
 
     # 5. the updates (num_iterations x the hook's stages), each one AdamW step on the whole batch
-    if int(batch.loss_mask.sum()) == 0:
-        record["skipped"] = 1  # e.g. every completion truncated under overlong filtering
+    if int(batch.loss_mask.sum()) == 0:  # the loss would normalise by 0 tokens: no update this step
+        record["skipped"] = 1
+        record["skip_reason"] = _all_masked_reason(config, rollouts)
     else:
-        update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module)
+        update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module, vocab=vocab)
                           for stage in updates]  # fmt: skip
         for key in update_metrics[0]:
             record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
     record["step_time_s"] = time.time() - step_started
     return record
+
+
+def _all_masked_reason(config, rollouts: Rollouts) -> str:
+    """Why every token of a step's batch is masked out of the loss (the step is skipped, not the run)."""
+    if config.overlong_filter and all(rollouts.truncated):
+        return (f"every token is masked: overlong filtering removed all {len(rollouts)} completions (none ended "
+                "within the generation budget)")  # fmt: skip
+    return f"every token of the {len(rollouts)} completions is masked out of the loss"
+
+
+@torch.no_grad()
+def _check_logits_finite(policy, tokenizer, compute: Compute) -> None:
+    """After a sampling failure: _NonFinite when the policy's logits on a short input are not finite (its
+    weights overflow: the run diverged); nothing otherwise (the caller re-raises the original error)."""
+    device = next(policy.parameters()).device
+    ids = tokenizer("0")["input_ids"] or [tokenizer.eos_token_id]
+    was_training = policy.training
+    policy.eval()
+    with compute.autocast():
+        logits = policy(input_ids=torch.tensor([ids], device=device)).logits
+    policy.train(was_training)
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise _NonFinite(f"the policy's logits hold {bad} non-finite value(s) of {logits.numel()} (sampling failed)")
+
+
+def _check_drawn_prompts(task, encode_prompt, seed: int) -> None:
+    """For a task without a list of examples: up to 64 of its prompts, drawn aside (the run's random state is
+    left as it was), through the prompt encoder, so a prompt too long for the model's context, or with text
+    its tokenizer cannot encode, is refused before the run folder exists; during the run each prompt's
+    length is checked as it is encoded."""
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            generator = torch.Generator().manual_seed(seed + 3)
+            prompts, _ = task.sample(generator, min(64, task.num_prompts), exclude=set())
+    finally:
+        random.setstate(state)
+    unk = encode_prompt.tokenizer.unk_token_id
+    for prompt in prompts:
+        if unk is not None and unk in encode_prompt(prompt):
+            raise ValueError(f"task {task.name!r}: the prompt {prompt!r} has text the model's tokenizer cannot encode "
+                             f"(it becomes {encode_prompt.tokenizer.unk_token})")  # fmt: skip
+    encode_prompt.take_count()
 
 
 def _estimator_options(spec, config: TrainConfig, available: dict) -> dict:
@@ -665,9 +828,13 @@ class _StopAfterStep:
             self._defer = False
 
 
-def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prompt_generator):
+def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prompt_generator, encode_prompt=None):
     """Sample, score, let the hook act, and (dynamic sampling) keep informative groups until the step has
-    prompts_per_step of them. Returns (rollouts or None, every sampled reward [fp32], statistics)."""
+    prompts_per_step of them. Returns (rollouts or None, every sampled reward [fp32], statistics).
+    `encode_prompt`: prompt text -> ids (preflight.PromptEncoder: within the model's context); default the
+    tokenizer."""
+    if encode_prompt is None:
+        encode_prompt = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
     per_prompt = config.group_size * hook.sample_multiplier
     rounds = (config.max_sampling_rounds or 4) if config.dynamic_sampling else 1
     parts, sampled, stats, seen = [], [], {}, set()
@@ -677,7 +844,7 @@ def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prom
         if not prompts:
             break  # dynamic sampling has drawn every prompt of the task this step
         seen.update(prompts)
-        prompt_tokens = [tokenizer(p)["input_ids"] for p in prompts]
+        prompt_tokens = [encode_prompt(p) for p in prompts]
         rows = [g for g in range(len(prompts)) for _ in range(per_prompt)]  # a group's rows are consecutive
         row_prompts, row_answers = [prompts[g] for g in rows], [answers[g] for g in rows]
         row_prompt_tokens = [prompt_tokens[g] for g in rows]
@@ -756,15 +923,34 @@ def _micro_batches(size: int, micro_batch_size: int) -> list[slice]:
     return [slice(start, min(start + micro_batch_size, size)) for start in range(0, size, micro_batch_size)]
 
 
-def _lm_head(model, dtype):
-    weight, bias = lm_head_params(model)  # [V, H], [V] or None; cast copies stay differentiable
+def _lm_head(model, dtype, vocab: int | None = None):
+    """The LM head's weight [V', H] and bias [V'] (or None) in `dtype`; V' = `vocab` first rows when given: a
+    vocabulary padded beyond its tokenizer trains on the rows the samplers draw from (preflight.Vocabulary),
+    so the loss's softmax is theirs. Row slices are views; cast copies stay differentiable."""
+    weight, bias = lm_head_params(model)  # [V, H], [V] or None
+    if vocab is not None and vocab < weight.shape[0]:
+        weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def _fused(fn, hidden, *args, what: str, **kwargs):
+    """`fn(hidden, ...)` (a fused function); its refusal of a non-finite hidden state (the model's forward
+    overflowed: the run diverged) becomes _NonFinite, any other error passes."""
+    try:
+        return fn(hidden, *args, **kwargs)
+    except ValueError:
+        bad = int((~torch.isfinite(hidden)).sum())
+        if bad:
+            raise _NonFinite(f"{bad} non-finite value(s) in the last hidden states of the {what}") from None
+        raise
+
+
 @torch.no_grad()
-def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool, ctx=None):
-    """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions.
-    Several processes: each computes its block of rows, then every rank gets all of them."""
+def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_entropy: bool, ctx=None, *,
+                    vocab: int | None = None):  # fmt: skip
+    """Per-token log-probs [B, C] (and entropy [B, C], or None) of `model` on the batch's completions, over the
+    first `vocab` tokens when given. Several processes: each computes its block of rows, then every rank gets
+    all of them."""
     model.eval()
     logprobs = torch.zeros(batch.completion_ids.shape, device=compute.device)
     entropy = torch.zeros_like(logprobs) if need_entropy else None
@@ -773,11 +959,11 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
         rows = slice(block.start + local.start, block.start + local.stop)
         with compute.autocast():
             hidden = _completion_hidden(model, batch, rows)  # [b, C, H]
-        weight, bias = _lm_head(model, compute.dtype)
-        out = fused_linear_logprobs(
-            hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias, config.temperature,
-            mask=batch.loss_mask[rows], compute_entropy=need_entropy, backend=config.backend,
-            batch_invariant=config.batch_invariant, **logit_transform(model),
+        weight, bias = _lm_head(model, compute.dtype, vocab)
+        out = _fused(
+            fused_linear_logprobs, hidden.to(compute.dtype), weight, batch.completion_ids[rows], bias,
+            config.temperature, mask=batch.loss_mask[rows], compute_entropy=need_entropy, backend=config.backend,
+            batch_invariant=config.batch_invariant, what="log-prob forward", **logit_transform(model),
         )  # fmt: skip
         logprobs[rows] = out.logprobs
         if need_entropy:
@@ -788,32 +974,37 @@ def _token_logprobs(model, batch: PaddedBatch, config, compute: Compute, need_en
     return logprobs, entropy
 
 
-def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normalizers, rollout_logprobs):
-    """The fused loss of one micro-batch (rows of the batch): (loss, metrics)."""
+def _micro_batch_loss(policy, batch, rows, loss_config, config, compute, normalizers, rollout_logprobs,
+                      vocab=None):  # fmt: skip
+    """The fused loss of one micro-batch (rows of the batch), over the first `vocab` tokens when given:
+    (loss, metrics)."""
 
     def rows_of(x):
         return None if x is None else x[rows]
 
     with compute.autocast():
         hidden = _completion_hidden(policy, batch, rows)  # [b, C, H]
-    weight, bias = _lm_head(policy, compute.dtype)
-    out = fused_linear_grpo_loss(
-        hidden.to(compute.dtype), weight, batch.completion_ids[rows], batch.advantages[rows],
-        batch.loss_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
+    weight, bias = _lm_head(policy, compute.dtype, vocab)
+    out = _fused(
+        fused_linear_grpo_loss, hidden.to(compute.dtype), weight, batch.completion_ids[rows],
+        batch.advantages[rows], batch.loss_mask[rows], old_logprobs=rows_of(batch.old_logprobs),
         ref_logprobs=rows_of(batch.ref_logprobs), rollout_logprobs=rows_of(rollout_logprobs), bias=bias,
-        config=loss_config, backend=config.backend, batch_invariant=config.batch_invariant, **normalizers,
-        **logit_transform(policy),
+        config=loss_config, backend=config.backend, batch_invariant=config.batch_invariant, what="training forward",
+        **normalizers, **logit_transform(policy),
     )  # fmt: skip
     return out.loss, out.metrics
 
 
 def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute: Compute, ctx=None,
-            loss_module=None) -> dict[str, float]:  # fmt: skip
+            loss_module=None, *, vocab: int | None = None) -> dict[str, float]:  # fmt: skip
     """One optimizer step on the whole batch, accumulated over micro-batches. With the step's global token
     and sequence counts as normalizers, the micro-batch losses sum to the loss of the whole batch.
     Variants that select tokens by batch statistics (top-entropy quantile, Clip-Cov, KL-Cov) select within
-    each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide."""
-    policy.train()
+    each micro-batch, as TRL and verl do; micro_batch_size >= the batch makes the selection batch-wide.
+    The training forward runs in eval mode (no dropout: the policy trained is the one sampled and scored)
+    unless config.keep_dropout. A non-finite loss or gradient raises _NonFinite before the optimizer step,
+    so the weights are never updated with it."""
+    policy.train(config.keep_dropout)
     mask = batch.loss_mask
     # several processes: this rank's block of rows; the normalizers stay those of the whole batch, with
     # dp_size = K so that DDP's average of the ranks' gradients is the gradient of the batch's loss
@@ -827,9 +1018,9 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
         normalizers = {"grad_accum_steps": len(slices), "dp_size": world}
     else:
         normalizers = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch)), "dp_size": world}
-    uses_rollout = loss_config.is_level is not None or loss_config.off_policy_mask_threshold is not None
+    uses_rollout = loss_config.uses_rollout_logprobs
     rollout_logprobs = batch.rollout_logprobs if uses_rollout else None
-    args = (batch, loss_config, config, compute, normalizers, rollout_logprobs)
+    args = (batch, loss_config, config, compute, normalizers, rollout_logprobs, vocab)
 
     optimizer.zero_grad(set_to_none=True)
     loss_total, sums, tokens, extremes = 0.0, {}, {}, {}
@@ -862,12 +1053,30 @@ def _update(policy, optimizer, batch: PaddedBatch, loss_config, config, compute:
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
         grad_norm = grad_norm.full_tensor()
+    if not (math.isfinite(loss_total) and math.isfinite(float(grad_norm))):  # every rank sees the same values
+        raise _NonFinite(_describe_non_finite(policy, loss_total, float(grad_norm)))
     optimizer.step()
     means = {key: sums[key] / max(tokens[key], 1.0) for key in sums}
     return {"loss": loss_total, "grad_norm": float(grad_norm), **means, **extremes}
 
 
-def _start_vllm(config: TrainConfig, policy, tokenizer, eos_ids, run_dir: str, ctx) -> VLLMSampler:
+def _describe_non_finite(policy, loss: float, grad_norm: float) -> str:
+    """What went non-finite in an update: the loss, the gradient norm, the parameters with such gradients."""
+    names = []
+    for name, parameter in policy.named_parameters():
+        grad = parameter.grad
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP2: a sharded gradient
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            names.append(name)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    parts = [f"the loss is {loss:g}" if not math.isfinite(loss) else f"the loss is finite ({loss:g})",
+             f"the gradient norm is {grad_norm:g}"]  # fmt: skip
+    if names:
+        parts.append(f"non-finite gradients in {shown}")
+    return ", ".join(parts)
+
+
+def _start_vllm(config: TrainConfig, policy, tokenizer, eos_ids, run_dir: str, ctx, vocabulary=None) -> VLLMSampler:
     """A colocated vLLM engine on the initial policy, which it reads from <run>/vllm_init (written by rank 0);
     under torchrun every rank starts its own (TRL's colocate mode) on the trainer's process group."""
     folder = os.path.join(run_dir, "vllm_init")
@@ -875,8 +1084,9 @@ def _start_vllm(config: TrainConfig, policy, tokenizer, eos_ids, run_dir: str, c
         _save_pretrained(policy, tokenizer, folder)
     if ctx is not None:
         ctx.barrier()
+    vocab = vocabulary.limit if vocabulary is not None and vocabulary.padded else None
     return VLLMSampler(folder, eos_ids, config.temperature, config.seed, dtype=config.vllm_dtype,
-                       distributed=ctx is not None)  # fmt: skip
+                       distributed=ctx is not None, vocab=vocab)  # fmt: skip
 
 
 def _pick_device(name: str) -> torch.device:
@@ -894,15 +1104,31 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _save_pretrained(model, tokenizer, folder: str) -> str:
+    """A Hugging Face model folder, written like a checkpoint: under `<folder>.partial`, files set to the
+    user's umask, then renamed, so `folder` is complete or absent (a killed write never looks like a model)."""
     from transformers.utils import logging as hf_logging
 
+    partial = folder + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar under ours
     try:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        ckpt.apply_umask(partial)
+        ckpt.swap_in(partial, folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     finally:
         hf_logging.enable_progress_bar()
     return folder
+
+
+def _write_errors() -> tuple[type[Exception], ...]:
+    """The exceptions of a failed write: OSError, and safetensors' own (an I/O error it wraps)."""
+    from safetensors import SafetensorError
+
+    return (OSError, SafetensorError)
 
 
 def _describe_backend(backend: str, device: torch.device) -> str:

@@ -1,7 +1,8 @@
 """Turn-level credit on the built-in two-turn task: GRPO (outcome reward only) against MT-GRPO and
 GiGPO (turn rewards), 200 steps each on the embedded model, same seed. Writes the summary, with every
 step's reward and loss, to docs/records/lookup_turn_credit.json and the README's lookup-figures span from
-it; tests/test_readme_records.py re-runs the first PREFIX_STEPS steps of each run against the record.
+it; tests/test_readme_records.py re-runs the first PREFIX_STEPS steps of each run against the record, and CI
+every step (`python integrations/examples/records.py --check`, .ci/steps/records.sh).
 
     python integrations/examples/lookup_turn_credit.py            # the three runs in parallel processes
 """
@@ -73,7 +74,8 @@ def run_one(name: str) -> dict:
     return summary
 
 
-def main() -> int:
+def measure() -> dict:
+    """The three runs (in parallel processes) and their record."""
     import concurrent.futures as cf
     import multiprocessing
 
@@ -97,8 +99,17 @@ def main() -> int:
         "load_average_1min": {"start": load_at_start, "end": round(os.getloadavg()[0], 1)},  # shared machine
         "cpus": os.cpu_count(),
     }
+    return record
+
+
+def write(record: dict) -> None:
+    """The record into docs/records/lookup_turn_credit.json and the README's lookup-figures span."""
     RECORD.write_text(dump_record(record))
     write_span("lookup-figures", figures_sentence(record))
+
+
+def main() -> int:
+    write(measure())
     print(f"wrote {RECORD}")
     return 0
 

@@ -1,9 +1,11 @@
 """The main job's figures: `grpo-kernels train` with no options (the embedded model on `copy`, preset
 grpo, 200 steps), summarised into docs/records/main_job.json with every step's reward and loss; the README's
-figures are generated from it (its main-job-figures and random-policy spans, rewritten here) and
-tests/test_readme_records.py re-runs the first PREFIX_STEPS steps and compares them with the record.
+figures are generated from it (its main-job-figures and random-policy spans, rewritten here);
+tests/test_readme_records.py re-runs the first PREFIX_STEPS steps and compares them with the record, and CI
+re-runs every step (`python integrations/examples/records.py --check`, .ci/steps/records.sh).
 
     python integrations/examples/main_job_record.py            # about a minute on 2 CPU cores
+    python integrations/examples/records.py                    # this record and the lookup record, one command
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def write_readme(record: dict) -> None:
     write_span("random-policy", random_policy_text(record))
 
 
-def main() -> int:
+def measure() -> dict:
+    """Train the main job (200 steps, the embedded default) and return its record."""
     import torch
     import transformers
 
@@ -88,8 +91,18 @@ def main() -> int:
     record["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "transformers": transformers.__version__}  # fmt: skip
     record["git_sha"] = sha.stdout.strip() or None
+    return record
+
+
+def write(record: dict) -> None:
+    """The record into docs/records/main_job.json and the README spans generated from it."""
     RECORD.write_text(dump_record(record))
     write_readme(record)
+
+
+def main() -> int:
+    record = measure()
+    write(record)
     shown = {k: v for k, v in record.items() if k != "per_step"}
     print(json.dumps(shown, indent=2))
     return 0

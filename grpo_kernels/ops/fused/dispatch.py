@@ -34,6 +34,7 @@ from .function import (
     choose_schedule,
     fused_grpo_forward,
     fused_grpo_forward_one_pass,
+    host_index,
     one_pass_capacity,
     vocab_slab_columns,
 )
@@ -112,19 +113,20 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     goal = memory.EXTRA_MEMORY_GOAL if max_extra_memory is None else int(max_extra_memory)
     element_size = flat_hidden.element_size()
     bias_grad = bias is not None and bias.requires_grad
+    host = host_index(batch.cu_seqlens, batch.valid)  # the call's one host read of the batch's layout
     if schedule in IN_PLACE and chunk_tokens is None:  # chunks sized to fill the goal
-        n_valid = int(batch.valid.sum())
+        n_valid = host.n_valid
         rows = memory.inplace_chunk_rows(n_valid, weight.shape[1], vocab, element_size, goal, bias=bias_grad,
                                          schedule=schedule)  # fmt: skip
         chunk_tokens = rows if rows > 0 else one_pass_capacity(vocab)
     chunk_tokens = chunk_tokens or one_pass_capacity(vocab)
-    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens)
+    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens, host)
     if (schedule == "auto" and backend == "triton" and not hasattr(lm_impl, "planning_vocab")
             and weight.requires_grad and torch.is_grad_enabled()):  # fmt: skip
-        n_valid = int(batch.valid.sum())  # one host read per call (the chunk plan has made one already)
+        n_valid = host.n_valid
         transform = "softcap" in lm_impl.__name__ and "softcap None" not in lm_impl.__name__
         def plan(rows):
-            one, planned, _ = choose_schedule("auto", "triton", cfg, batch, rows)
+            one, planned, _ = choose_schedule("auto", "triton", cfg, batch, rows, host)
             return planned if one == "one_pass" else None
 
         chosen, chunks, reason = resolve_auto(
@@ -153,7 +155,7 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     with torch.autocast(flat_hidden.device.type, enabled=False):
         if chosen in ONE_PASS_VARIANTS:
             return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
-                                               chunks, variant=chosen)  # fmt: skip
+                                               chunks, variant=chosen, host=host)  # fmt: skip
         return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
                                   low_memory=chosen == "low_memory", logits_store=logits_store)  # fmt: skip
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -124,10 +125,12 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
                 "gradients are computed in the forward and handed to autograd once. Call it again instead."
             )
 
+        # the loss's upstream gradient, read once (a scalar: one host read, not an equality kernel and a read
+        # per gradient); 1 (loss.backward()) leaves the gradients as computed
+        unit = grad_output.numel() == 1 and float(grad_output) == 1.0
+
         def scale(g):
-            if g is None:
-                return None
-            if torch.equal(grad_output, torch.ones_like(grad_output)):
+            if g is None or unit:
                 return g
             return (g.float() * grad_output.float()).to(g.dtype)
 
@@ -253,11 +256,29 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
     return loss, out.metrics, logprobs, entropy
 
 
-def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int):
+@dataclass(frozen=True)
+class HostIndex:
+    """What the chunk planners read of the batch, on the host: made by ONE device read per call (each
+    read waits for the device to drain, and the planners run once per candidate schedule)."""
+
+    cu: list  # [S + 1] cu_seqlens
+    valid_before: list  # [N + 1] valid tokens before each token position (the last: the valid count)
+
+    @property
+    def n_valid(self) -> int:
+        return self.valid_before[-1]
+
+
+def host_index(cu_seqlens: torch.Tensor, valid: torch.Tensor) -> HostIndex:
+    both = torch.cat([cu_seqlens.long(), valid.long().cumsum(0)]).tolist()
+    return HostIndex(both[: cu_seqlens.numel()], [0] + both[cu_seqlens.numel():])
+
+
+def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int, *, host: HostIndex | None = None):
     """Consecutive runs of whole sequences with at most `chunk_tokens` valid tokens each, as
     (first_seq, end_seq, first_token, end_token); None if one sequence alone exceeds the budget."""
-    cu = cu_seqlens.tolist()
-    prefix = [0] + valid.long().cumsum(0).tolist()
+    host = host or host_index(cu_seqlens, valid)
+    cu, prefix = host.cu, host.valid_before
     counts = [prefix[cu[i + 1]] - prefix[cu[i]] for i in range(len(cu) - 1)]
     if counts and max(counts) > chunk_tokens:
         return None
@@ -272,14 +293,15 @@ def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int
     return chunks
 
 
-def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int):
+def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int, *,
+                      host: HostIndex | None = None):  # fmt: skip
     """Consecutive token ranges of exactly `chunk_tokens` valid tokens (the last one fewer), cutting
     sequences where a range ends, as (first_seq, end_seq, first_token, end_token): the sequences
     first_seq..end_seq-1 each contribute the part of them inside [first_token, end_token). For
     token-local objectives only (PolicyLossConfig.token_local): every chunk is full, so the fewest
     chunks, whatever the completion lengths."""
-    cu = cu_seqlens.tolist()
-    valid_before = [0] + valid.long().cumsum(0).tolist()  # valid tokens before each token position
+    host = host or host_index(cu_seqlens, valid)
+    cu, valid_before = host.cu, host.valid_before  # valid tokens before each token position
     n_tokens, total = len(valid_before) - 1, valid_before[-1]
     # chunk k starts at the token holding valid token number k * chunk_tokens
     starts = [0] + [bisect.bisect_left(valid_before, k * chunk_tokens + 1) - 1
@@ -293,15 +315,15 @@ def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_token
     return chunks
 
 
-def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int):
-    """(schedule, chunks or None, reason)."""
+def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int, host: HostIndex | None = None):
+    """(schedule, chunks or None, reason). `host`: the batch's HostIndex when the caller has made it."""
     if requested not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {requested!r}")
     if requested in ("two_pass", "low_memory"):
         return requested, None, "requested"
     if requested in ONE_PASS_VARIANTS and requested != "one_pass":  # same validity as one_pass
         try:
-            _, chunks, reason = choose_schedule("one_pass", backend, cfg, batch, chunk_tokens)
+            _, chunks, reason = choose_schedule("one_pass", backend, cfg, batch, chunk_tokens, host)
         except ValueError as exc:
             raise ValueError(str(exc).replace("schedule='one_pass'", f"schedule={requested!r}")) from None
         return requested, chunks, reason + " (requested)"
@@ -316,11 +338,11 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
     if why_not is None and chunk_tokens <= 0:
         why_not = "no chunk of logits fits the one-pass budget at this vocabulary size"
     elif why_not is None and cfg.token_local:
-        chunks = plan_token_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
+        chunks = plan_token_chunks(batch.cu_seqlens, batch.valid, chunk_tokens, host=host)
         return "one_pass", chunks, (f"{len(chunks)} chunk(s) of {chunk_tokens} valid tokens, sequences cut "
                                     "across chunks where one ends (token-local objective)")  # fmt: skip
     elif why_not is None:
-        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens)
+        chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens, host=host)
         if chunks is None:
             why_not = (f"a sequence has more valid tokens than a chunk holds ({chunk_tokens}) and this objective "
                        "is not token-local (ratio_level, sequence IS, off-policy masking or loss_type need "
@@ -333,7 +355,7 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int)
 
 
 def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks,
-                                variant="one_pass"):  # fmt: skip
+                                variant="one_pass", host: HostIndex | None = None):  # fmt: skip
     """A -> B -> C per chunk (Triton backend). Returns what fused_grpo_forward does. A chunk holds whole
     sequences, or, for token-local objectives, pieces of them (plan_token_chunks): the loss head then
     gets each piece's whole-sequence length and the pieces' partial sums are merged per sequence.
@@ -373,12 +395,14 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         return None if x is None else x[t0:t1]
 
     vocab = weight.shape[0]
-    # The valid rows of every chunk from ONE nonzero and ONE host read of the chunk boundaries' valid
-    # counts, not a sync per chunk (each would stall the GPU between chunks).
-    valid_rows = valid.nonzero().squeeze(-1)  # [Nv] flat indices, ascending
-    valid_before = torch.cat([valid.new_zeros(1, dtype=torch.long), valid.long().cumsum(0)])  # [N + 1]
+    # The valid rows of every chunk from the planners' host index (no device read here) and ONE nonzero
+    # where tokens are masked (all valid: an arange), not a sync per chunk (each would stall the GPU).
+    host = host or host_index(batch.cu_seqlens, valid)
+    n_valid = host.n_valid
+    valid_rows = (torch.arange(n_valid, device=device) if n_valid == valid.shape[0]
+                  else valid.nonzero().squeeze(-1))  # [Nv] flat indices, ascending  # fmt: skip
     edges = [t0 for _, _, t0, _ in chunks] + ([chunks[-1][3]] if chunks else [])
-    row_edges = valid_before[torch.tensor(edges, dtype=torch.long, device=device)].tolist() if chunks else []
+    row_edges = [host.valid_before[e] for e in edges]
     logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
     if (needs_grad or forward_gemm == "cublas") and chunks:  # cuBLAS writes its GEMM output there in any case
         capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))

@@ -16,7 +16,8 @@ class LMHeadFunction(torch.autograd.Function):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N] int64. Autocast off: the tiles
         # accumulate in fp32 by construction, an active autocast would round them to half precision.
         with torch.autocast(hidden.device.type, enabled=False):
-            stats = impl.lm_head_forward(hidden, weight, bias, targets, temperature)
+            # an impl may have entry points of its own for this function (triton.py: its logits GEMM choice)
+            stats = getattr(impl, "logprobs_forward", impl.lm_head_forward)(hidden, weight, bias, targets, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, stats.lse, stats.expected_logit)
         ctx.temperature = temperature
         ctx.impl = impl
@@ -32,7 +33,8 @@ class LMHeadFunction(torch.autograd.Function):
         hidden, weight, bias, targets, lse, expected_logit = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
-            grad_hidden, grad_weight, grad_bias = ctx.impl.lm_head_backward(
+            backward = getattr(ctx.impl, "logprobs_backward", ctx.impl.lm_head_backward)
+            grad_hidden, grad_weight, grad_bias = backward(
                 hidden, weight, bias, targets, ctx.temperature, lse, expected_logit, grad_logprobs, grad_entropy,
                 need_grad_hidden=need_h, need_grad_weight=need_w, need_grad_bias=need_b,
             )  # fmt: skip

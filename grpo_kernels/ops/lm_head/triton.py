@@ -279,6 +279,52 @@ def _forward_gemm_cublas(hidden: torch.Tensor, weight: torch.Tensor, out: torch.
         torch.addmm(out[:, cols], hidden32, weight[cols].float().T, beta=0.0, alpha=alpha, out=out[:, cols])
 
 
+# fused_linear_logprobs' logits GEMM (its forward and its backward's recompute; README.md, "Logits GEMM of
+# fused_linear_logprobs"): "triton" (kernel A; the recomputing dlogits kernel) or "cublas" (cuBLAS with an
+# fp32 output into a chunk of logits, then the streaming statistics kernel / the dlogits kernel reading that
+# chunk). The fused loss's schedules choose their own (ops/fused). GRPO_KERNELS_LOGITS_GEMM sets it for the
+# process, use_logits_gemm for a block.
+LOGITS_GEMMS = ("triton", "cublas")
+_logits_gemm_override: str | None = None
+
+
+def logits_gemm() -> str:
+    """The GEMM fused_linear_logprobs runs next: use_logits_gemm's choice inside its block, else the
+    GRPO_KERNELS_LOGITS_GEMM environment variable, else "triton"."""
+    if _logits_gemm_override is not None:
+        return _logits_gemm_override
+    name = os.environ.get("GRPO_KERNELS_LOGITS_GEMM", "triton")
+    _check(name in LOGITS_GEMMS, f"GRPO_KERNELS_LOGITS_GEMM must be one of {LOGITS_GEMMS}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_logits_gemm(name: str):
+    """Within the block, fused_linear_logprobs (Triton backend) runs its logits GEMM by `name`."""
+    global _logits_gemm_override
+    _check(name in LOGITS_GEMMS, f"logits GEMM must be one of {LOGITS_GEMMS}, got {name!r}")
+    previous, _logits_gemm_override = _logits_gemm_override, name
+    try:
+        yield
+    finally:
+        _logits_gemm_override = previous
+
+
+def logits_chunk_rows(n_tokens: int, vocab: int, hidden_size: int, element_size: int,
+                      budget: int | None = None) -> int:  # fmt: skip
+    """Tokens per chunk of the cuBLAS logits path, the same in the forward and the backward (so that both
+    see the logits of GEMMs of the same shape, summed in the same order): the most whose backward buffers
+    fit `budget` (default DEFAULT_WORKSPACE_BYTES): fp32 logits, the dz slab in the operands' dtype, and the
+    fp32 grad_hidden rows of half-precision operands; in whole 64-token tiles when one fits, never fewer
+    than 1 or more than N. 1 GiB: 1152 tokens at V = 151936, H = 4096 in bf16 (a 668 MiB forward buffer)."""
+    budget = DEFAULT_WORKSPACE_BYTES if budget is None else budget
+    slab = math.ceil(vocab / WORKSPACE_ROW_ALIGN) * WORKSPACE_ROW_ALIGN * element_size
+    per_row = 4 * vocab + slab + (hidden_size * 4 if element_size < 4 else 0)
+    rows = budget // per_row
+    if rows >= 64:
+        rows = rows // 64 * 64
+    return max(1, min(rows, n_tokens))
+
 # Which kernel A runs (README.md §6, "TMA kernel A"): "cp.async" (the default until a GPU run has timed
 # the two) or "tma". GRPO_KERNELS_FORWARD_KERNEL sets it for the process, use_forward_kernel for a block.
 FORWARD_KERNELS = ("cp.async", "tma")
@@ -1772,3 +1818,98 @@ def lm_head_backward(
     if acc_rescaled:
         grad_weight_acc.mul_(scales[1])
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused_linear_logprobs' entry points (ops/lm_head/function.py): the logits GEMM by logits_gemm()
+# ---------------------------------------------------------------------------------------------------
+
+
+def _cublas_logits(hidden: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether fused_linear_logprobs takes the cuBLAS logits path: logits_gemm() is "cublas", no bias (the
+    stored-logits backward would need z with the bias written back) and bf16 / fp32 operands (fp16's dz scale
+    is per call: per chunk it would rescale the fp32 accumulator twice). Forward and backward decide alike."""
+    return logits_gemm() == "cublas" and bias is None and hidden.dtype != torch.float16
+
+
+def logprobs_forward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [N]
+    temperature: float,
+) -> LMHeadStats:
+    """lm_head_forward for fused_linear_logprobs. logits_gemm() "triton": kernel A over all N tokens (no
+    logits kept). "cublas": per chunk of logits_chunk_rows tokens, cuBLAS writes the chunk's fp32 logits into
+    one reused [chunk, V] buffer and the streaming statistics kernel reads them once: one GEMM unit by cuBLAS
+    plus 8 bytes per logit (written, read), at 4 V bytes per chunk row of extra memory.
+    Only where the backward takes the cuBLAS path too (_cublas_logits): the backward's p = exp(z - lse) then
+    sees the logits of the same GEMM the forward's lse came from (a kernel-A recompute differs from them by a
+    few ulp of summation order, which the float64 tests see as a 4x larger grad_weight error)."""
+    if not _cublas_logits(hidden, bias):
+        return lm_head_forward(hidden, weight, bias, targets, temperature)
+    _check_common(hidden, weight, bias, targets, temperature)
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    out = torch.empty((4, n_tokens), dtype=torch.float32, device=hidden.device)
+    if n_tokens > 0:
+        rows = logits_chunk_rows(n_tokens, vocab, hidden.shape[1], hidden.element_size())
+        logits = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
+        for r0 in range(0, n_tokens, rows):
+            r1 = min(n_tokens, r0 + rows)
+            part = lm_head_forward(hidden[r0:r1], weight, bias, targets[r0:r1], temperature,
+                                   logits_out=logits[: r1 - r0], forward_gemm="cublas")  # fmt: skip
+            for i, value in enumerate(part):  # the LMHeadStats fields, in out's row order
+                out[i, r0:r1] = value
+    return LMHeadStats(out[0], out[1], out[2], out[3])
+
+
+def logprobs_backward(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [N]
+    temperature: float,
+    lse: torch.Tensor,  # [N] fp32
+    expected_logit: torch.Tensor,  # [N] fp32
+    grad_logprobs: torch.Tensor | None,  # [N]
+    grad_entropy: torch.Tensor | None,  # [N]
+    need_grad_hidden: bool = True,
+    need_grad_weight: bool = True,
+    need_grad_bias: bool = True,
+):
+    """lm_head_backward for fused_linear_logprobs (same returns). logits_gemm() "cublas" (no bias, bf16 or
+    fp32 operands): per chunk, cuBLAS recomputes the chunk's fp32 logits into a reused buffer and
+    lm_head_backward streams dz from them (its stored-logits mode) into the dz slab for the two cuBLAS
+    GEMMs: three GEMM units by cuBLAS instead of one by the recomputing Triton kernel plus two. The chunk's
+    logits, dz slab and fp32 grad_hidden rows share DEFAULT_WORKSPACE_BYTES, the Triton path's budget.
+    Everything else (_cublas_logits) takes the Triton path, forward and backward alike."""
+    args = (hidden, weight, bias, targets, temperature, lse, expected_logit, grad_logprobs, grad_entropy)
+    flags = dict(need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias)
+    n_tokens, hidden_size = hidden.shape
+    if (not _cublas_logits(hidden, bias) or n_tokens == 0 or (grad_logprobs is None and grad_entropy is None)
+            or not (need_grad_hidden or need_grad_weight)):
+        return lm_head_backward(*args, **flags)  # fmt: skip
+    _check_common(hidden, weight, bias, targets, temperature)
+    vocab = weight.shape[0]
+    rows = logits_chunk_rows(n_tokens, vocab, hidden_size, hidden.element_size())
+    logits = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_grad_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if need_grad_weight else None
+    inv_t = 1.0 / float(temperature)
+    weight_rows = _unit_stride_rows(weight)
+    for r0 in range(0, n_tokens, rows):
+        r1 = min(n_tokens, r0 + rows)
+        chunk = slice(r0, r1)
+        z = logits[: r1 - r0]
+        _forward_gemm_cublas(_unit_stride_rows(hidden[chunk]), weight_rows, z, inv_t)  # z = x / T, fp32
+        gh, _, _ = lm_head_backward(
+            hidden[chunk], weight, None, targets[chunk], temperature, lse[chunk], expected_logit[chunk],
+            None if grad_logprobs is None else grad_logprobs[chunk],
+            None if grad_entropy is None else grad_entropy[chunk],
+            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=False,
+            grad_weight_acc=grad_weight, workspace_bytes=max(1, DEFAULT_WORKSPACE_BYTES - 4 * rows * vocab),
+            stored_logits=z,
+        )  # fmt: skip
+        if need_grad_hidden:
+            grad_hidden[chunk] = gh
+    return grad_hidden, grad_weight, None

@@ -75,7 +75,12 @@ def policy_loss_reference(
         return x if c is None else x.clamp(-c, c)
 
     # ---- importance ratio r (per token; sequence levels broadcast their value) -----------------
-    log_ratio = (lp - old) * m  # lr_t
+    anchor = old  # r = pi / pi_anchor
+    if cfg.ratio_anchor == "rollout":  # the sampler's log-probs (SkyRL's rollout anchor, prime-rl)
+        if rollout is None:
+            raise ValueError("ratio_anchor='rollout' needs rollout_logprobs")
+        anchor = rollout
+    log_ratio = (lp - anchor) * m  # lr_t
     if cfg.ratio_level == "token":
         log_w = log_ratio
     elif cfg.ratio_level == "sequence":  # GSPO / TRL: value and gradient through the mean
@@ -116,11 +121,17 @@ def policy_loss_reference(
     elif cfg.loss_type == "cispo":
         if cfg.cispo_form == "relative":  # verl, MiniMax-M1 paper: two-sided, relative to 1
             weight = ratio.clamp(lower, upper)
+            outside = (ratio < lower) | (ratio > upper)
+        elif cfg.cispo_form == "mask":  # SkyRL rollout_is: the ratio inside the open range, a hard zero outside
+            inside = (ratio > lower) & (ratio < upper)
+            weight = torch.where(inside, ratio, torch.zeros_like(ratio))
+            outside = ~inside
         else:  # TRL: one-sided absolute cap
             weight = ratio.clamp(max=cfg.cispo_cap)
             lower, upper = float("-inf"), cfg.cispo_cap
+            outside = ratio > upper
         objective = -weight.detach() * adv * lp
-        metrics["clip_ratio/any_mean"] = level_mean(((ratio < lower) | (ratio > upper)).float())
+        metrics["clip_ratio/any_mean"] = level_mean(outside.float())
     elif cfg.loss_type == "gpg":
         objective = -adv * lp
     elif cfg.loss_type == "sapo":
@@ -155,14 +166,20 @@ def policy_loss_reference(
         # the mean |log r| the penalty acts on (verl logs it as actor/ppo_kl for kl_cov)
         metrics["ppo_kl_abs"] = (log_ratio.abs() * m).sum() / m.sum().clamp(min=1.0)
         objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
+    elif cfg.loss_type == "dppo":  # PPO's clip replaced by a binary trust region on the probability change
+        dppo_low, dppo_high = dppo_out_of_region(cfg, lp.detach(), anchor, adv)
+        objective = -ratio * adv * (1.0 - (dppo_low | dppo_high).float())
     elif cfg.loss_type in ("gmpo", "group_dpo"):
         objective = None  # sequence-level objectives, below
     else:  # pragma: no cover
         raise AssertionError(cfg.loss_type)
 
-    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov", "dcpo"):
-        low = ((ratio < lower) & (adv < 0)).float()
-        high = ((ratio_for_clip_metrics > upper) & (adv > 0)).float()
+    if cfg.loss_type in CLIP_METRIC_LOSSES:
+        if cfg.loss_type == "dppo":  # the tokens the trust region drops, by the sign of A
+            low, high = dppo_low.float(), dppo_high.float()
+        else:
+            low = ((ratio < lower) & (adv < 0)).float()
+            high = ((ratio_for_clip_metrics > upper) & (adv > 0)).float()
         metrics["clip_ratio/low_mean"] = level_mean(low)
         metrics["clip_ratio/high_mean"] = level_mean(high)
         metrics["clip_ratio/region_mean"] = level_mean(torch.maximum(low, high))
@@ -198,9 +215,13 @@ def policy_loss_reference(
     weights = torch.ones_like(m)
     if cfg.is_level is not None and cfg.loss_type != "vespo":  # VESPO folds them into phi instead
         weights = _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index)
+    if cfg.is_gate is not None:  # 0 where the old / sampler statistic leaves its range (OpenRLHF's gating)
+        gate = _sampler_gate(cfg, old, rollout, scored, m, seq_sum, seq_index)
+        metrics["is_weight/gated_frac"] = ((1.0 - gate) * m).sum() / m.sum().clamp(min=1.0)
+        weights = weights * gate
     if is_weights is not None:
         weights = weights * clean(is_weights)
-    if cfg.is_level is not None or is_weights is not None:
+    if cfg.is_level is not None or cfg.is_gate is not None or is_weights is not None:
         metrics["is_weight/mean"] = (weights * m).sum() / m.sum().clamp(min=1.0)
         metrics["is_weight/min"] = _masked_min(weights, valid, 1.0)
         metrics["is_weight/max"] = _masked_max(weights, valid, 1.0)
@@ -224,6 +245,14 @@ def policy_loss_reference(
         policy_loss = normalizers.aggregate(objective * selection * weights, cfg.loss_agg_mode)
     loss = policy_loss
     metrics["policy_loss"] = policy_loss.detach()
+
+    if cfg.ratio_kl_coef > 0:  # Kimi-style squared log-ratio to the anchor, on every valid token (prime-rl)
+        penalty = 0.5 * log_ratio * log_ratio  # d/dlp = lr_t (the anchor is data)
+        metrics["ratio_kl"] = penalty.detach().sum() / m.sum().clamp(min=1.0)
+        per_token = penalty if token_weights is None else penalty * clean(token_weights)
+        ratio_kl_loss = normalizers.aggregate(per_token, cfg.loss_agg_mode)
+        metrics["ratio_kl_loss"] = ratio_kl_loss.detach()
+        loss = loss + cfg.ratio_kl_coef * ratio_kl_loss
 
     if ref is not None:
         kl = _kl(cfg, lp, ref) * m
@@ -306,7 +335,7 @@ class _Normalizers:
         raise AssertionError(mode)  # pragma: no cover
 
 
-CLIP_METRIC_LOSSES = ("ppo_clip", "cispo", "clip_cov", "dcpo")
+CLIP_METRIC_LOSSES = ("ppo_clip", "cispo", "clip_cov", "dcpo", "dppo")
 
 
 def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool) -> tuple[str, ...]:
@@ -337,7 +366,11 @@ def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool)
         names.add("selection/entropy_kept_frac")
     if cfg.old_prob_threshold is not None:
         names.add("selection/old_prob_kept_frac")
-    if cfg.is_level is not None or has_is_weights:
+    if cfg.is_gate is not None:
+        names.add("is_weight/gated_frac")
+    if cfg.ratio_kl_coef > 0:
+        names |= {"ratio_kl", "ratio_kl_loss"}
+    if cfg.is_level is not None or cfg.is_gate is not None or has_is_weights:
         names |= {"is_weight/mean", "is_weight/min", "is_weight/max"}
         if cfg.is_mode == "mask" and cfg.is_level is not None:
             names.add("is_weight/masked_frac")
@@ -439,24 +472,83 @@ def _kl(cfg, lp, ref):
 
 def _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index):
     """Detached importance weights pi_old / pi_rollout (TRL vllm_importance_sampling_*):
-    token level rho_t = exp(old_t - rollout_t); sequence level rho_i = exp(sum_t (old_t - rollout_t)).
-    "truncate" clamps rho to [is_min, is_max] (TIS); "mask" zeroes it outside (MIS / IcePop)."""
+    token level rho_t = exp(old_t - rollout_t); sequence level rho_i = exp(sum_t (old_t - rollout_t)) (their
+    product); sequence_geometric rho_i = exp(sum_t (old_t - rollout_t) / |o_i|) (their geometric mean).
+    "truncate" clamps rho to [is_min, is_max] (TIS); "mask" zeroes it outside (MIS / IcePop); a bound that
+    is None is none."""
     if rollout is None:
         raise ValueError("is_level is set but rollout_logprobs were not given")
     log_rho = torch.where(scored, (old - rollout) * m, torch.zeros_like(old)).detach()
     if cfg.log_ratio_clamp is not None:  # the same guard as every exponent of a log-ratio
         log_rho = log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    if cfg.is_level == "sequence":
-        log_rho = seq_sum(log_rho)[seq_index]
+    if cfg.is_level in ("sequence", "sequence_geometric"):
+        log_rho = seq_sum(log_rho)
+        if cfg.is_level == "sequence_geometric":
+            log_rho = log_rho / seq_sum(m).clamp(min=1.0)
+        log_rho = log_rho[seq_index]
         if cfg.log_ratio_clamp is not None:
             log_rho = log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     rho = torch.exp(log_rho)
     lo = 0.0 if cfg.is_min is None else cfg.is_min
+    hi = float("inf") if cfg.is_max is None else cfg.is_max
     if cfg.is_mode == "truncate":
-        rho = rho.clamp(min=lo, max=cfg.is_max)
+        rho = rho.clamp(min=lo, max=hi)
     else:
-        rho = torch.where((rho >= lo) & (rho <= cfg.is_max), rho, torch.zeros_like(rho))
+        rho = torch.where((rho >= lo) & (rho <= hi), rho, torch.zeros_like(rho))
     return rho * m
+
+
+def binary_kl(mu_lp, lp):
+    """KL(Bernoulli(mu) || Bernoulli(p)), mu = e^mu_lp, p = e^lp: the two policies' probabilities of the
+    sampled token against the rest of the vocabulary. The first term from the log-probs, 1e-8 inside the
+    second's logarithm (finite at mu = 1 or p = 1), as SkyRL's DPPO writes it. A log-prob rounded above 0
+    is read as 0 (a probability above 1 would make the logarithm's argument negative)."""
+    mu_lp, lp = mu_lp.clamp(max=0.0), lp.clamp(max=0.0)
+    mu, p = mu_lp.exp(), lp.exp()
+    return mu * (mu_lp - lp) + (1.0 - mu) * torch.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
+
+
+def dppo_out_of_region(cfg, lp, anchor, adv):
+    """DPPO's trust region (SkyRL dppo_policy_loss, prime-rl default_loss_fn): with p = e^lp, mu = e^anchor,
+    a token with A > 0 leaves it when p rose too far, one with A < 0 when p fell too far:
+      binary_tv: p - mu > clip_high (A > 0);  mu - p > clip_low (A < 0)
+      binary_kl: p > mu and KL_b(mu || p) > clip_high (A > 0);  p < mu and KL_b(mu || p) > clip_low (A < 0).
+    Returns the bool masks (dropped with A < 0, dropped with A > 0); no gradient flows through them."""
+    with torch.no_grad():
+        diff = lp.exp() - anchor.exp()
+        if cfg.dppo_divergence == "binary_tv":
+            out_high, out_low = diff > cfg.clip_high, -diff > cfg.clip_low
+        else:
+            divergence = binary_kl(anchor, lp)
+            out_high = (diff > 0) & (divergence > cfg.clip_high)
+            out_low = (diff < 0) & (divergence > cfg.clip_low)
+        return (adv < 0) & out_low, (adv > 0) & out_high
+
+
+def _sampler_gate(cfg, old, rollout, scored, m, seq_sum, seq_index):
+    """OpenRLHF's train / rollout gating: 1 where the statistic between the sampler's and the old policy's
+    probability of the sampled token lies in [is_gate_min, is_gate_max], else 0 (detached). Per token:
+    ratio exp(clamp(old - rollout)), binary_kl KL_b(rollout || old), tv |e^rollout - e^old|; per sequence the
+    ratio's geometric mean, the divergences' mean over the valid tokens. An unscored (NaN) sampler token counts
+    as rollout = old (statistic 1, 0, 0)."""
+    if rollout is None:
+        raise ValueError("is_gate is set but rollout_logprobs were not given")
+    with torch.no_grad():
+        if cfg.is_gate == "ratio":  # in log space until the end (the geometric mean of a sequence)
+            stat = torch.where(scored, (old - rollout) * m, torch.zeros_like(old))
+            if cfg.log_ratio_clamp is not None:
+                stat = stat.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        elif cfg.is_gate == "binary_kl":
+            stat = torch.where(scored, binary_kl(rollout, old), torch.zeros_like(old)) * m
+        else:
+            stat = torch.where(scored, (rollout.exp() - old.exp()).abs(), torch.zeros_like(old)) * m
+        if cfg.is_gate_level == "sequence":
+            stat = (seq_sum(stat) / seq_sum(m).clamp(min=1.0))[seq_index]
+        if cfg.is_gate == "ratio":
+            stat = torch.exp(stat)
+        lo = float("-inf") if cfg.is_gate_min is None else cfg.is_gate_min
+        hi = float("inf") if cfg.is_gate_max is None else cfg.is_gate_max
+        return ((stat >= lo) & (stat <= hi)).float() * m
 
 
 def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout, scored):

@@ -30,17 +30,21 @@ from ...config import PolicyLossConfig
 
 # ---- code-path ids (constexpr) -------------------------------------------------------------------
 LOSS_IDS = {"ppo_clip": 0, "cispo": 1, "gpg": 2, "sapo": 3, "pspo": 4, "dcpo": 5, "vespo": 6, "clip_cov": 7,
-            "kl_cov": 8, "gmpo": 9, "group_dpo": 10}  # fmt: skip
+            "kl_cov": 8, "gmpo": 9, "group_dpo": 10, "dppo": 11}  # fmt: skip
 LEVEL_IDS = {"token": 0, "sequence": 1, "sequence_token": 2, "sequence_sum": 3, "prefix": 4}
 KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3, "abs": 4}
+IS_LEVEL_IDS = {None: 0, "token": 1, "sequence": 2, "sequence_geometric": 3}
+IS_GATE_IDS = {None: 0, "ratio": 1, "binary_kl": 2, "tv": 3}
 AGG_IDS = {"token-mean": 0, "token-sum": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3,
            "seq-mean-token-mean": 4, "length-pow": 5, "token-mean-local": 6}  # fmt: skip
 
 # ---- per-sequence partial sums written by the kernel ---------------------------------------------
 (P_LOSS_PG, P_LOSS_KL, P_LOSS_ENT, P_VALID, P_RATIO_SUM, P_RATIO_MIN, P_RATIO_MAX, P_LOW, P_HIGH, P_REGION,
  P_DUAL, P_ANY, P_PPO_KL, P_KL, P_ENT, P_IS_SUM, P_IS_MIN, P_IS_MAX, P_IS_ZERO, P_OFFPOL_DROP, P_ENT_KEPT,
- P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV, P_ABS_LR, P_PHI) = range(30)  # fmt: skip
-NUM_PARTIALS = 32
+ P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV, P_ABS_LR, P_PHI, P_RATIO_KL,
+ P_LOSS_RATIO_KL, P_GATED) = range(33)  # fmt: skip
+NUM_PARTIALS = 36
+PARTIALS_PER_SEQ = tl.constexpr(NUM_PARTIALS)
 # normalizer slots (a small device tensor, so no host sync is needed to build it)
 N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
 
@@ -74,6 +78,30 @@ def _agg_weight(AGG: tl.constexpr, length, norms_ptr, dp_size, max_len, length_p
 
 
 @triton.jit
+def _binary_kl(mu_lp, lp):
+    """KL(Bernoulli(mu) || Bernoulli(p)) of one token's probabilities mu = e^mu_lp, p = e^lp (reference.binary_kl:
+    the same operations in the same order; log-probs above 0 read as 0)."""
+    mu_lp = tl.minimum(mu_lp, 0.0)
+    lp = tl.minimum(lp, 0.0)
+    mu = tl.exp(mu_lp)
+    p = tl.exp(lp)
+    return mu * (mu_lp - lp) + (1.0 - mu) * tl.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
+
+
+@triton.jit
+def _gate_statistic(GATE: tl.constexpr, old, rollout, scored, mf, log_clamp):
+    """The sampler gate's per-token statistic, 0 on masked and unscored tokens: the clamped log-ratio
+    old - rollout (the ratio gate, exponentiated by the caller), KL_b(rollout || old), or |p_rollout - p_old|."""
+    if GATE == 1:
+        s = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
+    elif GATE == 2:
+        s = tl.where(scored, _binary_kl(rollout, old), 0.0) * mf
+    else:
+        s = tl.where(scored, tl.abs(tl.exp(rollout) - tl.exp(old)), 0.0) * mf
+    return s
+
+
+@triton.jit
 def _min_weight(a, b):
     """d min(a, b) / da, as torch computes it: 1 if a < b, 0 if a > b, 1/2 on a tie."""
     return tl.where(a < b, 1.0, tl.where(a > b, 0.0, 0.5))
@@ -91,14 +119,16 @@ def loss_head_fwd_bwd_kernel(
     cu_ptr, norms_ptr, glp_ptr, gent_ptr, scratch_ptr, part_ptr, seqlen_ptr,
     clip_low, clip_high, dual_c, delta, log_clamp, cispo_cap, tau_pos, tau_neg, pspo_alpha, dcpo_max,
     prefix_decay, vk_pos, vl_pos, vk_neg, vl_neg, kl_coef, is_min, is_max, offpol_thr, oldprob_thr,
-    kl_cov_coef, ent_coef, max_len, length_power, dp_size,
+    kl_cov_coef, ent_coef, max_len, length_power, dp_size, ratio_kl_coef, gate_min, gate_max,
     LOSS: tl.constexpr, LEVEL: tl.constexpr, KL_EST: tl.constexpr, AGG: tl.constexpr, ENT_AGG: tl.constexpr,
     KL_AGG: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, USE_KL: tl.constexpr, KL_RATIO: tl.constexpr,
     KL_ST: tl.constexpr, IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_ENT: tl.constexpr, USE_ENT_BONUS: tl.constexpr, HAS_TOKW: tl.constexpr, HAS_SEL: tl.constexpr,
     HAS_COV: tl.constexpr, OFFPOL: tl.constexpr, HAS_ROLLOUT: tl.constexpr, OLDPROB: tl.constexpr,
-    CISPO_ABS: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_SEQ_LEN: tl.constexpr, BLOCK: tl.constexpr,
+    CISPO_ABS: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_SEQ_LEN: tl.constexpr, ANCHOR_ROLLOUT: tl.constexpr,
+    CISPO_MASK: tl.constexpr, DPPO_KL: tl.constexpr, RATIO_KL: tl.constexpr, GATE: tl.constexpr,
+    GATE_SEQ: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     start = tl.load(cu_ptr + seq)
@@ -110,8 +140,11 @@ def loss_head_fwd_bwd_kernel(
                               or LOSS == 9)  # fmt: skip
     # HAS_SEQ_LEN: this program holds a segment of a longer sequence (the one-pass schedule cut it across
     # chunks; only token-local objectives) and the sequence's whole valid length is given, not counted
-    PASS_A: tl.constexpr = ((NEED_LEN and not HAS_SEQ_LEN) or SEQ_RATIO or IS_LEVEL == 2 or OFFPOL or LOSS == 6
-                            or LOSS == 9 or LOSS == 10)  # fmt: skip
+    PASS_A: tl.constexpr = ((NEED_LEN and not HAS_SEQ_LEN) or SEQ_RATIO or IS_LEVEL == 2 or IS_LEVEL == 3 or OFFPOL
+                            or LOSS == 6 or LOSS == 9 or LOSS == 10 or GATE_SEQ)  # fmt: skip
+    # pass B reads the sampler's log-probs for token IS weights, the rollout anchor and a token gate
+    ROLLOUT_B: tl.constexpr = HAS_ROLLOUT and ((IS_LEVEL == 1 and LOSS != 6) or ANCHOR_ROLLOUT
+                                               or (GATE != 0 and not GATE_SEQ))  # fmt: skip
 
     # ---------------- pass A: sequence statistics ----------------
     length = 0.0
@@ -125,6 +158,7 @@ def loss_head_fwd_bwd_kernel(
     sum_lp = 0.0
     sum_ref = 0.0
     sum_log_isw = 0.0
+    sum_gate = 0.0
     any_nonneg = 0.0
     if PASS_A:
         for off in tl.range(start, end, BLOCK):
@@ -138,17 +172,23 @@ def loss_head_fwd_bwd_kernel(
             else:
                 old = lp
             adv = tl.where(m, tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-            lr = (lp - old) * mf
+            if HAS_ROLLOUT:
+                rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+                scored = rollout == rollout  # NaN: the sampler could not score the token (TRL)
+            if ANCHOR_ROLLOUT:  # the ratio against the sampler's log-probs
+                lr = (lp - rollout) * mf
+            else:
+                lr = (lp - old) * mf
             length += tl.sum(mf)
             sum_lr += tl.sum(lr)
             sum_adv += tl.sum(adv * mf)
             any_nonneg = tl.maximum(any_nonneg, tl.max(tl.where(m & (adv >= 0), 1.0, 0.0)))
             if HAS_ROLLOUT:
-                rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-                scored = rollout == rollout  # NaN: the sampler could not score the token (TRL)
-                if IS_LEVEL == 2:
+                if IS_LEVEL == 2 or IS_LEVEL == 3:
                     d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
                     sum_is += tl.sum(d)
+                if GATE_SEQ:
+                    sum_gate += tl.sum(_gate_statistic(GATE, old, rollout, scored, mf, log_clamp))
                 if OFFPOL:
                     sum_beh += tl.sum(tl.where(scored, (rollout - lp) * mf, 0.0))
             elif OFFPOL:
@@ -186,12 +226,20 @@ def loss_head_fwd_bwd_kernel(
     elif LEVEL == 3:
         seq_log_w = sum_lr
     seq_is = 1.0
-    if IS_LEVEL == 2:
+    if IS_LEVEL == 2 or IS_LEVEL == 3:
+        if IS_LEVEL == 3:  # the geometric mean of the token weights
+            sum_is = sum_is / len1
         seq_is = tl.exp(tl.minimum(tl.maximum(sum_is, -log_clamp), log_clamp))
         if IS_MASK:
             seq_is = tl.where((seq_is >= is_min) & (seq_is <= is_max), seq_is, 0.0)
         else:
             seq_is = tl.minimum(tl.maximum(seq_is, is_min), is_max)
+    gate_seq_keep = 1.0
+    if GATE_SEQ:  # the sequence's mean statistic (the ratio's geometric mean)
+        gate_stat = sum_gate / len1
+        if GATE == 1:
+            gate_stat = tl.exp(gate_stat)
+        gate_seq_keep = tl.where((gate_stat >= gate_min) & (gate_stat <= gate_max), 1.0, 0.0)
     offpol_seq_ok = 1.0
     if OFFPOL:
         offpol_seq_ok = tl.where(sum_beh / len1 <= offpol_thr, 1.0, 0.0)
@@ -247,6 +295,9 @@ def loss_head_fwd_bwd_kernel(
     acc_g_seq = tl.zeros([BLOCK], tl.float32)  # sum of dL/dlog_w over the sequence (sequence ratios)
     acc_abs_lr = tl.zeros([BLOCK], tl.float32)
     acc_phi = tl.zeros([BLOCK], tl.float32)
+    acc_ratio_kl = tl.zeros([BLOCK], tl.float32)
+    acc_loss_rkl = tl.zeros([BLOCK], tl.float32)
+    acc_gated = tl.zeros([BLOCK], tl.float32)
     carry = 0.0  # prefix trace value before this block
     lower = 1.0 - clip_low
     upper = 1.0 + clip_high
@@ -261,7 +312,14 @@ def loss_head_fwd_bwd_kernel(
         else:
             old = lp
         adv = tl.where(m, tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-        lr = (lp - old) * mf
+        if ROLLOUT_B:
+            rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            scored = rollout == rollout
+        if ANCHOR_ROLLOUT:
+            base = rollout
+        else:
+            base = old
+        lr = (lp - base) * mf
 
         # importance ratio r (value) and dr / dlog_w
         if LEVEL == 0:
@@ -312,11 +370,16 @@ def loss_head_fwd_bwd_kernel(
                 weight = tl.minimum(ratio, cispo_cap)
                 low_bound = float("-inf") + 0.0 * lp
                 high_bound = cispo_cap + 0.0 * lp
+                acc_any += tl.where(m & (ratio > high_bound), 1.0, 0.0)
+            elif CISPO_MASK:  # a hard zero outside the open range (SkyRL rollout_is)
+                inside = (ratio > lower) & (ratio < upper)
+                weight = tl.where(inside, ratio, 0.0)
+                acc_any += tl.where(m & ~inside, 1.0, 0.0)
             else:
                 weight = tl.minimum(tl.maximum(ratio, lower), upper)
+                acc_any += tl.where(m & ((ratio < low_bound) | (ratio > high_bound)), 1.0, 0.0)
             objective = -weight * adv * lp
             g_direct = -weight * adv
-            acc_any += tl.where(m & ((ratio < low_bound) | (ratio > high_bound)), 1.0, 0.0)
         elif LOSS == 2:  # GPG
             objective = -adv * lp
             g_direct = -adv
@@ -338,6 +401,23 @@ def loss_head_fwd_bwd_kernel(
             objective = -phi * adv * lp
             g_direct = -phi * adv
             acc_phi += phi
+        elif LOSS == 11:  # DPPO: -r A on the tokens inside the trust region of the probability change
+            diff = tl.exp(lp) - tl.exp(base)
+            if DPPO_KL:
+                div = _binary_kl(base, lp)
+                out_high = (diff > 0) & (div > clip_high)
+                out_low = (diff < 0) & (div > clip_low)
+            else:
+                out_high = diff > clip_high
+                out_low = -diff > clip_low
+            drop_low = m & (adv < 0) & out_low
+            drop_high = m & (adv > 0) & out_high
+            keep = tl.where(drop_low | drop_high, 0.0, 1.0)
+            objective = -ratio * adv * keep
+            g_r = -adv * keep
+            acc_low += tl.where(drop_low, 1.0, 0.0)
+            acc_high += tl.where(drop_high, 1.0, 0.0)
+            acc_region += tl.where(drop_low | drop_high, 1.0, 0.0)
         elif LOSS == 8:  # KL-Cov: unclipped PG plus |log r| on the selected tokens
             pen = tl.load(cov_ptr + idx, mask=inb, other=0.0).to(tl.float32) * mf
             objective = -adv * ratio + pen * kl_cov_coef * tl.abs(lr)
@@ -384,8 +464,7 @@ def loss_head_fwd_bwd_kernel(
             selection = selection * keep_p
         weights = 1.0 + 0.0 * lp
         if IS_LEVEL == 1 and LOSS != 6:
-            rollout = tl.where(m, tl.load(rollout_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-            d = tl.where(rollout == rollout, (old - rollout) * mf, 0.0)
+            d = tl.where(scored, (old - rollout) * mf, 0.0)
             d = tl.minimum(tl.maximum(d, -log_clamp), log_clamp)
             rho = tl.exp(d)
             if IS_MASK:
@@ -393,17 +472,29 @@ def loss_head_fwd_bwd_kernel(
             else:
                 rho = tl.minimum(tl.maximum(rho, is_min), is_max)
             weights = rho * mf
-        if IS_LEVEL == 2 and LOSS != 6:
+        if (IS_LEVEL == 2 or IS_LEVEL == 3) and LOSS != 6:
             weights = seq_is * mf
+        if GATE != 0:  # 0 where the old / sampler statistic leaves [gate_min, gate_max]
+            if GATE_SEQ:
+                gate = gate_seq_keep * mf
+            else:
+                stat = _gate_statistic(GATE, old, rollout, scored, mf, log_clamp)
+                if GATE == 1:
+                    stat = tl.exp(stat)
+                gate = tl.where((stat >= gate_min) & (stat <= gate_max), 1.0, 0.0) * mf
+            acc_gated += (1.0 - gate) * mf
+            weights = weights * gate
         if HAS_ISW:
             weights = weights * tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-        if IS_LEVEL != 0 or HAS_ISW:
+        if IS_LEVEL != 0 or HAS_ISW or GATE != 0:
             acc_is += weights * mf
             is_lo = tl.minimum(is_lo, tl.where(m, weights, float("inf")))
             is_hi = tl.maximum(is_hi, tl.where(m, weights, float("-inf")))
             acc_is_zero += tl.where(m & (weights == 0), 1.0, 0.0)
+        tokw = mf
         if HAS_TOKW:
-            weights = weights * tl.where(m, tl.load(tokw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            tokw = tl.where(m, tl.load(tokw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+            weights = weights * tokw
 
         # policy term and its gradient
         scale = selection * weights * w_seq
@@ -460,6 +551,13 @@ def loss_head_fwd_bwd_kernel(
                     acc_loss_kl += kl * w_kl
                     g_lp += kl_coef * w_kl * d_kl * mf
 
+        # Kimi-style squared log-ratio to the anchor, aggregated like the policy term, token weights applied
+        if RATIO_KL:
+            pen = 0.5 * lr * lr
+            acc_ratio_kl += pen * mf
+            acc_loss_rkl += pen * tokw * w_seq
+            g_lp += ratio_kl_coef * w_seq * tokw * lr * mf
+
         # entropy: metric and bonus
         if HAS_ENT:
             ent = tl.where(m, tl.load(ent_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
@@ -514,7 +612,7 @@ def loss_head_fwd_bwd_kernel(
             tl.store(glp_ptr + idx, g + total * m.to(tl.float32), mask=inb)
 
     # ---------------- partial sums of this sequence ----------------
-    out = part_ptr + seq * 32
+    out = part_ptr + seq * PARTIALS_PER_SEQ
     tl.store(out + 0, tl.sum(acc_loss_pg) + loss_pg)
     tl.store(out + 1, tl.sum(acc_loss_kl))
     tl.store(out + 2, tl.sum(acc_loss_ent))
@@ -545,6 +643,9 @@ def loss_head_fwd_bwd_kernel(
     tl.store(out + 27, sum_adv)
     tl.store(out + 28, tl.sum(acc_abs_lr))
     tl.store(out + 29, tl.sum(acc_phi))
+    tl.store(out + 30, tl.sum(acc_ratio_kl))
+    tl.store(out + 31, tl.sum(acc_loss_rkl))
+    tl.store(out + 32, tl.sum(acc_gated))
 
 
 # ==================================================================================================
@@ -587,12 +688,15 @@ def kernel_code_paths(cfg: PolicyLossConfig, *, has_old, has_ref, has_isw, has_e
         AGG=AGG_IDS[cfg.loss_agg_mode], ENT_AGG=AGG_IDS[cfg.entropy_agg_mode or cfg.loss_agg_mode],
         KL_AGG=AGG_IDS[cfg.kl_agg_mode or cfg.loss_agg_mode],
         HAS_OLD=has_old, HAS_REF=has_ref, USE_KL=has_ref and cfg.kl_coef > 0, KL_RATIO=cfg.kl_ratio_correction,
-        KL_ST=cfg.kl_straight_through, IS_LEVEL={None: 0, "token": 1, "sequence": 2}[cfg.is_level],
+        KL_ST=cfg.kl_straight_through, IS_LEVEL=IS_LEVEL_IDS[cfg.is_level],
         IS_MASK=cfg.is_mode == "mask", HAS_ISW=has_isw, HAS_ENT=has_ent,
         USE_ENT_BONUS=has_ent and cfg.entropy_coef != 0, HAS_TOKW=has_tokw, HAS_SEL=has_sel, HAS_COV=has_cov,
         OFFPOL=cfg.off_policy_mask_threshold is not None, HAS_ROLLOUT=has_rollout,
         OLDPROB=0 if cfg.old_prob_threshold is None else (1 if cfg.old_prob_side == "low" else 2),
         CISPO_ABS=cfg.cispo_form == "absolute", NEED_GRAD=need_grad, HAS_SEQ_LEN=has_seq_len,
+        ANCHOR_ROLLOUT=cfg.ratio_anchor == "rollout", CISPO_MASK=cfg.cispo_form == "mask",
+        DPPO_KL=cfg.loss_type == "dppo" and cfg.dppo_divergence == "binary_kl", RATIO_KL=cfg.ratio_kl_coef > 0,
+        GATE=IS_GATE_IDS[cfg.is_gate], GATE_SEQ=cfg.is_gate is not None and cfg.is_gate_level == "sequence",
     )  # fmt: skip
 
 
@@ -618,7 +722,7 @@ def loss_head_triton(
 ):  # fmt: skip
     """Run the kernel on flat [N] inputs (validated by the functional layer).
 
-    Returns (loss 0-d, metrics dict, grad_logprobs [N] | None, grad_entropy [N] | None, partials [S, 32]).
+    Returns (loss 0-d, metrics dict, grad_logprobs [N] | None, grad_entropy [N] | None, partials [S, NUM_PARTIALS]).
     The gradients are those of `loss` (multiply by grad_output in the autograd backward).
     For a chunk of the batch's sequences (the fused one-pass path): pass the batch's `norms`
     (normalizer_tensor) and finalize=False, then `finalize_partials` on the concatenated partials of
@@ -678,10 +782,11 @@ def loss_head_triton(
             pspo_alpha=cfg.pspo_alpha, dcpo_max=cfg.dcpo_max_ratio, prefix_decay=cfg.prefix_decay,
             vk_pos=cfg.vespo_k_pos, vl_pos=cfg.vespo_lambda_pos, vk_neg=cfg.vespo_k_neg,
             vl_neg=cfg.vespo_lambda_neg, kl_coef=cfg.kl_coef, is_min=_float_or(cfg.is_min, 0.0),
-            is_max=cfg.is_max, offpol_thr=_float_or(cfg.off_policy_mask_threshold, inf),
+            is_max=_float_or(cfg.is_max, inf), offpol_thr=_float_or(cfg.off_policy_mask_threshold, inf),
             oldprob_thr=_float_or(cfg.old_prob_threshold, 0.0), kl_cov_coef=cfg.kl_cov_coef,
             ent_coef=cfg.entropy_coef, max_len=float(cfg.max_completion_length or 1),
-            length_power=cfg.length_power, dp_size=float(dp_size),
+            length_power=cfg.length_power, dp_size=float(dp_size), ratio_kl_coef=cfg.ratio_kl_coef,
+            gate_min=_float_or(cfg.is_gate_min, -inf), gate_max=_float_or(cfg.is_gate_max, inf),
             **kernel_code_paths(cfg, has_old=old_logprobs is not None, has_ref=ref_logprobs is not None,
                                 has_isw=is_weights is not None, has_ent=entropy is not None,
                                 has_tokw=token_weights is not None, has_sel=entropy_selected is not None,
@@ -716,7 +821,7 @@ _MAX_COLUMNS = (P_RATIO_MAX, P_IS_MAX)
 
 
 def merge_segment_partials(partials, segment_seq, num_seqs):
-    """[num_segments, 32] partials of sequence pieces -> [num_seqs, 32] per sequence: sums add, the
+    """[num_segments, NUM_PARTIALS] partials of sequence pieces -> [num_seqs, NUM_PARTIALS] per sequence: sums add, the
     min / max columns take min / max (each column's empty value is its identity: 0, +inf, -inf)."""
     merged = torch.zeros(num_seqs, partials.shape[1], dtype=partials.dtype, device=partials.device)
     merged.index_add_(0, segment_seq, partials)
@@ -739,7 +844,7 @@ def finalize_partials(partials, seq_len, cfg, *, dp_size, grad_accum_steps, has_
 def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad, has_ent, has_ref, has_isw):
     """Reduce the per-sequence partials into the loss and the metrics of reference.py (same keys,
     same definitions). Returns (loss, per-sequence gradient of the summed log-probs or None)."""
-    from .reference import group_dpo_loss
+    from .reference import CLIP_METRIC_LOSSES, group_dpo_loss
 
     p = partials
     nonempty = seq_len > 0
@@ -780,7 +885,7 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
     if cfg.loss_type == "vespo":  # mean over non-empty sequences of the sequence's phi
         per_seq = p[:, P_PHI] / lengths
         metrics["vespo/phi_seq_mean"] = (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
-    if cfg.loss_type in ("ppo_clip", "cispo", "clip_cov", "dcpo"):
+    if cfg.loss_type in CLIP_METRIC_LOSSES:
         metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
         metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
         metrics["clip_ratio/region_mean"] = level_mean(P_REGION)
@@ -792,7 +897,9 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["selection/entropy_kept_frac"] = token_mean(P_ENT_KEPT)
     if cfg.old_prob_threshold is not None:
         metrics["selection/old_prob_kept_frac"] = token_mean(P_OLDPROB_KEPT)
-    if cfg.is_level is not None or has_isw:
+    if cfg.is_gate is not None:
+        metrics["is_weight/gated_frac"] = token_mean(P_GATED)
+    if cfg.is_level is not None or cfg.is_gate is not None or has_isw:
         metrics["is_weight/mean"] = token_mean(P_IS_SUM)
         metrics["is_weight/min"] = _seq_min(p[:, P_IS_MIN], nonempty, 1.0)
         metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty, 1.0)
@@ -803,6 +910,11 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["clip_ratio/low_mean"] = token_mean(P_GMPO_LOW)
     loss = policy_loss
     metrics["policy_loss"] = policy_loss
+    if cfg.ratio_kl_coef > 0:
+        metrics["ratio_kl"] = token_mean(P_RATIO_KL)
+        ratio_kl_loss = p[:, P_LOSS_RATIO_KL].sum()
+        metrics["ratio_kl_loss"] = ratio_kl_loss
+        loss = loss + cfg.ratio_kl_coef * ratio_kl_loss
     if has_ref:
         metrics["kl"] = token_mean(P_KL)
         if cfg.kl_coef > 0:
@@ -823,11 +935,18 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
 
 
 def _seq_min(values, nonempty, empty: float):
-    """Min over non-empty sequences; `empty` for an all-masked batch (as reference._masked_min)."""
-    v = values[nonempty]
-    return v.min() if v.numel() else torch.tensor(empty, device=values.device)
+    """Min over non-empty sequences; `empty` for an all-masked batch (as reference._masked_min). On the
+    device without a host read (a boolean index would wait for the device to learn its size): the empty
+    sequences are +inf, and `empty` replaces the result where no sequence is non-empty."""
+    return _seq_extreme(values, nonempty, empty, float("inf"), torch.amin)
 
 
 def _seq_max(values, nonempty, empty: float):
-    v = values[nonempty]
-    return v.max() if v.numel() else torch.tensor(empty, device=values.device)
+    return _seq_extreme(values, nonempty, empty, float("-inf"), torch.amax)
+
+
+def _seq_extreme(values, nonempty, empty: float, identity: float, reduce):
+    if values.numel() == 0:  # no sequence at all (the shape is known on the host)
+        return torch.tensor(empty, dtype=values.dtype, device=values.device)
+    extreme = reduce(torch.where(nonempty, values, torch.full_like(values, identity)))
+    return torch.where(nonempty.any(), extreme, torch.full_like(extreme, empty))
