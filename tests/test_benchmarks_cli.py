@@ -63,7 +63,6 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_tiny_cli_run_prints_one_table_per_op(tiny_run):
     stdout = tiny_run["proc"].stdout
     assert "NOT grpo_kernels' performance numbers" in stdout  # CPU timings are labelled as such
@@ -101,8 +100,10 @@ def test_tiny_cli_run_json(tiny_run):
                 continue
             # every provider that ran was checked against the fp32 reference before it was timed
             assert r["status"] == "ok", f"{op} {r['provider']}: {r['status']} {r['reason']}"
-            assert r["parity"]["passed"] and r["parity"]["checks"]
-            assert {c["name"] for c in r["parity"]["checks"]} <= set(OPS[op].compared)
+            assert r["parity"]["checks"] and {c["name"] for c in r["parity"]["checks"]} <= set(OPS[op].compared)
+            if not r["parity"]["passed"]:  # only a baseline timed despite its known error (TRL's bf16 log-softmax)
+                assert REGISTRY.providers[r["provider"]].timed_despite_parity, (op, r["provider"], r["parity"])
+                assert "timed anyway" in r["parity_note"]
             t = r["time"]
             assert t["p20_ms"] <= t["median_ms"] <= t["p80_ms"] and t["iters"] == 3
             # on a CPU from the profiler's allocation record: the call's own peak, gradients included

@@ -421,21 +421,22 @@ def _trl_setups() -> dict:
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
 
 
-def _trl_materialised_lm_head(hidden, weight, targets):
+def _trl_materialised_lm_head(hidden, weight, targets, entropy_grad):
     """TRL's path without the fused head (trl 1.16.0): the model's lm_head gives [B, T, V] logits in the input
     dtype (F.linear, as transformers runs it), then trl.trainer.utils.selective_log_softmax_and_entropy
-    (utils.py:672-712: a log-softmax per row in the logits' dtype, the entropy logged without a gradient, as
-    GRPOTrainer logs it). On CUDA TRL's Triton loss kernel takes the logits instead."""
+    (utils.py:672-712: a log-softmax per row in the logits' dtype). GRPOTrainer logs the entropy without a
+    gradient (entropy_grad=False); the logprobs_grad op differentiates it too (True). On CUDA TRL's Triton loss
+    kernel takes the logits instead."""
     from trl.trainer.utils import selective_log_softmax_and_entropy
 
     logits = torch.nn.functional.linear(hidden, weight)
-    return selective_log_softmax_and_entropy(logits, targets, entropy_requires_grad=False)
+    return selective_log_softmax_and_entropy(logits, targets, entropy_requires_grad=entropy_grad)
 
 
 def _trl_materialised_setups() -> dict:
     def logprobs(inp, s):
         def fn():
-            lp, ent = _trl_materialised_lm_head(inp.hidden[None], inp.weight, inp.targets[None])
+            lp, ent = _trl_materialised_lm_head(inp.hidden[None], inp.weight, inp.targets[None], True)
             return lp[0], ent[0]
 
         return Forward(fn, "[B, T, V] logits in the input dtype, selective_log_softmax_and_entropy")
@@ -444,7 +445,7 @@ def _trl_materialised_setups() -> dict:
         b, t = _bt(inp)
 
         def per_token():
-            return _trl_materialised_lm_head(inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t))
+            return _trl_materialised_lm_head(inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), False)
 
         return Forward(_trl_loss(inp, per_token),
                        "[B, T, V] logits in the input dtype, selective_log_softmax_and_entropy")  # fmt: skip
