@@ -129,16 +129,20 @@ def test_sampled_logprobs_are_those_of_the_tempered_softmax(engine):
     finally:
         engine.temperature = 1.0
     assert len(completions) == len(truncated) == len(logprobs) == len(prompts)
+    truths, same_dtypes, gots = [], [], []
     for prompt, tokens, sampled, cut in zip(prompts, completions, logprobs, truncated):
         assert len(sampled) == len(tokens) >= 1
         assert cut == (EOS not in tokens) and (cut or tokens[-1] == EOS)  # cut after the first EOS
         sequence, first = [prompt + tokens], len(prompt) - 1  # position `first` predicts the first sample
-        truth = model_logprobs(policy, torch.float64, sequence, temperature)[0, first:]
-        same_dtype = model_logprobs(policy, TORCH_DTYPES[engine.dtype], sequence, temperature)[0, first:]
-        floor = LOG_SOFTMAX_ULPS * truth.abs().max().item()
-        got = torch.tensor(sampled, dtype=torch.float64)
-        assert_no_worse_than(f"{engine.dtype} sampled log-probs at T={temperature}", got, same_dtype, truth,
-                             factor=2.0, floor=floor)  # fmt: skip
+        truths.append(model_logprobs(policy, torch.float64, sequence, temperature)[0, first:])
+        same_dtypes.append(model_logprobs(policy, TORCH_DTYPES[engine.dtype], sequence, temperature)[0, first:])
+        gots.append(torch.tensor(sampled, dtype=torch.float64))
+    # every sampled token at once: the largest error over a few tokens of one row is too noisy a statistic to
+    # hold against another implementation's (two bf16 forwards with their own rounding), over all rows it is not
+    truth, same_dtype, got = torch.cat(truths), torch.cat(same_dtypes), torch.cat(gots)
+    floor = LOG_SOFTMAX_ULPS * truth.abs().max().item()
+    assert_no_worse_than(f"{engine.dtype} sampled log-probs at T={temperature}", got, same_dtype, truth,
+                         factor=2.0, floor=floor)  # fmt: skip
 
 
 @pytest.mark.vllm

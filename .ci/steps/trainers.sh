@@ -21,7 +21,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q --no-deps -e .
 python -m pip install -q "triton==3.6.0" "numpy<2.3" pytest "transformers>=5.6.1,<=5.10.4" safetensors \
-  "ray==2.57.0" omegaconf jaxtyping loguru cloudpathlib pandas
+  "ray==2.57.0" omegaconf jaxtyping loguru cloudpathlib pandas "peft==0.18.1" "datasets>=4.0.0" cloudpickle
 python -m pip install -q --no-deps --ignore-requires-python "skyrl==0.4.0"
 python -m pip install -q --no-deps skyrl-gym "torchtitan==0.3.0" "spmd_types==0.2.3" tyro docstring_parser
 python -m pip install -q --no-deps "areal==1.0.4"  # the loss variants' AReaL oracle (its loss module needs torch only)
