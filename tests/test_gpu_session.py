@@ -185,6 +185,17 @@ def test_a_resumed_call_measures_only_what_is_missing(rehearsal, tmp_path):
     assert planned <= set(_keys(rows)), planned - set(_keys(rows))
 
 
+def _kill_workers_writing_to(out_dir: Path) -> None:
+    """SIGKILL every process whose command line names `out_dir`: the session starts each worker in a process
+    group of its own (to kill it on a timeout), so killing the session's group leaves the worker running."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(out_dir) in (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+
+
 def test_a_call_killed_a_third_into_its_budget_keeps_the_verdict_of_the_rows_before(tmp_path):
     budget = 90
     out_dir = tmp_path / "killed"
@@ -200,8 +211,9 @@ def test_a_call_killed_a_third_into_its_budget_keeps_the_verdict_of_the_rows_bef
                 break
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session and its worker, mid-run
+        os.killpg(proc.pid, signal.SIGKILL)  # the session, mid-run
         proc.wait()
+        _kill_workers_writing_to(out_dir)  # its worker runs in a session of its own (the planted hang waits on)
     rows = read_rows(results)
     assert needed <= set(_keys(rows)), _keys(rows)
     verdict = json.loads((out_dir / "verdict.json").read_text())
