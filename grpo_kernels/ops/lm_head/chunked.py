@@ -97,6 +97,27 @@ def _cuda_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+class _Fp32Rows:
+    """fp32 copies of row ranges of a half-precision 2-D tensor, in one buffer of at most `capacity` rows
+    (allocated on first use), copied again only when another range is asked for."""
+
+    def __init__(self, source: torch.Tensor, capacity: int):
+        self.source, self.capacity = source, capacity
+        self.buffer = None
+        self.current = None  # (r0, r1) the buffer holds
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        """source[r0:r1] in fp32 [r1 - r0, cols] (r1 - r0 <= capacity)."""
+        if self.buffer is None:
+            self.buffer = torch.empty((self.capacity, self.source.shape[1]), dtype=torch.float32,
+                                      device=self.source.device)  # fmt: skip
+        out = self.buffer[: r1 - r0]
+        if self.current != (r0, r1):
+            out.copy_(self.source[r0:r1])
+            self.current = (r0, r1)
+        return out
+
+
 class _Operands:
     """fp32 views of the hidden rows and of one weight tile for the GEMMs, from operands of any dtype.
 
@@ -117,40 +138,22 @@ class _Operands:
             weight_bytes = weight.numel() * weight.element_size()
             slice_bytes = min(HALF_TILE_BYTES, max(HALF_SLICE_MIN_BYTES, weight_bytes // 8))
             self.tile = max(128, slice_bytes // (4 * hidden_size) // 128 * 128)
-        self._w32 = None
-        self._w32_cols = None
-        self._h32 = None
-        self._h32_rows = None
         self.token_chunk = token_chunk
+        # once per token chunk while the tiles go by (one chunk: once per call); once per weight slice,
+        # however many token chunks use it
+        self._hidden32 = _Fp32Rows(hidden, min(token_chunk, n_tokens)) if self.half else None
+        self._weight32 = _Fp32Rows(weight, min(self.tile, weight.shape[0])) if self.half else None
 
     def math(self):
         return exact_bf16_math(self.bf16_math)
 
     def hidden_rows(self, r0: int, r1: int) -> torch.Tensor:
         """hidden[r0:r1] in fp32 [n, H]."""
-        if not self.half:
-            return self.hidden[r0:r1]
-        if self._h32 is None:
-            self._h32 = torch.empty((min(self.token_chunk, self.hidden.shape[0]), self.hidden.shape[1]),
-                                    dtype=torch.float32, device=self.hidden.device)  # fmt: skip
-        out = self._h32[: r1 - r0]
-        if self._h32_rows != (r0, r1):  # once per chunk while the tiles go by (one chunk: once per call)
-            out.copy_(self.hidden[r0:r1])
-            self._h32_rows = (r0, r1)
-        return out
+        return self.hidden[r0:r1] if self._hidden32 is None else self._hidden32.rows(r0, r1)
 
     def weight_tile(self, c0: int, c1: int) -> torch.Tensor:
         """weight[c0:c1] in fp32 [v, H] (an upcast copy for half-precision weights)."""
-        if not self.half:
-            return self.weight[c0:c1]
-        if self._w32 is None:
-            self._w32 = torch.empty((min(self.tile, self.weight.shape[0]), self.weight.shape[1]),
-                                    dtype=torch.float32, device=self.weight.device)  # fmt: skip
-        out = self._w32[: c1 - c0]
-        if self._w32_cols != (c0, c1):  # once per tile, however many token chunks use it
-            out.copy_(self.weight[c0:c1])
-            self._w32_cols = (c0, c1)
-        return out
+        return self.weight[c0:c1] if self._weight32 is None else self._weight32.rows(c0, c1)
 
     def logits(self, r0: int, r1: int, c0: int, c1: int, out: torch.Tensor) -> None:
         """out [n, c1 - c0] fp32 = hidden[r0:r1] @ weight[c0:c1].T, accumulated in fp32: one GEMM per slice of
