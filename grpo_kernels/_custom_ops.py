@@ -25,7 +25,6 @@ op bodies run (``register_eager``); nothing here imports grpo_kernels.functional
 """
 
 import contextlib
-import dataclasses
 import json
 from typing import Optional
 

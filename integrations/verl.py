@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 import grpo_kernels as gk
 

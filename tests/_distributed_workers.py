@@ -7,7 +7,6 @@ single-process call on the whole weight / whole batch itself, and returns the wo
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch

@@ -20,7 +20,6 @@ the vocabulary (97) and the batch, so their elements are held to 1e-5 of the lar
 
 from __future__ import annotations
 
-import copy
 import types
 
 import pytest

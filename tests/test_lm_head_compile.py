@@ -267,7 +267,6 @@ def test_dz_in_gemm_row_offsets_are_int64(kernel):
     config = tri.CONFIGS[("sm90", "16bit")]
     launches = matrix.record_lm_head_launches(65536, 8192, 256000, "bfloat16", config, bias=True, stored=True,
                                               dz_in_gemm=True)  # fmt: skip
-    names = [la.name for la in launches]
     dlogits = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
     assert dlogits and not any(la.args["STORE_DLOGITS"] for la in dlogits)  # only the bias sums: no dz slab
     launch = next(la for la in launches if la.name == kernel)

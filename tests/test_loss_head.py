@@ -347,7 +347,6 @@ def test_dcpo_bounds_depend_on_the_old_probability():
     cfg = C.dcpo()
     q = torch.tensor([[0.9, 0.01]])
     old = q.log()
-    mask = torch.ones(1, 2, dtype=torch.bool)
     for ratio, adv, expected in [(1.5, 1.0, 1.186), (0.5, -1.0, 0.768), (7.0, 1.0, 5.0), (0.3, -1.0, 0.5)]:
         token = 0 if expected in (1.186, 0.768) else 1
         lp = old.clone()

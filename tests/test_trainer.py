@@ -496,7 +496,6 @@ def test_dynamic_sampling_refill_keeps_one_prompt_per_group(tmp_path, num_prompt
     from grpo_kernels.trainer import trainer as tr
     from grpo_kernels.trainer.config import TrainConfig
     from grpo_kernels.trainer.hooks import HookContext, make_hook
-    from grpo_kernels.trainer.rollout import Rollouts
     from grpo_kernels.trainer.task import resolve_task
 
     path = tmp_path / "task.jsonl"

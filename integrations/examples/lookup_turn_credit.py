@@ -9,7 +9,6 @@ every step (`python integrations/examples/records.py --check`, .ci/steps/records
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import platform

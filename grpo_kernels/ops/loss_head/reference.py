@@ -68,7 +68,6 @@ def policy_loss_reference(
     ent = clean(entropy)
     seq_len = seq_sum(m)  # [S] valid tokens per sequence
     seq_nonempty = (seq_len > 0).float()
-    seq_len_tok = seq_len.clamp(min=1.0)[seq_index]  # [N]
 
     def clamp_log(x):  # the documented guard on exponents of log-ratios
         c = cfg.log_ratio_clamp

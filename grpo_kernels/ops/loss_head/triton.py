@@ -731,7 +731,7 @@ def loss_head_triton(
     (token-local objectives only, PolicyLossConfig.token_local; their partials are merged by
     `merge_segment_partials`). `entropy_group`: the top-entropy quantile over these processes' tokens.
     """
-    from .reference import clip_cov_keep, group_dpo_loss, kl_cov_selected, top_entropy_selection
+    from .reference import clip_cov_keep, kl_cov_selected, top_entropy_selection
 
     device = logprobs.device
     n = logprobs.shape[0]
