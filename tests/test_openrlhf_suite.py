@@ -1,4 +1,4 @@
-"""integrations/examples/openrlhf_suite.py, the harness that runs OpenRLHF's own loss tests (shipped in its
+"""tools/suites/openrlhf_suite.py, the harness that runs OpenRLHF's own loss tests (shipped in its
 wheel) stock and with the adapter swapped in: on the installed OpenRLHF 0.11.2 every test passes stock, and
 the swapped run differs exactly on the tests the harness explains (a model without an LM head); OpenRLHF's
 tests of its train/rollout corrections (ratio, sequence ratio, binary KL and TV gating) pass through the
@@ -21,7 +21,7 @@ import _openrlhf_support  # noqa: E402
 _openrlhf_support.require_openrlhf()
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
-HARNESS = CHECKOUT / "integrations" / "examples" / "openrlhf_suite.py"
+HARNESS = CHECKOUT / "tools" / "suites" / "openrlhf_suite.py"
 sys.path.insert(0, str(HARNESS.parent))
 import openrlhf_suite  # noqa: E402
 

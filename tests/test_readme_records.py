@@ -14,7 +14,7 @@ import pytest
 from checkout import CHECKOUT
 
 RECORDS = CHECKOUT / "docs" / "records"
-EXAMPLES = CHECKOUT / "integrations" / "examples"
+RECORD_SCRIPTS = CHECKOUT / "tools" / "records"
 
 
 def readme_text() -> str:
@@ -22,9 +22,9 @@ def readme_text() -> str:
 
 
 def record_script(name: str):
-    """integrations/examples/<name>.py, the script that writes a record and the README spans from it."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
+    """tools/records/<name>.py, the script that writes a record and the README spans from it."""
+    if str(RECORD_SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(RECORD_SCRIPTS))
     return importlib.import_module(name)
 
 
@@ -53,7 +53,7 @@ def test_main_job_figures_come_from_the_record():
     spans = record_script("readme_spans")
     record = json.loads((RECORDS / "main_job.json").read_text())
     assert spans.read_span("main-job-figures") == script.figures_sentence(record), (
-        "README main-job figures differ from docs/records/main_job.json: run integrations/examples/main_job_record.py"
+        "README main-job figures differ from docs/records/main_job.json: run tools/records/main_job_record.py"
     )
     assert spans.read_span("random-policy") == script.random_policy_text(record)
     assert len(record["per_step"]["reward"]) == record["steps"] and record["prefix_steps"] == script.PREFIX_STEPS
@@ -107,7 +107,7 @@ def test_lookup_figures_come_from_the_record(lookup_record):
     script = record_script("lookup_turn_credit")
     spans = record_script("readme_spans")
     assert spans.read_span("lookup-figures") == script.figures_sentence(lookup_record), (
-        "README lookup figures differ from the record: run integrations/examples/lookup_turn_credit.py"
+        "README lookup figures differ from the record: run tools/records/lookup_turn_credit.py"
     )
 
 
@@ -192,11 +192,11 @@ def test_test_count_check_fails_on_other_counts(tmp_path):
         run = dict(record[tier], tests=record[tier]["tests"] + (tier == "full"))
         paths.append(tmp_path / f"{tier}.json")
         paths[-1].write_text(json.dumps(run))
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "tests_record.py"), "--check", *map(str, paths)],
+    proc = subprocess.run([sys.executable, str(RECORD_SCRIPTS / "tests_record.py"), "--check", *map(str, paths)],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 1 and script.COMMAND in proc.stderr and "full:" in proc.stderr, proc.stderr
     paths[1].write_text(json.dumps(record["full"]))
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "tests_record.py"), "--check", *map(str, paths)],
+    proc = subprocess.run([sys.executable, str(RECORD_SCRIPTS / "tests_record.py"), "--check", *map(str, paths)],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 
@@ -300,7 +300,7 @@ def test_grad_weight_error_script_runs_quick():
 
 
 def vllm_rollouts_sentence(record: dict) -> str:
-    """The README's figures of the main job with --rollout-engine vllm (examples/vllm_rollout_record.py)."""
+    """The README's figures of the main job with --rollout-engine vllm (tools/records/vllm_rollout_record.py)."""
     v, fp32, bf16 = record["versions"], record["engine_default"], record["engine_bfloat16"]
     r = fp32["reward_at"]
 

@@ -1,4 +1,4 @@
-"""integrations/examples/skyrl_suite.py, the harness that runs SkyRL's own loss tests with SkyRL's policy
+"""tools/suites/skyrl_suite.py, the harness that runs SkyRL's own loss tests with SkyRL's policy
 losses and with grpo_kernels' swapped in, and compares every outcome.
 
 SkyRL's test files are not in its wheel and are not committed here, so CI runs the harness on a small
@@ -82,7 +82,7 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(CHECKOUT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run(
-        [sys.executable, str(CHECKOUT / "integrations" / "examples" / "skyrl_suite.py"), "--skyrl-tests", str(tests),
+        [sys.executable, str(CHECKOUT / "tools" / "suites" / "skyrl_suite.py"), "--skyrl-tests", str(tests),
          "--skyrl-ref", "written-in-this-test", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )  # fmt: skip
@@ -106,7 +106,7 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
 
 def test_harness_refuses_a_folder_without_the_test_files(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(CHECKOUT / "integrations" / "examples" / "skyrl_suite.py"), "--skyrl-tests", str(tmp_path)],
+        [sys.executable, str(CHECKOUT / "tools" / "suites" / "skyrl_suite.py"), "--skyrl-tests", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert run.returncode == 2 and "must be SkyRL's tests/ folder" in run.stderr, run.stderr

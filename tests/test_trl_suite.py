@@ -1,4 +1,4 @@
-"""integrations/examples/trl_suite.py, the harness that runs TRL's own GRPO trainer tests with TRL's trainer
+"""tools/suites/trl_suite.py, the harness that runs TRL's own GRPO trainer tests with TRL's trainer
 and with GRPOKernelsTrainer swapped in and compares every outcome.
 
 TRL's test file is not in its wheel and cannot be committed here, so CI runs the harness on a small
@@ -22,7 +22,7 @@ from checkout import CHECKOUT
 from parity_helpers import require_peer
 
 require_peer("trl", "trl")
-sys.path.insert(0, str(CHECKOUT / "integrations" / "examples"))
+sys.path.insert(0, str(CHECKOUT / "tools" / "suites"))
 import trl_suite  # noqa: E402
 
 
@@ -110,7 +110,7 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(CHECKOUT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run(
-        [sys.executable, str(CHECKOUT / "integrations" / "examples" / "trl_suite.py"), "--trl-tests", str(fake),
+        [sys.executable, str(CHECKOUT / "tools" / "suites" / "trl_suite.py"), "--trl-tests", str(fake),
          "--trl-ref", "written-in-this-test", "--out", str(out), "--models", "tiny-Qwen2ForCausalLM-2.5"],
         capture_output=True, text=True, timeout=900, env=env, check=False,
     )
@@ -134,7 +134,7 @@ def test_harness_runs_both_ways_and_names_the_difference(tmp_path):
 
 def test_harness_refuses_a_folder_without_the_test_file(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(CHECKOUT / "integrations" / "examples" / "trl_suite.py"), "--trl-tests", str(tmp_path)],
+        [sys.executable, str(CHECKOUT / "tools" / "suites" / "trl_suite.py"), "--trl-tests", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert run.returncode == 2 and "must be TRL's tests/ folder" in run.stderr, run.stderr

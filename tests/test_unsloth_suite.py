@@ -1,4 +1,4 @@
-"""integrations/examples/unsloth_suite.py, the harness that runs Unsloth's own tests with Unsloth's log-prob kernel
+"""tools/suites/unsloth_suite.py, the harness that runs Unsloth's own tests with Unsloth's log-prob kernel
 and with grpo_kernels' in its place and compares every outcome.
 
 unsloth-zoo's tests are not in its wheel and cannot be committed here (AGPL), so CI runs the harness on a small
@@ -35,7 +35,7 @@ if installed_version("unsloth_zoo") is None:
         allow_module_level=True,
     )
 
-HARNESS = CHECKOUT / "integrations" / "examples" / "unsloth_suite.py"
+HARNESS = CHECKOUT / "tools" / "suites" / "unsloth_suite.py"
 
 CONFTEST = """
 import os

@@ -4,4 +4,4 @@
 # differ it fails and says the one command that refreshes the record and the README's span from this run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python3 integrations/examples/tests_record.py --check .ci/tests-quick.json .ci/tests.json
+python3 tools/records/tests_record.py --check .ci/tests-quick.json .ci/tests.json

@@ -3,7 +3,7 @@ virtual environment, recorded in docs/records/verl_install.json; the README's se
 command is generated from that record (`readme_sentence`, written into the README's verl-install span and
 checked by tests/test_readme_records.py).
 
-    python integrations/examples/verl_install_record.py      # a few minutes: installs [train] in a venv
+    python tools/records/verl_install_record.py      # a few minutes: installs [train] in a venv
 
 Steps, in a new venv: pip install torch==2.13.0 (the CPU build, as the README's first line), then
 `pip install -e ".[train]"` for real, `pip list`, then `pip install --dry-run --report` of `-e ".[verl]"`.
@@ -89,7 +89,7 @@ def readme_sentence(record: dict) -> str:
         f"Installed on top of `[train]`, `[verl]` {verb} {changes}, and adds "
         f"{len(record['added'])} packages (ray, pyarrow, tensordict, ...): a real resolve with pip "
         f"{record['pip']} and torch {record['torch']}, recorded in `docs/records/verl_install.json` by "
-        "`python integrations/examples/verl_install_record.py`. Use a separate environment for verl if you "
+        "`python tools/records/verl_install_record.py`. Use a separate environment for verl if you "
         "need the newer versions."
     )
 

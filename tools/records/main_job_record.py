@@ -2,10 +2,10 @@
 grpo, 200 steps), summarised into docs/records/main_job.json with every step's reward and loss; the README's
 figures are generated from it (its main-job-figures and random-policy spans, rewritten here);
 tests/test_readme_records.py re-runs the first PREFIX_STEPS steps and compares them with the record, and CI
-re-runs every step (`python integrations/examples/records.py --check`, .ci/steps/records.sh).
+re-runs every step (`python tools/records/records.py --check`, .ci/steps/records.sh).
 
-    python integrations/examples/main_job_record.py            # about a minute on 2 CPU cores
-    python integrations/examples/records.py                    # this record and the lookup record, one command
+    python tools/records/main_job_record.py            # about a minute on 2 CPU cores
+    python tools/records/records.py                    # this record and the lookup record, one command
 """
 
 from __future__ import annotations

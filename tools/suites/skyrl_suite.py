@@ -1,7 +1,7 @@
 """Run SkyRL's own loss tests twice, with SkyRL's policy losses and with grpo_kernels' swapped in, and compare
 the outcome of every test.
 
-    python integrations/examples/skyrl_suite.py --skyrl-tests PATH/TO/SkyRL/tests [--out skyrl_suite_run]
+    python tools/suites/skyrl_suite.py --skyrl-tests PATH/TO/SkyRL/tests [--out skyrl_suite_run]
 
 SkyRL's tests are not part of its wheel: give the ``tests/`` folder of a SkyRL checkout near the installed
 ``skyrl`` (0.4.0). The files run (``TEST_FILES``) are its CPU tests of the policy losses, the off-policy
@@ -116,7 +116,7 @@ def run(tests: Path, files: list[str], out: Path, swapped: bool, keyword: str | 
     side = "swapped" if swapped else "stock"
     junit, calls = out / f"{side}.xml", out / f"{side}_calls.json"
     env = dict(os.environ, GRPO_KERNELS_SKYRL_SUITE_SWAP="1" if swapped else "0", **{CALLS_ENV: str(calls)})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "integrations" / "examples"), str(ROOT),
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT),
                                          env.get("PYTHONPATH", "")])  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "skyrl_suite", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "--rootdir", str(tests), *[str(tests / f) for f in files]]  # fmt: skip

@@ -1,7 +1,7 @@
 """Measure, on CPU, what the Unsloth adapter's kernel changes against Unsloth's own log-prob kernel: the memory each
 holds between the forward and the backward, and the error of log-probs, entropy and gradients against float64.
 
-    python integrations/examples/unsloth_kernel_record.py [--tokens 1024 --hidden 512 --vocab 32000] [--out FILE]
+    python tools/records/unsloth_kernel_record.py [--tokens 1024 --hidden 512 --vocab 32000] [--out FILE]
 
 Needs unsloth_zoo (the Unsloth environment: .ci/steps/unsloth.sh). Writes docs/records/unsloth_kernel.json by
 default. Both kernels get the same inputs: hidden [tokens, hidden] and an LM head [vocab, hidden] drawn at the
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     record = dict(
-        script="integrations/examples/unsloth_kernel_record.py", shape=dict(tokens=N, hidden=H, vocab=V),
+        script="tools/records/unsloth_kernel_record.py", shape=dict(tokens=N, hidden=H, vocab=V),
         logits_fp32_bytes=N * V * 4, device="cpu", machine=platform.machine(), torch=torch.__version__,
         unsloth_zoo=metadata.version("unsloth_zoo"), rows=rows,
     )  # fmt: skip

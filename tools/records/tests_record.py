@@ -2,8 +2,8 @@
 (.ci/tests-quick.json for the quick tier, .ci/tests.json for the full suite, each by tests/conftest.py when
 GRPO_KERNELS_TEST_RECORD is set), and the README's test-figures span generated from it.
 
-    python integrations/examples/tests_record.py .ci/tests-quick.json .ci/tests.json           # write record + README
-    python integrations/examples/tests_record.py --check .ci/tests-quick.json .ci/tests.json   # CI (.ci/steps/test_counts.sh)
+    python tools/records/tests_record.py .ci/tests-quick.json .ci/tests.json           # write record + README
+    python tools/records/tests_record.py --check .ci/tests-quick.json .ci/tests.json   # CI (.ci/steps/test_counts.sh)
 
 --check compares the counts of this run (tests collected and run, skipped) with the committed record and
 exits 1 when they differ, saying how to refresh it: the README's figures are of other code then. Only a
@@ -25,7 +25,7 @@ from readme_spans import write_span  # noqa: E402
 
 ROOT = HERE.parents[1]
 RECORD = ROOT / "docs" / "records" / "tests.json"
-COMMAND = "python integrations/examples/tests_record.py .ci/tests-quick.json .ci/tests.json"
+COMMAND = "python tools/records/tests_record.py .ci/tests-quick.json .ci/tests.json"
 COUNTED = ("tests", "skipped", "xfailed")
 
 

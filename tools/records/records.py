@@ -1,8 +1,8 @@
 """The training records the README quotes, re-run in full: the main job (main_job_record.py) and the three
 lookup runs (lookup_turn_credit.py), 200 steps each on the embedded model.
 
-    python integrations/examples/records.py            # re-measure both, rewrite their records and README spans
-    python integrations/examples/records.py --check    # what CI runs (.ci/steps/records.sh): compare, write nothing
+    python tools/records/records.py            # re-measure both, rewrite their records and README spans
+    python tools/records/records.py --check    # what CI runs (.ci/steps/records.sh): compare, write nothing
 
 --check re-runs every step and compares it with the committed record: every step's reward (and, for the
 main job, solved fraction) exactly, since the same code and versions sample the same completions (the
@@ -38,7 +38,7 @@ if str(HERE) not in sys.path:
 import lookup_turn_credit  # noqa: E402
 import main_job_record  # noqa: E402
 
-COMMAND = "python integrations/examples/records.py"
+COMMAND = "python tools/records/records.py"
 WRITES = ("docs/records/main_job.json, docs/records/lookup_turn_credit.json and the README spans main-job-figures, "
           "random-policy and lookup-figures")  # fmt: skip
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-7

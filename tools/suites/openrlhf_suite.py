@@ -1,7 +1,7 @@
 """Run OpenRLHF's own loss tests twice, stock and with grpo_kernels' OpenRLHF adapter swapped in, and compare
 the outcome of every test.
 
-    python integrations/examples/openrlhf_suite.py [--openrlhf-tests DIR] [--out openrlhf_suite_run]
+    python tools/suites/openrlhf_suite.py [--openrlhf-tests DIR] [--out openrlhf_suite_run]
 
 The tests are those OpenRLHF 0.11.2 ships in its wheel (a top-level `tests/` package; `--openrlhf-tests`
 overrides the folder): `test_loss_aggregation.py` (PolicyLoss, aggregate_loss, the normalizers),
@@ -53,7 +53,7 @@ EXPECTED_DIFFERENCES = {
 }
 
 PLUGIN = '''
-"""pytest plugin of integrations/examples/openrlhf_suite.py: the swap, and the adapter calls per test."""
+"""pytest plugin of tools/suites/openrlhf_suite.py: the swap, and the adapter calls per test."""
 import json
 import os
 

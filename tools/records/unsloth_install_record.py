@@ -3,7 +3,7 @@ a real resolve in a scratch virtual environment, recorded in docs/records/unslot
 sentence under "Use with Unsloth" is generated from that record (`readme_sentence`, written into the README's
 unsloth-install span and checked by tests/test_readme_records.py).
 
-    python integrations/examples/unsloth_install_record.py      # a few minutes: installs the base in a venv
+    python tools/records/unsloth_install_record.py      # a few minutes: installs the base in a venv
 
 Steps, in a new venv: pip install torch==2.13.0 (the CPU build), `pip install -e .` for real, `pip list`, then
 `pip install --dry-run --report` of `-e ".[unsloth]"`. The record keeps every package the resolve would
@@ -43,7 +43,7 @@ def readme_sentence(record: dict) -> str:
         f"On top of the base install (torch {record['torch']}), `[unsloth]` changes {changes}, and adds "
         f"{len(record['added'])} packages: trl {added.get('trl', '?')}, transformers {added.get('transformers', '?')}, "
         f"Unsloth's GPU stack ({gpu}) and {cuda} CUDA runtime packages, ...: a real resolve with pip {record['pip']}, "
-        "recorded in `docs/records/unsloth_install.json` by `python integrations/examples/unsloth_install_record.py`. "
+        "recorded in `docs/records/unsloth_install.json` by `python tools/records/unsloth_install_record.py`. "
         "That is what `pip install unsloth` gives a GPU machine; on a CPU machine, or to keep your torch, build "
         "the separate environment below."
     )

@@ -1,7 +1,7 @@
 """Run Unsloth's own tests of its GRPO log-prob and loss code twice, with Unsloth's log-prob kernel and with
 grpo_kernels' in its place, and compare every outcome.
 
-    python integrations/examples/unsloth_suite.py --tests PATH/TO/unsloth-zoo/tests [--ref COMMIT] [--out DIR]
+    python tools/suites/unsloth_suite.py --tests PATH/TO/unsloth-zoo/tests [--ref COMMIT] [--out DIR]
 
 PATH is the tests/ folder of an unsloth-zoo (or unsloth) checkout: the wheels ship no tests. The chosen test files
 (`--files`; default unsloth-zoo's GRPO log-prob and loss tests, DEFAULT_FILES) and the folder's helpers and

@@ -6,7 +6,7 @@ the per-step times (whole step, weight sync, generation).
 
 Needs a vLLM engine in this environment (README, "vLLM rollouts"):
 
-    VLLM_CPU_KVCACHE_SPACE=1 python integrations/examples/vllm_rollout_record.py  # minutes on 2 CPU cores
+    VLLM_CPU_KVCACHE_SPACE=1 python tools/records/vllm_rollout_record.py  # minutes on 2 CPU cores
 """
 
 from __future__ import annotations

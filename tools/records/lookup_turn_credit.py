@@ -2,9 +2,9 @@
 GiGPO (turn rewards), 200 steps each on the embedded model, same seed. Writes the summary, with every
 step's reward and loss, to docs/records/lookup_turn_credit.json and the README's lookup-figures span from
 it; tests/test_readme_records.py re-runs the first PREFIX_STEPS steps of each run against the record, and CI
-every step (`python integrations/examples/records.py --check`, .ci/steps/records.sh).
+every step (`python tools/records/records.py --check`, .ci/steps/records.sh).
 
-    python integrations/examples/lookup_turn_credit.py            # the three runs in parallel processes
+    python tools/records/lookup_turn_credit.py            # the three runs in parallel processes
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run TRL's own GRPO trainer tests twice, with TRL's `GRPOTrainer` and with `GRPOKernelsTrainer` swapped in,
 and compare the outcome of every test.
 
-    python integrations/examples/trl_suite.py --trl-tests PATH/TO/trl/tests [--out trl_suite_run] [-k EXPR]
+    python tools/suites/trl_suite.py --trl-tests PATH/TO/trl/tests [--out trl_suite_run] [-k EXPR]
 
 TRL's tests are not part of its wheel: give the `tests/` folder of a TRL checkout (the version the installed
 `trl` was cut from, or near it). Nothing is downloaded: the hub repos the tests load
