@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
-import importlib.metadata
 import math
 import os
 import sys
@@ -65,6 +64,7 @@ from collections.abc import Iterable
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 SUPPORTED_OPENRLHF = "0.11.2"
 PARTS = ("logprobs", "loss")
@@ -467,45 +467,20 @@ def _number(x) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-def logit_transform(config) -> tuple[float | None, float]:
-    """(softcap, logit_scale) of a transformers model config: what its causal-LM forward applies to the LM
-    head's output, z = softcap tanh(scale x / softcap), before OpenRLHF divides by the temperature.
-
-    final_logit_softcapping (Gemma 2 / 3) -> softcap; logits_scaling (Granite: logits / s) -> 1 / s
-    (hyperclovax multiplies: s); logit_scale (Cohere), output_multiplier, lm_head_multiplier -> that factor.
-    The list is transformers' models that transform the head's output; a model that does it under another
-    name is not recognised (transformations of the head's input need nothing: the adapter reads that
-    input)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = getattr(text, "final_logit_softcapping", None)
-    scale = None
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if getattr(text, name, None) is not None:
-            scale = float(getattr(text, name))
-            break
-    if scale is None and getattr(text, "logits_scaling", None) is not None:
-        s = float(text.logits_scaling)
-        scale = s if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / s
-    return (None if cap is None else float(cap)), (1.0 if scale is None else scale)
-
-
-def _unwrap(model):
-    """The transformers model inside a DeepSpeed engine / DDP (`.module`), PEFT (`get_base_model`) and
-    torch.compile (`._orig_mod`)."""
-    for _ in range(8):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None or not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-    return model
+def logit_transform(model_or_config) -> tuple[float | None, float]:
+    """(softcap, logit_scale) of `model_or_config`, a transformers model (any wrapper) or its config: what its
+    causal-LM forward applies to the LM head's output, z = softcap tanh(scale x / softcap), before OpenRLHF
+    divides by the temperature. The shared reader of every adapter and the trainer, `grpo_kernels.hf.logit_transform` (per architecture:
+    Gemma 2 / 3 / 4's soft cap, Granite's 1 / logits_scaling, HyperCLOVA X's logits_scaling, Cohere's
+    logit_scale, Falcon-H1's lm_head_multiplier, ...; ValueError naming what it cannot express).
+    Transformations of the head's input need nothing: the adapter reads that input."""
+    return hf.logit_transform(model_or_config)
 
 
 def _lm_head(actor_model):
     """(the transformers model, its LM head) of OpenRLHF's `Actor.model`; raises if the head is not a plain
     linear layer whose weight (and bias) alone give its output."""
-    model = _unwrap(actor_model)
+    model = hf.unwrap(actor_model)
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if not isinstance(head, torch.nn.Linear) or getattr(head.weight, "dtype", None) not in (
@@ -639,7 +614,7 @@ def actor_forward(
             position_ids.masked_fill_(attention_mask == 0, 1)
 
     model, head = _lm_head(self.model)
-    softcap, logit_scale = logit_transform(model.config)
+    softcap, logit_scale = logit_transform(model)
     kwargs = dict(softcap=softcap, logit_scale=logit_scale, **_options)
     actions = action_mask is not None and not packing
     if actions:  # the hidden state at t predicts token t + 1: the last A tokens need positions T-A-1 .. T-2
@@ -790,20 +765,11 @@ def _when_imported(name: str, callback) -> None:
 
 def check_openrlhf_version() -> str:
     """The installed OpenRLHF's version, if it is the supported one; raises otherwise (without importing
-    it)."""
-    try:
-        version = importlib.metadata.version("openrlhf")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(
-            "grpo_kernels.integrations.openrlhf: OpenRLHF is not installed in this environment (pip install "
-            f'"openrlhf=={SUPPORTED_OPENRLHF}"; README "Use with OpenRLHF")'
-        ) from None
-    if version != SUPPORTED_OPENRLHF:
-        raise RuntimeError(
-            f"grpo_kernels.integrations.openrlhf supports OpenRLHF {SUPPORTED_OPENRLHF} (tested); "
-            f'found {version}. Install the tested version (pip install "openrlhf=={SUPPORTED_OPENRLHF}") '
-            "or run without the adapter."
-        )
+    it): ImportError when it is not installed, RuntimeError for another version."""
+    version = hf.installed_version("openrlhf")
+    hf.require_version("openrlhf", "OpenRLHF", SUPPORTED_OPENRLHF, version,
+                       install=f"openrlhf=={SUPPORTED_OPENRLHF}", otherwise="run without the adapter",
+                       exc=ImportError if version is None else RuntimeError)  # fmt: skip
     return version
 
 

@@ -30,6 +30,7 @@ import threading
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 SUPPORTED_SKYRL = "0.4.0"
 MODES = ("loss", "logprobs", "fused")
@@ -51,14 +52,8 @@ _originals: dict = {}  # (owner, attribute) -> SkyRL's own function, restored by
 
 
 def _check_version() -> None:
-    from importlib import metadata
-
-    version = metadata.version("skyrl")
-    if version != SUPPORTED_SKYRL:
-        raise RuntimeError(
-            f"grpo_kernels.integrations.skyrl supports skyrl {SUPPORTED_SKYRL} (tested); found {version}. "
-            f"Pin skyrl=={SUPPORTED_SKYRL}."
-        )
+    hf.require_version("skyrl", "skyrl", SUPPORTED_SKYRL, hf.installed_version("skyrl"),
+                       install=f"skyrl=={SUPPORTED_SKYRL}", otherwise="use SkyRL's own policy losses")  # fmt: skip
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -377,17 +372,6 @@ def registered_losses() -> list[str]:
 # ---- the FSDP head (modes "logprobs" and "fused") ---------------------------------------------------
 
 
-def _logit_transform(model) -> tuple[float | None, float]:
-    """(soft cap, logit scale) the HF model applies to its logits (Gemma 2 / 3, Cohere, Granite)."""
-    config = model.config
-    config = getattr(config, "text_config", None) or config
-    cap = getattr(config, "final_logit_softcapping", None)
-    scale = getattr(config, "logit_scale", None)
-    if scale is None and getattr(config, "logits_scaling", None) is not None:
-        scale = 1.0 / config.logits_scaling
-    return (None if cap is None else float(cap)), (1.0 if scale is None else float(scale))
-
-
 class _HeadCall:
     """What one HFModelWrapper.forward call's head needs, and what it computed."""
 
@@ -402,7 +386,7 @@ class _HeadCall:
         window[max(seqlen - int(num_actions) - 1, 0) : seqlen - 1] = True  # the positions SkyRL keeps
         self.positions = attention_mask.bool() & window[None, :]
         self.num_actions = int(num_actions)
-        self.softcap, self.logit_scale = _logit_transform(wrapper.model)
+        self.softcap, self.logit_scale = hf.logit_transform(wrapper.model)  # the shared reader
         self.backend = getattr(wrapper, "_gk_backend", "auto")
         self.logprobs = self.entropy = None
 

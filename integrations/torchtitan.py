@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 SUPPORTED_TORCHTITAN = "0.3.0"
 MODES = ("fused", "logprobs")
@@ -34,14 +35,8 @@ IGNORE_INDEX = -100
 
 
 def _check_version() -> None:
-    from importlib import metadata
-
-    version = metadata.version("torchtitan")
-    if version != SUPPORTED_TORCHTITAN:
-        raise RuntimeError(
-            f"grpo_kernels.integrations.torchtitan supports torchtitan {SUPPORTED_TORCHTITAN} (tested); found "
-            f"{version}. Pin torchtitan=={SUPPORTED_TORCHTITAN}."
-        )
+    hf.require_version("torchtitan", "torchtitan", SUPPORTED_TORCHTITAN, hf.installed_version("torchtitan"),
+                       install=f"torchtitan=={SUPPORTED_TORCHTITAN}", otherwise="use torchtitan's own loss")  # fmt: skip
 
 
 def policy_loss_config(ratio_clip_low: float, ratio_clip_high: float) -> gk.PolicyLossConfig:
@@ -136,14 +131,8 @@ def _build_class():
                 logprobs, entropy = lp.logprobs.detach(), lp.entropy.detach()
             return out.loss, dapo_metrics(logprobs, generator, mask, entropy, out.loss, denominator, self.policy_config)
 
-    GRPOKernelsLoss.__module__ = __name__
-    GRPOKernelsLoss.__qualname__ = "GRPOKernelsLoss"
     return GRPOKernelsLoss
 
 
-def __getattr__(name):  # torchtitan is imported when the class is first used, not with this module
-    if name == "GRPOKernelsLoss":
-        cls = _build_class()
-        globals()["GRPOKernelsLoss"] = cls
-        return cls
-    raise AttributeError(name)
+# torchtitan is imported when the class is first used, not with this module
+__getattr__ = hf.lazy_class(__name__, "GRPOKernelsLoss", _build_class)

@@ -57,25 +57,17 @@ import math
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 logger = logging.getLogger("grpo_kernels")
 
 SUPPORTED_TRL = "1.16.0"
 MODES = ("fused", "logprobs")
 
-# TRL loss_type -> the aggregation it performs (verl's names; see _compute_loss of TRL 1.16.0)
-LOSS_AGG_MODE = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "luspo": "seq-mean-token-sum",
-}
+# TRL loss_type -> the aggregation it performs (verl's names; see _compute_loss of TRL 1.16.0): grpo_kernels.hf's
+LOSS_AGG_MODE = hf.TRL_LOSS_AGG_MODE
 TRL_LOSS_TYPES = tuple(LOSS_AGG_MODE)
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+CLIP_LOSS_TYPES = hf.TRL_CLIP_LOSS_TYPES
 # loss types TRL divides by current_gradient_accumulation_steps after logging `policy_loss`
 DIVIDED_BY_GA_AFTER_LOGGING = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 # inputs of vision-language models (TRL's _compute_loss passes these to the forward)
@@ -107,10 +99,13 @@ def policy_loss_config(trainer, *, temperature: float = 1.0) -> gk.PolicyLossCon
     the trainer's sampling temperature (the config's, so that log-probs match the sampler)."""
     args = trainer.args
     loss_type = trainer.loss_type
-    if loss_type not in LOSS_AGG_MODE:
-        raise ValueError(f"loss_type={loss_type!r} has no grpo_kernels mapping; known: {TRL_LOSS_TYPES}")
-    fields = dict(
-        loss_agg_mode=LOSS_AGG_MODE[loss_type],
+    fields = hf.trl_family_loss_fields(
+        loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=args.delta,
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg, max_completion_length=trainer.max_completion_length,
+    )  # fmt: skip
+    fields.update(
         ratio_level=trainer.importance_sampling_level,
         log_ratio_clamp=None,
         kl_coef=float(trainer.beta),
@@ -120,19 +115,6 @@ def policy_loss_config(trainer, *, temperature: float = 1.0) -> gk.PolicyLossCon
         top_entropy_quantile=float(trainer.top_entropy_quantile),
         temperature=float(temperature),
     )
-    if loss_type in CLIP_LOSS_TYPES:
-        fields.update(loss_type="ppo_clip", clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high,
-                      delta=args.delta)  # fmt: skip
-    elif loss_type == "cispo":
-        fields.update(loss_type="cispo", cispo_form="absolute", cispo_cap=trainer.epsilon_high)
-    elif loss_type == "sapo":
-        fields.update(loss_type="sapo", sapo_tau_pos=args.sapo_temperature_pos,
-                      sapo_tau_neg=args.sapo_temperature_neg)  # fmt: skip
-    else:  # vespo
-        fields.update(loss_type="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
-                      vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)  # fmt: skip
-    if loss_type == "dr_grpo":
-        fields["max_completion_length"] = int(trainer.max_completion_length)
     if trainer._entropy_bonus_enabled:
         coef = float(trainer.entropy_coef)
         if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
@@ -164,7 +146,6 @@ def loss_normalizers(trainer, batch_size: int, num_items_in_batch) -> dict:
     `trainer` is the GRPOTrainer, `batch_size` the micro-batch's rows, `num_items_in_batch` TRL's count."""
     training = trainer.model.training
     ga = trainer.current_gradient_accumulation_steps if training else 1
-    loss_type = trainer.loss_type
     # TRL takes the top-entropy quantile over every process's tokens (get_high_entropy_mask gathers them):
     # accelerate's processes are torch.distributed's default group
     group = {}
@@ -172,14 +153,11 @@ def loss_normalizers(trainer, batch_size: int, num_items_in_batch) -> dict:
         import torch.distributed as dist
 
         group = dict(entropy_group=dist.group.WORLD)
-    if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
-        return dict(num_sequences=batch_size * ga, grad_accum_steps=ga, **group)
-    if loss_type == "bnpo":
-        return dict(grad_accum_steps=ga, **group)
-    items = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
-    items = max(float(items), 1.0)
-    num_tokens = items * ga / trainer.args.steps_per_generation if training else items
-    return dict(num_tokens=num_tokens, dp_size=trainer.accelerator.num_processes, grad_accum_steps=ga, **group)
+    normalizers = hf.trl_family_normalizers(
+        trainer.loss_type, batch_size, num_items_in_batch, training=training, grad_accum_steps=ga,
+        steps_per_generation=trainer.args.steps_per_generation, num_processes=trainer.accelerator.num_processes,
+    )  # fmt: skip
+    return dict(normalizers, **group)
 
 
 def log_trl_metrics(
@@ -271,10 +249,10 @@ def unsupported_settings(trainer, mode: str) -> list[str]:
     for role, model in (("model", trainer.model), ("ref_model", getattr(trainer, "ref_model", None))):
         if model is None:
             continue
-        text_config = _unwrap(model).config.get_text_config()
-        scale = trl_logit_scale(text_config)
-        if not (math.isfinite(scale) and scale > 0):
-            problems.append(f"logit scale {scale} ({role} config): grpo_kernels needs a finite scale > 0")
+        try:
+            hf.logit_transform(model)  # the shared reader: what the heads apply (model_transform)
+        except ValueError as exc:
+            problems.append(f"{role}: {exc}")
     if mode == "logprobs":
         return problems
     hint = "; grpo_kernels_mode='logprobs' keeps TRL's loss and supports it"
@@ -320,35 +298,6 @@ def update_adaptive_entropy(trainer, entropies: torch.Tensor, mask: torch.Tensor
         trainer._entropy_window_stats = None
 
 
-def trl_logit_scale(text_config) -> float:
-    """The logit multiplier TRL's add_fused_lm_head reads from a model config (trl 1.16.0)."""
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else float(scale)
-
-
-def _unwrap(model):
-    """The transformers model inside PEFT and distributed wrappers: a DeepSpeed engine (ZeRO-3 wraps the
-    reference model in one; its `.config` is the DeepSpeed dict), DDP / FSDP1 (`.module`),
-    torch.compile (`._orig_mod`)."""
-    for _ in range(8):  # wrappers nest (a DeepSpeed engine around a PEFT model, ...)
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        if hasattr(getattr(model, "config", None), "get_text_config"):
-            return model
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
-    return model
-
-
 def _is_prompt_learning(model) -> bool:
     peft_config = getattr(model, "peft_config", None)
     if not isinstance(peft_config, dict):
@@ -359,15 +308,6 @@ def _is_prompt_learning(model) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # The heads that stand in for trl.trainer.utils._ChunkedLogProbFunction
 # ---------------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype TRL's kernel runs the projection in: autocast's when it is on, else the hidden's.
-    grpo_kernels accumulates in fp32 either way."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return hidden.dtype
 
 
 def _cast(x, dtype):
@@ -389,16 +329,24 @@ class KernelOptions:
 
     backend: str = "auto"  # grpo_kernels backend: "auto", "triton" or "torch"
     batch_invariant: bool = False  # see fused_linear_logprobs(batch_invariant=)
-    softcap: float | None = None  # TRL's final_logit_softcapping of the call (Gemma 2 / 3)
-    logit_scale: float = 1.0  # TRL's logit_scale of the call (Granite: 1 / logits_scaling)
+    softcap: float | None = None  # the call's soft cap
+    logit_scale: float = 1.0  # the call's logit scale
+    # When set (grpo_kernels.hf.logit_transform of the model the pass runs), what the kernels apply whatever TRL
+    # passes: TRL reads configs by attribute name, so it misses RecurrentGemma's and xLSTM's caps and applies a
+    # cap or scale that PaliGemma, Gemma 3's vision-language model and MPT configs carry but never apply.
+    model_transform: hf.LogitTransform | None = None  # the transform of the model's own forward
 
     def kwargs(self) -> dict:
         return {"backend": self.backend, "batch_invariant": self.batch_invariant, "softcap": self.softcap,
                 "logit_scale": self.logit_scale}  # fmt: skip
 
     def with_transform(self, final_logit_softcapping, logit_scale) -> "KernelOptions":
-        """The options of one kernel call: TRL's logit transform z = c tanh(s x / c) / T, as grpo_kernels'
-        softcap / logit_scale (the temperature stays T)."""
+        """The options of one kernel call: the logit transform z = c tanh(s x / c) / T, as grpo_kernels'
+        softcap / logit_scale (the temperature stays T): the model's own (`model_transform`) when known, else
+        the one TRL passes."""
+        if self.model_transform is not None:
+            return dataclasses.replace(self, softcap=self.model_transform.softcap,
+                                       logit_scale=self.model_transform.logit_scale)  # fmt: skip
         if not (math.isfinite(logit_scale) and logit_scale > 0):
             raise ValueError(f"logit_scale must be finite and > 0 for grpo_kernels, got {logit_scale}")
         cap = None if final_logit_softcapping is None else float(final_logit_softcapping)
@@ -412,7 +360,7 @@ def _options(options) -> KernelOptions:
 def _logprobs(hidden, weight, bias, targets, temperature, compute_entropy, options) -> gk.LogProbsOutput:
     """fused_linear_logprobs in TRL's compute dtype, outside autocast (which would otherwise run
     grpo_kernels' fp32-accumulating tiles in half precision)."""
-    dtype = _compute_dtype(hidden)
+    dtype = hf.compute_dtype(hidden)  # TRL's rule: autocast's, else the hidden states'
     with torch.autocast(hidden.device.type, enabled=False):
         return gk.fused_linear_logprobs(
             hidden.to(dtype), weight.to(dtype), targets, _cast(bias, dtype), temperature,
@@ -567,7 +515,7 @@ class FusedLossHead:
         cu_seqlens = torch.zeros(per_sequence.numel() + 1, dtype=torch.long, device=hidden.device)
         cu_seqlens[1:] = per_sequence.to(hidden.device).cumsum(0)
         advantages = self.advantages if self.advantages.dim() == 1 else take(self.advantages)
-        dtype = _compute_dtype(hidden)
+        dtype = hf.compute_dtype(hidden)  # TRL's rule: autocast's, else the hidden states'
         with torch.autocast(hidden.device.type, enabled=False):
             out = gk.fused_linear_grpo_loss(
                 hidden.to(dtype), weight.to(dtype), targets, advantages, take(self.per_token["mask"]),
@@ -612,7 +560,7 @@ def check_fsdp2_head(model) -> None:
     the first case when gradients flow, saying what to do. `model` is the (possibly wrapped) policy."""
     if model is None or not torch.is_grad_enabled():
         return
-    head = _unwrap(model).get_output_embeddings()
+    head = hf.unwrap(model).get_output_embeddings()
     weight = getattr(head, "weight", None)
     try:
         from torch.distributed.tensor import DTensor
@@ -645,12 +593,8 @@ def _check_trl():
     import trl
     import trl.trainer.utils as trl_utils
 
-    if trl.__version__ != SUPPORTED_TRL:
-        raise RuntimeError(
-            f"grpo_kernels.integrations.trl supports TRL {SUPPORTED_TRL} (tested); found trl "
-            f'{trl.__version__}. Install the tested version (pip install "trl=={SUPPORTED_TRL}") or use '
-            "trl.GRPOTrainer."
-        )
+    hf.require_version("trl", "TRL", SUPPORTED_TRL, trl.__version__, source="trl", install=f"trl=={SUPPORTED_TRL}",
+                       otherwise="use trl.GRPOTrainer")  # fmt: skip
     forward_code = [c for c in trl_utils.add_fused_lm_head.__code__.co_consts if hasattr(c, "co_names")]
     if not hasattr(trl_utils, "_ChunkedLogProbFunction") or not any(
         "_ChunkedLogProbFunction" in c.co_names for c in forward_code
@@ -685,14 +629,7 @@ def _build_trainer_class():
             self, *args, grpo_kernels_mode: str = "fused", grpo_kernels_backend: str = "auto",
             grpo_kernels_batch_invariant: bool = False, **kwargs,
         ):  # fmt: skip
-            if grpo_kernels_mode not in MODES:
-                raise ValueError(f"grpo_kernels_mode must be one of {MODES}, got {grpo_kernels_mode!r}")
-            if grpo_kernels_backend not in ("auto", "triton", "torch"):
-                raise ValueError(
-                    f"grpo_kernels_backend must be 'auto', 'triton' or 'torch', got {grpo_kernels_backend!r}"
-                )
-            if not isinstance(grpo_kernels_batch_invariant, bool):
-                raise ValueError(f"grpo_kernels_batch_invariant must be True or False, got {grpo_kernels_batch_invariant!r}")
+            hf.check_trainer_options(grpo_kernels_mode, MODES, grpo_kernels_backend, grpo_kernels_batch_invariant)
             self.grpo_kernels_mode = grpo_kernels_mode
             self.grpo_kernels_backend = grpo_kernels_backend
             self.grpo_kernels_options = KernelOptions(grpo_kernels_backend, grpo_kernels_batch_invariant)
@@ -710,8 +647,11 @@ def _build_trainer_class():
                 )
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            check_fsdp2_head(args[0] if args else kwargs.get("model"))
+            model = args[0] if args else kwargs.get("model")
+            check_fsdp2_head(model)
             head = self._grpo_kernels_head or LogProbsHead(self.grpo_kernels_options)
+            if model is not None:  # the transform of the model this pass runs (policy or reference)
+                head.options = dataclasses.replace(head.options, model_transform=hf.logit_transform(model))
             with _lm_head_kernel(head):
                 result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
             if head.calls == 0:
@@ -783,18 +723,7 @@ def _build_trainer_class():
                             aux_loss if self.aux_loss_enabled else None)  # fmt: skip
             return loss
 
-    GRPOKernelsTrainer.__module__ = __name__
-    GRPOKernelsTrainer.__qualname__ = "GRPOKernelsTrainer"
     return GRPOKernelsTrainer
 
 
-_trainer_class = None
-
-
-def __getattr__(name):
-    global _trainer_class
-    if name == "GRPOKernelsTrainer":
-        if _trainer_class is None:
-            _trainer_class = _build_trainer_class()
-        return _trainer_class
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = hf.lazy_class(__name__, "GRPOKernelsTrainer", _build_trainer_class)

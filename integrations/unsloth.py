@@ -53,6 +53,7 @@ import os
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 logger = logging.getLogger("grpo_kernels")
 
@@ -62,18 +63,9 @@ MODES = ("logprobs",)
 KERNEL_MODULE = "unsloth_zoo.fused_losses.fused_linear"
 KERNEL_NAME = "fused_linear_logprobs"
 
-# Unsloth loss_type -> the aggregation grpo_compute_loss performs (verl's names)
-LOSS_AGG_MODE = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "luspo": "seq-mean-token-sum",
-}
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Unsloth loss_type -> the aggregation grpo_compute_loss performs (verl's names): TRL's (grpo_kernels.hf)
+LOSS_AGG_MODE = hf.TRL_LOSS_AGG_MODE
+CLIP_LOSS_TYPES = hf.TRL_CLIP_LOSS_TYPES
 # Unsloth's vLLM importance-sampling modes -> (is_level, is_mode); each weight is pi_old / pi_sampler:
 # per token, per sequence (the product of the token weights), or "geometric" (their geometric mean,
 # exp(mean_t (old_t - sampler_t)), verl's seq_mean_k1 weight)
@@ -305,8 +297,16 @@ def policy_loss_config(settings: dict) -> gk.PolicyLossConfig:
         raise ValueError("Unsloth GRPO options grpo_kernels cannot map:\n  - " + "\n  - ".join(problems))
     loss_type = settings.get("loss_type", "grpo")
     beta = float(settings.get("beta", 0.0))
-    fields = dict(
-        loss_agg_mode=LOSS_AGG_MODE[loss_type],
+    fields = hf.trl_family_loss_fields(
+        loss_type, epsilon_low=float(settings.get("epsilon_low", 0.2)),
+        epsilon_high=float(settings.get("epsilon_high", 0.2)), delta=settings.get("delta"),
+        sapo_temperature_pos=float(settings.get("sapo_temperature_pos", 1.0)),
+        sapo_temperature_neg=float(settings.get("sapo_temperature_neg", 1.05)),
+        vespo_k_pos=float(settings.get("vespo_k_pos", 2.0)), vespo_lambda_pos=float(settings.get("vespo_lambda_pos", 3.0)),
+        vespo_k_neg=float(settings.get("vespo_k_neg", 3.0)), vespo_lambda_neg=float(settings.get("vespo_lambda_neg", 2.0)),
+        max_completion_length=settings.get("max_completion_length", 8192),
+    )  # fmt: skip
+    fields.update(
         ratio_level=settings.get("importance_sampling_level", "token"),
         log_ratio_clamp=None,
         kl_coef=beta,
@@ -316,21 +316,6 @@ def policy_loss_config(settings: dict) -> gk.PolicyLossConfig:
         top_entropy_quantile=float(settings.get("top_entropy_quantile", 1.0)),
         temperature=float(settings.get("temperature", 1.0)),
     )
-    if loss_type in CLIP_LOSS_TYPES:
-        fields.update(loss_type="ppo_clip", clip_low=float(settings.get("epsilon_low", 0.2)),
-                      clip_high=float(settings.get("epsilon_high", 0.2)), delta=settings.get("delta"))  # fmt: skip
-    elif loss_type == "cispo":
-        fields.update(loss_type="cispo", cispo_form="absolute", cispo_cap=float(settings.get("epsilon_high", 0.2)))
-    elif loss_type == "sapo":
-        fields.update(loss_type="sapo", sapo_tau_pos=float(settings.get("sapo_temperature_pos", 1.0)),
-                      sapo_tau_neg=float(settings.get("sapo_temperature_neg", 1.05)))  # fmt: skip
-    else:  # vespo
-        fields.update(loss_type="vespo", vespo_k_pos=float(settings.get("vespo_k_pos", 2.0)),
-                      vespo_lambda_pos=float(settings.get("vespo_lambda_pos", 3.0)),
-                      vespo_k_neg=float(settings.get("vespo_k_neg", 3.0)),
-                      vespo_lambda_neg=float(settings.get("vespo_lambda_neg", 2.0)))  # fmt: skip
-    if loss_type == "dr_grpo":
-        fields["max_completion_length"] = int(settings.get("max_completion_length", 8192))
     coef = float(settings.get("entropy_coef", 0.0))
     if coef != 0.0:
         fields.update(entropy_coef=coef, entropy_agg_mode="token-mean-local")
@@ -364,19 +349,9 @@ def loss_normalizers(settings: dict, batch_size: int, num_items_in_batch=None, *
       dapo, cispo, vespo: num_tokens = max(num_items_in_batch, 1) GA / steps_per_generation in training
         (max(num_items_in_batch, 1) in eval), dp_size = num_processes
       entropy bonus: its own token mean over the micro-batch, divided by GA."""
-    loss_type = settings.get("loss_type", "grpo")
-    ga = int(grad_accum_steps)
-    if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
-        out = dict(num_sequences=batch_size * ga, grad_accum_steps=ga)
-    elif loss_type == "bnpo":
-        out = dict(grad_accum_steps=ga)
-    else:
-        items = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
-        items = max(float(items), 1.0)
-        if training and steps_per_generation:
-            items = items * ga / steps_per_generation
-        out = dict(num_tokens=items, dp_size=int(num_processes), grad_accum_steps=ga)
-    return out
+    return hf.trl_family_normalizers(settings.get("loss_type", "grpo"), batch_size, num_items_in_batch,
+                                     training=training, grad_accum_steps=grad_accum_steps,
+                                     steps_per_generation=steps_per_generation, num_processes=num_processes)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -392,17 +367,6 @@ class KernelOptions:
 
     backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"
     batch_invariant: bool = False  # fused_linear_logprobs(batch_invariant=): fixed reduction orders
-
-
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype Unsloth's kernel projects in: autocast's when it is on, else the head's (a float head),
-    else the hidden states'. grpo_kernels accumulates in fp32 either way."""
-    device_type = weight.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return weight.dtype
-    return hidden.dtype
 
 
 class UnslothLogProbsKernel:
@@ -421,8 +385,11 @@ class UnslothLogProbsKernel:
     GRPO), and a target outside [0, V) (Unsloth returns 0 for it; grpo_kernels raises ValueError).
     `calls` counts the calls (the trainer checks that its passes reached the kernel)."""
 
-    def __init__(self, options: KernelOptions | None = None):
+    def __init__(self, options: KernelOptions | None = None, model_transform: hf.LogitTransform | None = None):
         self.options = options or KernelOptions()
+        # the transform the model's own forward applies (grpo_kernels.hf.logit_transform; GRPOKernelsTrainer sets
+        # it): when set, what the kernel applies instead of the one Unsloth passes
+        self.model_transform = model_transform
         self.calls = 0
 
     def __call__(self, hidden, weight, targets, *, bias=None, mask=None, temperature=1.0,
@@ -458,8 +425,10 @@ class UnslothLogProbsKernel:
             zero = flat_hidden.sum() * 0 + weight.sum() * 0 + (0 if bias is None else bias.sum() * 0)
             empty = flat_hidden.new_zeros(lead, dtype=torch.float32) + zero.float()
             return (empty, empty.clone()) if return_entropy else empty
-        dtype = _compute_dtype(hidden, weight)
+        dtype = hf.compute_dtype(hidden, weight)  # Unsloth's rule: autocast's, else the head's
         cap = float(logit_softcapping or 0.0)
+        if self.model_transform is not None:
+            cap, scale = float(self.model_transform.softcap or 0.0), self.model_transform.logit_scale
         with torch.autocast(device.type, enabled=False):
             out = gk.fused_linear_logprobs(
                 flat_hidden.to(dtype), weight.to(dtype), flat_targets.long(),
@@ -536,20 +505,10 @@ def bypass_reasons(trainer=None) -> list[str]:
 
 
 def _check_versions():
-    from importlib import metadata
-
-    found = {}
     for name, wanted in (("unsloth", SUPPORTED_UNSLOTH), ("unsloth_zoo", SUPPORTED_UNSLOTH_ZOO)):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-        if found[name] != wanted:
-            raise RuntimeError(
-                f"grpo_kernels.integrations.unsloth supports {name} {wanted} (tested); found {found[name]}. "
-                f'Install the tested versions (pip install "unsloth=={SUPPORTED_UNSLOTH}" '
-                f'"unsloth_zoo=={SUPPORTED_UNSLOTH_ZOO}") or use Unsloth\'s GRPOTrainer.'
-            )
+        hf.require_version("unsloth", name, wanted, hf.installed_version(name),
+                           install=f"unsloth=={SUPPORTED_UNSLOTH}\" \"unsloth_zoo=={SUPPORTED_UNSLOTH_ZOO}",
+                           otherwise="use Unsloth's GRPOTrainer")  # fmt: skip
     module = _kernel_module()
     if not callable(getattr(module, KERNEL_NAME, None)):
         raise RuntimeError(f"grpo_kernels.integrations.unsloth: {KERNEL_MODULE} has no {KERNEL_NAME}")
@@ -568,7 +527,9 @@ def _unsloth_grpo_trainer():
         raise RuntimeError(
             "grpo_kernels.integrations.unsloth: trl.GRPOTrainer is TRL's own, not Unsloth's generated "
             "UnslothGRPOTrainer. Import unsloth (and load the model with FastLanguageModel) before using "
-            "GRPOKernelsTrainer; without Unsloth use grpo_kernels.integrations.trl."
+            "GRPOKernelsTrainer; without Unsloth use grpo_kernels.integrations.trl. On a machine without a GPU "
+            "Unsloth's CPU backend trains SFT only and leaves TRL's GRPOTrainer as it is: set UNSLOTH_ALLOW_CPU=1 "
+            "before importing unsloth to generate its GRPO trainer there."
         )
     return cls
 
@@ -594,21 +555,13 @@ def _build_trainer_class():
                     "assembles from mini batches, packed rows and shared prompts, so fusing the LM head into the loss "
                     "would re-implement unsloth_zoo's grpo_accumulated_loss. Use grpo_kernels_mode='logprobs'."
                 )
-            if grpo_kernels_mode not in MODES:
-                raise ValueError(f"grpo_kernels_mode must be one of {MODES}, got {grpo_kernels_mode!r}")
-            if grpo_kernels_backend not in ("auto", "triton", "torch"):
-                raise ValueError(
-                    f"grpo_kernels_backend must be 'auto', 'triton' or 'torch', got {grpo_kernels_backend!r}"
-                )
-            if not isinstance(grpo_kernels_batch_invariant, bool):
-                raise ValueError(
-                    f"grpo_kernels_batch_invariant must be True or False, got {grpo_kernels_batch_invariant!r}"
-                )
+            hf.check_trainer_options(grpo_kernels_mode, MODES, grpo_kernels_backend, grpo_kernels_batch_invariant)
             self.grpo_kernels_mode = grpo_kernels_mode
             self.grpo_kernels_kernel = UnslothLogProbsKernel(
                 KernelOptions(grpo_kernels_backend, grpo_kernels_batch_invariant)
             )
             super().__init__(*args, **kwargs)
+            self.grpo_kernels_kernel.model_transform = hf.logit_transform(self.model)
             reasons = bypass_reasons(self)
             if reasons:
                 raise ValueError(
@@ -647,18 +600,7 @@ def _build_trainer_class():
             with self._grpo_kernels_scope():
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    GRPOKernelsTrainer.__module__ = __name__
-    GRPOKernelsTrainer.__qualname__ = "GRPOKernelsTrainer"
     return GRPOKernelsTrainer
 
 
-_trainer_class = None
-
-
-def __getattr__(name):
-    global _trainer_class
-    if name == "GRPOKernelsTrainer":
-        if _trainer_class is None:
-            _trainer_class = _build_trainer_class()
-        return _trainer_class
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = hf.lazy_class(__name__, "GRPOKernelsTrainer", _build_trainer_class)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 
-
 import grpo_kernels as gk
+from grpo_kernels import hf
 
 SUPPORTED_VERL = "0.9.1"
 # verl loss_mode -> the grpo_kernels loss it maps to (see _policy_config)
@@ -32,11 +32,9 @@ _registered: list[str] = []
 def _check_version() -> None:
     import verl
 
-    if getattr(verl, "__version__", None) != SUPPORTED_VERL:
-        raise RuntimeError(
-            f"grpo_kernels.integrations.verl supports verl {SUPPORTED_VERL} (tested); found {verl.__version__}. "
-            "Pin verl==0.9.1 or set VERL_USE_EXTERNAL_PLUGINS=none to run without grpo_kernels."
-        )
+    hf.require_version("verl", "verl", SUPPORTED_VERL, getattr(verl, "__version__", None),
+                       install=f"verl=={SUPPORTED_VERL}",
+                       otherwise="set VERL_USE_EXTERNAL_PLUGINS=none to run without grpo_kernels")  # fmt: skip
 
 
 def _clip_bounds(config) -> tuple[float, float]:

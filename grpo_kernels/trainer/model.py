@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from ..hf import logit_transform as logit_transform_of
+
 # The embedded default: a 2-layer Llama small enough to learn the built-in tasks by RL on a 2-core CPU in
 # minutes. Its vocabulary is digits and a few symbols, one token per whitespace-separated word.
 EMBEDDED_VOCAB = ("<pad>", "<bos>", "<eos>", "<unk>", "=", "+", *(str(d) for d in range(10)))
@@ -89,24 +91,10 @@ def load_pretrained(path: str):
 
 
 def logit_transform(model) -> dict:
-    """The model's transform of the LM head's output before the softmax, as the fused functions' keywords:
-    ``softcap`` (Gemma 2 / 3 ``final_logit_softcapping``: cap tanh(x / cap)) and ``logit_scale`` (Cohere's
-    ``logit_scale``, ``output_multiplier`` / ``lm_head_multiplier``, Granite's 1 / ``logits_scaling``),
-    so that the loss's softmax is the one the sampler draws from."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    softcap = getattr(config, "final_logit_softcapping", None)
-    scale = None
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        if scale is None and getattr(config, name, None) is not None:
-            scale = float(getattr(config, name))
-    if scale is None and getattr(config, "logits_scaling", None) is not None:
-        scale = 1.0 / float(config.logits_scaling)
-    scale = 1.0 if scale is None else scale
-    if not (scale > 0 and scale < float("inf")):
-        raise ValueError(f"the model's logit scale {scale} must be finite and > 0")
-    if softcap is not None and not (0 < float(softcap) < float("inf")):
-        raise ValueError(f"the model's final_logit_softcapping {softcap} must be finite and > 0")
-    return {"softcap": None if softcap is None else float(softcap), "logit_scale": scale}
+    """The model's transform of the LM head's output before the softmax, as the fused functions' keywords
+    ``softcap`` and ``logit_scale``, so that the loss's softmax is the one the sampler draws from: read by
+    `grpo_kernels.hf.logit_transform` (per architecture; ValueError naming what it cannot express)."""
+    return logit_transform_of(model)._asdict()
 
 
 def load_policy(model_path: str | None, seed: int):
