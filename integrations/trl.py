@@ -35,9 +35,12 @@ FSDP / ZeRO-3 hooks are armed) and passes its gradient out through the forward's
 output. A forward that does not reach the grpo_kernels head (something else replaced the model's
 forward) is an error, never a silent fallback to TRL's kernel.
 
-The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b;
-each call passes its final_logit_softcapping (Gemma 2 / 3) and logit_scale (Granite) to grpo_kernels'
-`softcap` / `logit_scale`, the same formula in the kernels' epilogue.
+The logit transform: TRL computes z = softcap tanh(scale x / softcap) / T with x = hidden W^T + b and
+passes the final_logit_softcapping and logit_scale it reads from the config by attribute name; the heads
+apply instead the transform of the model the pass runs, `grpo_kernels.hf.logit_transform` (per
+architecture: the same values for Gemma 2 / 3, Granite, Cohere, HyperCLOVA X; the model's own where TRL's
+reading misses or misapplies one), as grpo_kernels' `softcap` / `logit_scale`, the same formula in the
+kernels' epilogue.
 
 Distributed: the LM-head weight arrives gathered (TRL's forward does it). In "logprobs" mode the
 backward re-enters `maybe_gather_lm_head_ctx` before recomputing (as TRL's kernel does); "fused"
