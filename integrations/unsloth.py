@@ -376,7 +376,9 @@ class UnslothLogProbsKernel:
     Per-token log_softmax(transform(hidden @ weight.T + bias) / temperature)[targets], fp32, the shape of
     targets, on hidden's device; transform(x) = c tanh(s x / c) with s = logit_scale_multiply /
     logit_scale_divide (each 0: absent) and c = logit_softcapping (0: none), Unsloth's order, as
-    grpo_kernels' logit_scale / softcap. `mask`: rows outside it get 0 (and no gradient).
+    grpo_kernels' logit_scale / softcap; with `model_transform` set (GRPOKernelsTrainer sets the model's own,
+    grpo_kernels.hf.logit_transform) that transform replaces the one passed. `mask`: rows outside it get 0 (and no
+    gradient).
     `return_entropy` adds the entropy; `entropy_requires_grad` False detaches it (True and None: it is
     differentiable, the gradient computed when one arrives). `rows_per_chunk` / `max_rows_per_chunk` are
     Unsloth's chunk sizes: grpo_kernels plans its own chunks (its memory is bounded by them), so they do
