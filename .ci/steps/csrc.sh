@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 start=$(date +%s)
-PYTHON=python3 bash csrc/build.sh --check
-python3 -m pytest -q -p no:cacheprovider tests/test_csrc.py
+# PYTHON: an interpreter with pip (the toolchain install) and the test environment (torch, pytest): the main
+# chain's .ci/venv when it is active
+PYTHON="${PYTHON:-python3}" bash csrc/build.sh --check
+"${PYTHON:-python3}" -m pytest -q -p no:cacheprovider tests/test_csrc.py
 echo "csrc step finished in $(( $(date +%s) - start )) s"
