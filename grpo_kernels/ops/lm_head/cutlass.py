@@ -182,10 +182,11 @@ def forward_stats(lib, hidden, weight, bias, targets, temperature: float, softca
     stats = LMHeadStats(out[0], out[1], out[2], out[3])
     if n_tokens == 0:
         return stats
-    m, s, d, t = forward_partials(lib, hidden, weight, bias, targets, temperature, softcap, **kwargs)
-    stream = torch.cuda.current_stream(hidden.device).cuda_stream
-    _call(lib, "grpo_csrc_lm_head_fwd_merge", m.data_ptr(), s.data_ptr(), d.data_ptr(), t.data_ptr(),
-          *(x.data_ptr() for x in stats), n_tokens, m.shape[0], stream)  # fmt: skip
+    with torch.cuda.device(hidden.device):  # the library launches on the current device, as torch's stream
+        m, s, d, t = forward_partials(lib, hidden, weight, bias, targets, temperature, softcap, **kwargs)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        _call(lib, "grpo_csrc_lm_head_fwd_merge", m.data_ptr(), s.data_ptr(), d.data_ptr(), t.data_ptr(),
+              *(x.data_ptr() for x in stats), n_tokens, m.shape[0], stream)  # fmt: skip
     return stats
 
 
