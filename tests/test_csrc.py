@@ -151,7 +151,6 @@ def test_sass_has_wgmma_and_tma():
         head = f.split("\n", 1)[0][:80]
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
-        assert "STL" not in re.sub(r"STL\w*\s+\[R1", "", f) or True  # (spills: ptxas report above)
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 
