@@ -1,0 +1,173 @@
+"""On a Hopper GPU: check the csrc kernel A (csrc/bin/libgrpo_kernels_sm90a.so) against the fp32 reference, then
+time it against one cuBLAS GEMM of the same shape, interleaved. Writes one JSON file; claims nothing itself.
+
+    python benchmarks/gpu/csrc_check.py --out $OUT/csrc.json [--n 16384] [--repeats 20]
+
+Checks (each a row of "checks", ok true / false, with the worst element):
+  * small heads (N = 300, H = 512, V = 5003: a ragged last tile and M tile) in bf16 and fp16, every transform
+    (plain T = 0.7, bias with one -inf entry, soft cap 30 with bias) and both variants, against
+    lm_head_stats_reference in fp32 on the same operands; tolerance: the Triton kernel's error on the same call
+    (triton.lm_head_forward) times 4 plus 1e-5 (|lse|+1): csrc must be as accurate as today's path;
+  * the target head (N = 1024, H = 4096, V = 151936, bf16), the same comparison (the reference in chunks).
+Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16; per repeat, in a shuffled order,
+  csrc cooperative and ping-pong each at tile-scheduler swizzle 1 / 4 / 8, Triton kernel A (triton.lm_head_forward),
+  torch.mm (cuBLAS, bf16 out [N, V]), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
+  TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
+Expected duration on an H100 / H200: ~1 min (build-free: the library is loaded, no compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from grpo_kernels.ops.lm_head import cutlass, triton as triton_impl  # noqa: E402
+from grpo_kernels.ops.lm_head.reference import lm_head_stats_reference  # noqa: E402
+
+FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
+
+
+def _reference(hidden, weight, bias, targets, temperature, softcap, chunk=256):
+    outs = []
+    for i in range(0, hidden.shape[0], chunk):
+        s = lm_head_stats_reference(hidden[i:i + chunk], weight, targets[i:i + chunk], bias, temperature, softcap)
+        outs.append(torch.stack(list(s)))
+    return torch.cat(outs, 1)  # [4, N]
+
+
+def _compare(name, got, tri, ref):
+    got, tri = torch.stack(list(got)), torch.stack(list(tri))
+    row = {"case": name, "ok": True}
+    for k, f in enumerate(FIELDS):
+        err = (got[k] - ref[k]).abs()
+        err_tri = (tri[k] - ref[k]).abs()
+        tol = 4 * err_tri.max() + 1e-5 * (ref[2].abs() + 1)
+        bad = ~(err <= tol)
+        i = int(torch.where(bad.any(), bad.float().argmax(), (err / tol).argmax()))
+        row[f] = {"max_err": err.max().item(), "triton_max_err": err_tri.max().item(), "worst_row": i,
+                  "got": got[k, i].item(), "want": ref[k, i].item(), "tol": tol[i].item()}  # fmt: skip
+        row["ok"] &= not bool(bad.any())
+    return row
+
+
+def checks(lib, device):
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        n, h, v = 300, 512, 5003
+        hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).to(dtype)
+        weight = (torch.randn(v, h, device=device, generator=g) * 0.2).to(dtype)
+        bias = torch.randn(v, device=device, generator=g).to(dtype)
+        bias[17] = float("-inf")
+        targets = torch.randint(0, v, (n,), device=device, generator=g)
+        for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 1.0, 30.0)):
+            sc = None if cap is None else (1.0 / cap, cap / temp)
+            ref_bias = None if b is None else b.float()
+            if ref_bias is not None and cap is None:  # the kernels' forbidden token: z = NEG_BIG, p (z - m) = 0
+                ref_bias = ref_bias.clamp(min=-(2.0**102) * temp)  # (the reference's -inf gives 0 * -inf = NaN)
+            ref = _reference(hidden.float(), weight.float(), ref_bias, targets, temp, cap)
+            tri = triton_impl.lm_head_forward(hidden, weight, b, targets, temp, softcap=sc)
+            for variant in cutlass.VARIANTS:
+                got = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
+                torch.cuda.synchronize()
+                rows.append(_compare(f"{dtype}-{label}-{variant}", got, tri, ref))
+    n, h, v = 1024, 4096, 151936
+    hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    ref = _reference(hidden.float(), weight.float(), None, targets, 1.0, None, chunk=64)
+    tri = triton_impl.lm_head_forward(hidden, weight, None, targets, 1.0)
+    for variant in cutlass.VARIANTS:
+        got = cutlass.forward_stats(lib, hidden, weight, None, targets, 1.0, None, variant=variant)
+        rows.append(_compare(f"target-head-N{n}-{variant}", got, tri, ref))
+    return rows
+
+
+def timings(lib, device, n, repeats):
+    h, v = 4096, 151936
+    hidden = (torch.randn(n, h, device=device) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device) * 0.02).bfloat16()
+    targets = torch.randint(0, v, (n,), device=device)
+    logits = torch.empty(n, v, device=device, dtype=torch.bfloat16)
+    def csrc(variant, swizzle):  # the tile scheduler's swizzle (1, 4, 8 tiles) is a run-time argument
+        return lambda: cutlass.forward_stats(lib, hidden, weight, None, targets, 1.0, variant=variant, swizzle=swizzle)
+
+    fns = {f"csrc_{v}_swizzle{w}": csrc(v, w) for v in cutlass.VARIANTS for w in (1, 4, 8)}
+    fns["triton_kernel_a"] = lambda: triton_impl.lm_head_forward(hidden, weight, None, targets, 1.0)
+    fns["cublas_gemm_bf16_out"] = lambda: torch.mm(hidden, weight.t(), out=logits)
+    for fn in fns.values():  # warm-up (autotuning, first-call setup)
+        fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        order = list(fns)
+        random.shuffle(order)
+        for k in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end))
+    flops = 2 * n * h * v
+    out = {}
+    for k, ts in times.items():
+        q = statistics.quantiles(ts, n=10)
+        med = statistics.median(ts)
+        out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops / med / 1e9, "n": len(ts)}
+    best = min((k for k in out if k.startswith("csrc_")), key=lambda k: out[k]["median_ms"])
+    floor = out["cublas_gemm_bf16_out"]["median_ms"]
+    summary = {"best_csrc": best, "best_csrc_to_cublas": out[best]["median_ms"] / floor,
+               "triton_to_cublas": out["triton_kernel_a"]["median_ms"] / floor}  # fmt: skip
+    return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    t0 = time.time()
+    device = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(device), "capability": torch.cuda.get_device_capability(device),
+              "torch": torch.__version__, "library": str(cutlass.library_path())}  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(phase):  # after every phase: a hang or a crash later keeps what was measured
+        result["phase"], result["seconds"] = phase, time.time() - t0
+        out.write_text(json.dumps(result, indent=1))
+
+    lib = cutlass.load()
+    result["loaded"] = lib is not None
+    result["why_not"] = cutlass.why_not()
+    save("loaded")
+    if lib is not None:
+        try:
+            result["checks"] = checks(lib, device)
+            result["all_checks_ok"] = all(r["ok"] for r in result["checks"])
+            save("checked")
+            if result["all_checks_ok"]:
+                result["timing"] = timings(lib, device, args.n, args.repeats)
+        except Exception as exc:  # noqa: BLE001 - the session records the failure and goes on
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    save("done")
+    print(json.dumps({k: result.get(k) for k in ("loaded", "why_not", "all_checks_ok", "error", "seconds")}))
+    if "timing" in result:
+        print(json.dumps(result["timing"]["summary"], indent=1))
+        for k, r in result["timing"]["rows"].items():
+            print(f"{k:32s} {r['median_ms']:8.3f} ms (p20 {r['p20_ms']:.3f}, p80 {r['p80_ms']:.3f})  {r['tflops']:6.1f} TF/s")
+
+
+if __name__ == "__main__":
+    main()

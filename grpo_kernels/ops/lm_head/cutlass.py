@@ -1,0 +1,258 @@
+"""Kernel A from csrc/ (CUTLASS 3.x, sm_90a): log-probs without grad below one cuBLAS GEMM's cost, opt-in.
+
+`csrc/lm_head_fwd_sm90.cu` is the logits GEMM (TMA + WGMMA, warp-specialized persistent schedule) whose
+epilogue writes, per row and per vocabulary tile of `block_n` columns, the tile's max m_t, sum exp(z - m_t),
+sum exp(z - m_t)(z - m_t) and the target logit: the Triton partials' format with one "split" per tile, folded
+by the same merge (README.md beside this file, §1). It is built without a GPU by `csrc/build.sh` into
+`csrc/bin/libgrpo_kernels_sm90a.so`, a plain C ABI loaded here with ctypes (no torch extension, no ABI
+coupling to the GPU machine's torch).
+
+This module is an `impl` for LMHeadFunction (the interface of triton.py): `lm_head_forward` runs the csrc kernel
+where it applies (switch on, CUDA device of capability 9.0, bf16 / fp16, 16-byte aligned rows, no
+`logits_out`) and triton.py's otherwise; `lm_head_backward` is triton.py's. Nothing happens at import: the
+library is looked for and loaded on the first call with the switch on, and a missing, stale (its stamp differs
+from csrc/'s sources) or unloadable library gives exactly one warning and the Triton path from then on.
+
+Switch: GRPO_KERNELS_CSRC=1 (read per call). Not taken by backend="auto": csrc/README.md.
+
+It also holds the float64 / fp32 model of the epilogue's arithmetic (`tile_partials`, `merge_partials`), the
+spec that tests/test_csrc.py pins against the full-row float64 softmax and that the GPU check compares to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from .reference import LMHeadStats
+
+ENV_SWITCH = "GRPO_KERNELS_CSRC"
+ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
+ABI_VERSION = 1
+LOG2E = 1.4426950408889634
+RUN_MAX_INIT = -(2.0**105)
+PAD_LOGIT = -(2.0**104)
+VARIANTS = {"cooperative": 0, "pingpong": 1}  # 128x256x64 two consumer warpgroups / 64x256x64 ping-pong
+DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+BIAS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_SRC_DIR = Path(__file__).resolve().parents[3] / "csrc"
+_state: dict = {}  # "lib": the loaded library or None; "why": the reason it is None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "0") not in ("", "0", "false", "False")
+
+
+def library_path() -> Path:
+    return Path(os.environ.get(ENV_LIBRARY) or _SRC_DIR / "bin" / "libgrpo_kernels_sm90a.so")
+
+
+def source_stamp(src_dir: Path = _SRC_DIR) -> str | None:
+    """csrc/stamp.py's stamp of the sources, or None where the sources are not shipped (a wheel install)."""
+    stamp_py = Path(src_dir) / "stamp.py"
+    if not stamp_py.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_grpo_csrc_stamp", stamp_py)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_stamp(Path(src_dir))
+
+
+def _open(path: Path, src_dir: Path):
+    """(library, None) or (None, reason). Loading runs no CUDA call: the stamp is a host string."""
+    if not path.is_file():
+        return None, f"{path} is missing (build it with `bash csrc/build.sh`)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"{path} does not load: {exc}"
+    try:
+        lib.grpo_csrc_abi_version.restype = ctypes.c_int
+        if lib.grpo_csrc_abi_version() != ABI_VERSION:
+            return None, f"{path} has ABI version {lib.grpo_csrc_abi_version()}, this module wants {ABI_VERSION}"
+        lib.grpo_csrc_build_stamp.restype = ctypes.c_char_p
+        built = lib.grpo_csrc_build_stamp().decode()
+        want = source_stamp(src_dir)
+        if want is not None and built != want:
+            return None, f"{path} is stale (built from sources {built}, csrc/ is now {want}): rerun `bash csrc/build.sh`"
+        _declare(lib)
+    except AttributeError as exc:  # a symbol missing: not this library, or a build without the exports
+        return None, f"{path} lacks an entry point: {exc}"
+    return lib, None
+
+
+def _declare(lib) -> None:
+    c_int, c_i64, c_f, c_p, c_sz, c_u64 = (ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                                          ctypes.c_size_t, ctypes.c_uint64)  # fmt: skip
+    lib.grpo_csrc_last_error.restype = ctypes.c_char_p
+    lib.grpo_csrc_lm_head_fwd_block_n.argtypes = [c_int]
+    lib.grpo_csrc_lm_head_fwd_block_n.restype = c_int
+    lib.grpo_csrc_lm_head_fwd_smem_bytes.argtypes = [c_int, c_int]
+    lib.grpo_csrc_lm_head_fwd_smem_bytes.restype = c_int
+    lib.grpo_csrc_lm_head_fwd_workspace_bytes.argtypes = [c_int, c_int, c_i64, c_i64, c_i64]
+    lib.grpo_csrc_lm_head_fwd_workspace_bytes.restype = c_sz
+    lib.grpo_csrc_lm_head_fwd_partials.argtypes = [
+        c_int, c_int, c_p, c_p, c_i64, c_i64, c_i64, c_i64, c_i64,  # variant dtype hidden weight N H V ldh ldw
+        c_p, c_int, c_p, c_f, c_int, c_f, c_f,  # bias bias_dtype targets inv_T has_softcap cap_in cap_out
+        c_p, c_p, c_p, c_p, c_int, c_int, c_p, c_sz, c_u64,  # partials target raster swizzle workspace stream
+    ]
+    lib.grpo_csrc_lm_head_fwd_partials.restype = c_int
+    lib.grpo_csrc_lm_head_fwd_merge.argtypes = [c_p] * 8 + [c_i64, c_i64, c_u64]
+    lib.grpo_csrc_lm_head_fwd_merge.restype = c_int
+
+
+def load(path: Path | None = None, src_dir: Path = _SRC_DIR):
+    """The library, or None after exactly one warning per process (the reason is kept in `why_not()`)."""
+    if "lib" not in _state:
+        lib, why = _open(library_path() if path is None else Path(path), Path(src_dir))
+        _state.update(lib=lib, why=why)
+        if lib is None:
+            warnings.warn(f"grpo_kernels csrc kernels unavailable, using the Triton path: {why}", stacklevel=2)
+    return _state["lib"]
+
+
+def why_not() -> str | None:
+    return _state.get("why")
+
+
+def reset() -> None:
+    """Forget the loaded library (tests; a rebuilt library is looked for again)."""
+    _state.clear()
+
+
+def applies(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits_out=None) -> bool:
+    """Whether the csrc kernel can run this call (otherwise the Triton path does, silently: a shape question)."""
+    if logits_out is not None or hidden.device.type != "cuda" or hidden.dtype not in DTYPES:
+        return False
+    if weight.dtype != hidden.dtype or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        return False
+    if bias is not None and bias.dtype not in BIAS_DTYPES:
+        return False
+    elt = hidden.element_size()
+    # TMA: unit stride along H, 16-byte aligned base and row strides
+    return all(
+        t.stride(-1) == 1 and (t.stride(0) * elt) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight)
+    ) and (hidden.shape[1] * elt) % 16 == 0
+
+
+def _call(lib, fn: str, *args) -> None:
+    if getattr(lib, fn)(*args) != 0:
+        raise RuntimeError(f"csrc {fn}: {lib.grpo_csrc_last_error().decode()}")
+
+
+def forward_partials(lib, hidden, weight, bias, targets, temperature: float, softcap=None, *,
+                     variant: str = "cooperative", raster: int = 0, swizzle: int = 1):  # fmt: skip
+    """The csrc GEMM's partials: (part_max, part_sum, part_dev [num_tiles, N], target_logit [N]), fp32."""
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    v = VARIANTS[variant]
+    block_n = lib.grpo_csrc_lm_head_fwd_block_n(v)
+    num_tiles = -(-vocab // block_n)
+    parts = torch.empty((3, num_tiles, n_tokens), dtype=torch.float32, device=hidden.device)
+    target_logit = torch.full((n_tokens,), float("nan"), dtype=torch.float32, device=hidden.device)
+    targets = targets.to(torch.int64).contiguous()
+    ws_bytes = lib.grpo_csrc_lm_head_fwd_workspace_bytes(v, DTYPES[hidden.dtype], n_tokens, hidden_size, vocab)
+    ws = torch.empty((max(ws_bytes, 1),), dtype=torch.uint8, device=hidden.device)
+    if softcap is None:
+        has_softcap, cap_in, cap_out = 0, 0.0, 0.0
+    else:
+        has_softcap, (cap_in, cap_out) = 1, softcap
+    bias_c = bias.contiguous() if bias is not None else None
+    stream = torch.cuda.current_stream(hidden.device).cuda_stream
+    _call(lib, "grpo_csrc_lm_head_fwd_partials", v, DTYPES[hidden.dtype], hidden.data_ptr(), weight.data_ptr(),
+          n_tokens, hidden_size, vocab, hidden.stride(0), weight.stride(0),
+          bias_c.data_ptr() if bias_c is not None else None, BIAS_DTYPES[bias_c.dtype] if bias_c is not None else 0,
+          targets.data_ptr(), 1.0 / temperature, has_softcap, cap_in, cap_out,
+          parts[0].data_ptr(), parts[1].data_ptr(), parts[2].data_ptr(), target_logit.data_ptr(),
+          raster, swizzle, ws.data_ptr(), ws_bytes, stream)  # fmt: skip
+    return parts[0], parts[1], parts[2], target_logit
+
+
+def forward_stats(lib, hidden, weight, bias, targets, temperature: float, softcap=None, **kwargs) -> LMHeadStats:
+    """Partials then the CUDA merge: LMHeadStats (fp32 [N]) as triton.lm_head_forward returns them."""
+    n_tokens = hidden.shape[0]
+    out = torch.empty((4, n_tokens), dtype=torch.float32, device=hidden.device)
+    stats = LMHeadStats(out[0], out[1], out[2], out[3])
+    if n_tokens == 0:
+        return stats
+    with torch.cuda.device(hidden.device):  # the library launches on the current device, as torch's stream
+        m, s, d, t = forward_partials(lib, hidden, weight, bias, targets, temperature, softcap, **kwargs)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        _call(lib, "grpo_csrc_lm_head_fwd_merge", m.data_ptr(), s.data_ptr(), d.data_ptr(), t.data_ptr(),
+              *(x.data_ptr() for x in stats), n_tokens, m.shape[0], stream)  # fmt: skip
+    return stats
+
+
+def lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs) -> LMHeadStats:
+    """triton.lm_head_forward's signature; the csrc kernel where it applies and the switch is on."""
+    from . import triton as triton_impl
+
+    softcap = kwargs.get("softcap")
+    plain = set(kwargs) <= {"softcap"}  # config / tiles_per_split / logits_out ... are Triton requests
+    if enabled() and plain and hidden.shape[0] > 0 and applies(hidden, weight, bias):
+        lib = load()
+        if lib is not None:
+            triton_impl._check_common(hidden, weight, bias, targets, temperature)
+            return forward_stats(lib, hidden, weight, bias, targets, temperature, softcap)
+    return triton_impl.lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs)
+
+
+def lm_head_backward(*args, **kwargs):
+    from . import triton as triton_impl
+
+    return triton_impl.lm_head_backward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The epilogue's arithmetic on the host: the spec of the partials and their merge.
+
+
+def tile_partials(z: torch.Tensor, targets: torch.Tensor, block_n: int):
+    """Per-tile statistics of logits z [N, V] (any float dtype; the arithmetic runs in z's dtype), tiles of
+    block_n columns, padding past V at PAD_LOGIT as the kernel's: (part_max, part_sum, part_dev [T, N],
+    target_logit [N], NaN where the target is outside [0, V)). exp(x) = exp2(x log2 e) as the kernel's."""
+    n, vocab = z.shape
+    num_tiles = -(-vocab // block_n)
+    padded = torch.full((n, num_tiles * block_n), PAD_LOGIT, dtype=z.dtype)
+    padded[:, :vocab] = z
+    tiles = padded.view(n, num_tiles, block_n).transpose(0, 1)  # [T, N, BN]
+    m = tiles.amax(-1)
+    d = tiles - m[..., None]
+    e = torch.exp2(d * LOG2E)
+    target_logit = torch.full((n,), float("nan"), dtype=z.dtype)
+    ok = (targets >= 0) & (targets < vocab)
+    target_logit[ok] = z[ok].gather(1, targets[ok].long()[:, None]).squeeze(1)
+    return m, e.sum(-1), (e * d).sum(-1), target_logit
+
+
+def merge_partials(part_max, part_sum, part_dev, target_logit) -> LMHeadStats:
+    """The merge kernel's fold over tiles, in the partials' dtype (lm_head_fwd_kernel_merge's order)."""
+    run_max = torch.full_like(part_max[0], RUN_MAX_INIT)
+    run_sum = torch.zeros_like(part_sum[0])
+    run_dev = torch.zeros_like(part_dev[0])
+    for m_k, s_k, d_k in zip(part_max, part_sum, part_dev):
+        new_max = torch.maximum(run_max, m_k)
+        a = torch.exp2((run_max - new_max) * LOG2E)
+        b = torch.exp2((m_k - new_max) * LOG2E)
+        run_dev = a * (run_dev + (run_max - new_max) * run_sum) + b * (d_k + (m_k - new_max) * s_k)
+        run_sum = a * run_sum + b * s_k
+        run_max = new_max
+    log_sum = torch.log(run_sum)
+    mean_dev = run_dev / run_sum
+    return LMHeadStats((target_logit - run_max) - log_sum, log_sum - mean_dev, run_max + log_sum, run_max + mean_dev)
+
+
+def stats_error_bound(z64: torch.Tensor, block_n: int, eps: float = 2.0**-24) -> torch.Tensor:
+    """Per-row bound on |fp32 statistic - float64 statistic| for the tile partials + merge computed in fp32
+    from fp32-rounded z (derivation in tests/test_csrc.py): eps (2 max|z| + 4 (L + 8) (1 + spread)),
+    L = block_n + num_tiles terms on the longest summation path, spread = max z - min z over the row."""
+    num_tiles = math.ceil(z64.shape[1] / block_n)
+    spread = (z64.amax(1) - z64.amin(1)).clamp(max=200.0)  # exp underflows past ~104: those terms are 0
+    return eps * (2 * z64.abs().amax(1) + 4 * (block_n + num_tiles + 8) * (1 + spread))
