@@ -247,6 +247,8 @@ def test_rehearsal_the_training_step_part(resumed):
     assert {(p["stock"], p["ours"]) for p in report["pairs"]} == set(step.PAIRS)
     assert (out_dir / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "sweep.png" not in {p.name for p in out_dir.iterdir()}  # drawn below the headline's panels
+    tail = out.stdout[-4000:]  # the closing summary names each pair's step speed and each wall
+    assert "step tiny: trl-stock -> trl-fused: " in tail and "wall tiny length trainer-fused: fits 64" in tail, tail
 
 
 def test_the_memory_wall_search_is_bounded_and_exact_when_it_can_be():

@@ -935,6 +935,20 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
         value = c.get("value")
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         lines.append(f"  [{met:>6}] {c['op']}: {c['check']}: {shown}{'  (' + c['why'] + ')' if c.get('why') else ''}")
+    tier = next((p for c in reversed(record["calls"]) for p in c["parts"] if p["name"] == "gpu-tests"
+                 and p.get("tests")), None)  # fmt: skip
+    if tier and tier["tests"].get("counts"):
+        bad = [c["test"] for c in tier["tests"]["cases"] if c["outcome"] in ("failed", "error")]
+        lines.append(f"GPU test tier ({tier['status']}): {tier['tests']['counts']}"
+                     + (f"; failed: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}" if bad else ""))  # fmt: skip
+    if (record.get("step") or {}).get("pairs") or (record.get("step") or {}).get("walls"):
+        lines.append("training step, stock -> grpo_kernels (session.json \"step\", step.png):")
+    for p in (record.get("step") or {}).get("pairs", []):  # the training step: stock -> ours, per pair
+        speed = f"{p['step_speedup']:.2f}x the step speed" if p.get("step_speedup") else p["status"]
+        saved = f", {p['peak_memory_saved_gib']:.1f} GiB less peak" if p.get("peak_memory_saved_gib") is not None else ""
+        lines.append(f"  step {p['model']}: {p['stock']} -> {p['ours']}: {speed}{saved}")
+    for w in (record.get("step") or {}).get("walls", []):
+        lines.append(f"  wall {w['model']} {w['axis']} {w['side']}: fits {w.get('largest_ok')}, OOM at {w.get('smallest_oom')}")
     slow = slowest_kernels(rows)
     lines.append("kernels furthest from their measured ceilings:" if slow else
                  "kernels: no microbenchmark rows yet (the micro part has not run)")  # fmt: skip
