@@ -240,6 +240,8 @@ def test_rehearsal_the_training_step_part(resumed):
         assert wall["planted_limit_bytes"] == step.REHEARSAL_PLANTED_BYTES and len(wall["tries"]) <= 3
         assert (wall["largest_ok"], wall["smallest_oom"]) == (64, 128), wall["tries"]
         assert "planted limit" in wall["tries"][-1]["reason"]
+    seqs = rows["wall|tiny|seqs|trainer-torch-head"]  # the other axis: sequences at a fixed length
+    assert (seqs["largest_ok"], seqs["smallest_oom"], seqs["exact"]) == (8, 16, True) and seqs["base"]["completion"] == 16, seqs["tries"]
     report = record["step"]
     assert report["schema"] == step.SCHEMA and report["measured"] is False
     assert report["git"]["sha"] == record["calls"][-1]["source"]["sha"]

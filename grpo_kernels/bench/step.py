@@ -726,6 +726,7 @@ TRY_TIMEOUT_S = 35
 REHEARSAL_SHAPE = Shape(4, 8, 16)
 REHEARSAL_PLANTED_BYTES = 600_000  # the tiny model's logits [4 x 64, 512] fp32 run into it between 64 and 128
 REHEARSAL_WALL = dict(lo=32, hi=256, grid=32, tries=3)  # 32, 64 fit; 128 runs into the planted limit
+REHEARSAL_WALL_SEQS = dict(lo=8, hi=64, grid=8, tries=3)  # 16-token completions: 8 sequences fit, 16 do not
 
 
 def session_rows(rehearsal: bool) -> dict[str, dict]:
@@ -737,6 +738,8 @@ def session_rows(rehearsal: bool) -> dict[str, dict]:
         for side in ("trainer-torch-head", "trainer-fused"):
             rows[f"wall|tiny|length|{side}"] = dict(kind="wall", model="tiny", side=side, axis="length",
                                                    shape=REHEARSAL_SHAPE, **REHEARSAL_WALL)  # fmt: skip
+        rows["wall|tiny|seqs|trainer-torch-head"] = dict(kind="wall", model="tiny", side="trainer-torch-head",
+                                                         axis="seqs", shape=REHEARSAL_SHAPE, **REHEARSAL_WALL_SEQS)  # fmt: skip
         return rows
     rows = {f"step|{m}|{f}": dict(kind="step", model=m, family=f, shape=STEP_SHAPE, steps=3, warmup=1)
             for m in ("qwen3-1.7b", "qwen3-8b") for f in ("trl", "trainer")}  # fmt: skip
