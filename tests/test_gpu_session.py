@@ -50,7 +50,12 @@ def test_dry_run_fits_the_lease_with_room_for_a_second_call(tmp_path):
     assert lease["fits"] and len(lease["calls"]) >= 2
     # the first call reaches the verdict's rows whatever else it reaches, and by its budgets the smoke check
     # and the microbenchmarks; a resumed call installs the wheels and checks the machine again
-    assert lease["calls"][0] == ["wheels", "preflight", "headline", "smoke", "micro"], lease["calls"]
+    # the first call: the GPU test tier first after preflight, then the verdict's rows; the training step
+    # (at most ~3 minutes) fits the second call with its wheels and preflight
+    assert lease["calls"][0] == ["wheels", "preflight", "gpu-tests", "headline"], lease["calls"]
+    assert lease["calls"][1] == ["wheels", "preflight", "step"], lease["calls"]
+    step = next(p for p in lease["parts"] if p.name == "step")
+    assert step.budget_s <= 180 and all(j.row_limit_s <= step.budget_s for j in step.jobs)
     assert all(c[:2] == ["wheels", "preflight"] for c in lease["calls"][1:])
     assert gpu_session.CALL_LIMIT_S <= 300 and gpu_session.CALL_BUDGET_S + gpu_session.RESERVE_S <= gpu_session.CALL_LIMIT_S
     assert len(gpu_session.file_list()) <= gpu_session.MAX_FILES
@@ -65,11 +70,13 @@ def test_a_plan_that_does_not_fit_the_lease_fails_the_dry_run(monkeypatch, capsy
 def test_the_verdict_rows_come_first_and_every_provider_has_one_place():
     parts = gpu_session.plan(False)
     names = [p.name for p in parts]
-    assert names[:3] == ["wheels", "preflight", "headline"]
+    assert names[:4] == ["wheels", "preflight", "gpu-tests", "headline"]
+    assert names.index("step") == names.index("headline") + 1  # the training step right after the kernel verdict
     headline = next(p for p in parts if p.name == "headline")
     assert [j.label for j in headline.jobs] == ["floor", "grpo_kernels", "trl", "liger-chunked"]
     # every row that is not in the verdict comes after the verdict's rows
-    assert all(names.index(n) > names.index("headline") for n in names if n not in ("wheels", "preflight", "headline"))
+    assert all(names.index(n) > names.index("headline") for n in names
+               if n not in ("wheels", "preflight", "gpu-tests", "headline"))  # fmt: skip
     placed = [set(gpu_session.HEADLINE_PROVIDERS), set(gpu_session.SCHEDULE_PROVIDERS),
               set(gpu_session.opt_in_providers()), set(gpu_session.EXCLUDED_PROVIDERS)]  # fmt: skip
     assert set().union(*placed) == set(REGISTRY.providers)
@@ -111,7 +118,8 @@ def rehearsal(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("session") / "call1"
     # the first parts only (what a call cut short leaves), with room for the planted hang on a slow machine
     out = run_sh("--rehearsal", "--out", str(out_dir), "--row-limit", ROW_LIMIT, "--budget", "600",
-                 "--parts", "wheels,preflight,headline,smoke", **{FAULT_ENV: "crash:trl,hang:torch-eager"})  # fmt: skip
+                 "--parts", "wheels,preflight,gpu-tests,headline,smoke",
+                 **{FAULT_ENV: "crash:trl,hang:torch-eager"})  # fmt: skip
     return out_dir, out
 
 
@@ -125,6 +133,11 @@ def test_rehearsal_a_crash_and_a_hang_cost_one_row_each_and_the_verdict_stays(re
     call = record["calls"][-1]
     status = {p["name"]: p["status"] for p in call["parts"]}
     assert status["wheels"] == "skipped" and status["preflight"] == "ok" and status["headline"] == "partial", status
+    # the GPU test tier ran first after preflight (every test skipped here: no CUDA) and recorded its result
+    assert [p["name"] for p in call["parts"]][:4] == ["wheels", "preflight", "gpu-tests", "headline"]
+    tier = next(p for p in call["parts"] if p["name"] == "gpu-tests")
+    assert tier["status"] == "ok" and tier["tests"]["counts"]["skipped"] > 400, tier["tests"]["counts"]
+    assert {c["test"].split("::")[0].rsplit(".", 1)[-1] for c in tier["tests"]["cases"]} == {"test_gpu_tier", "test_gpu"}
     lost = {r["key"]: r["status"] for r in record["lost_rows"]}
     assert lost == {"headline|fused_grpo|trl|64": "crashed", "headline|fused_grpo|torch-eager|64": "timeout"}, lost
     assert "SIGABRT" in next(r["reason"] for r in record["lost_rows"] if r["status"] == "crashed")
@@ -163,13 +176,19 @@ def test_rehearsal_a_crash_and_a_hang_cost_one_row_each_and_the_verdict_stays(re
     assert "verdict (" in tail and "time <= 1.2x the GEMM floor" in tail and "lost rows:" in tail, tail
 
 
-def test_a_resumed_call_measures_only_what_is_missing(rehearsal, tmp_path):
+@pytest.fixture(scope="module")
+def resumed(rehearsal, tmp_path_factory):
+    """A second call resuming the first: every part the first did not reach, the training step's included."""
     first_dir, _ = rehearsal
+    out_dir = tmp_path_factory.mktemp("session") / "call2"
+    out = run_sh("--rehearsal", "--resume", str(first_dir), "--out", str(out_dir), "--budget", "900")
+    return first_dir, out_dir, out
+
+
+def test_a_resumed_call_measures_only_what_is_missing(resumed):
+    first_dir, out_dir, out = resumed
     first = read_rows(first_dir / "results.jsonl")
     before = set(_keys(first))
-    out_dir = tmp_path / "call2"
-    out = run_sh("--rehearsal", "--resume", str(first_dir), "--out", str(out_dir), "--row-limit", ROW_LIMIT,
-                 "--budget", "900")  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_rows(out_dir / "results.jsonl")
     assert rows[: len(first)] == first  # the first call's rows, kept as they were
@@ -179,11 +198,115 @@ def test_a_resumed_call_measures_only_what_is_missing(rehearsal, tmp_path):
     record = json.loads((out_dir / "session.json").read_text())
     assert [c["call"] for c in record["calls"]] == [1, 2]
     done = {p["name"] for p in record["calls"][1]["parts"] if p["status"] == "done"}
-    assert done == {"headline", "smoke"}, record["calls"][1]["parts"]  # measured (or lost) in call 1: not again
+    assert done == {"gpu-tests", "headline", "smoke"}, record["calls"][1]["parts"]  # measured in call 1: not again
     assert {p["name"] for p in record["calls"][1]["parts"] if p["status"] == "ok"} >= {"preflight", "micro", "sweep"}
     # after both calls every planned row is on disk (measured, skipped, or lost and named)
     planned = {k for p in gpu_session.plan(True, call=2) for j in p.jobs for k in j.keys if not k.startswith("preflight")}
     assert planned <= set(_keys(rows)), planned - set(_keys(rows))
+
+
+def test_rehearsal_the_training_step_part(resumed):
+    """The step part on CPU (grpo_kernels/bench/step.py, the GPU's code path on a tiny Qwen3, 2 steps): both
+    sides of every pair gave the same loss before anything was timed, every side was timed with its phases,
+    the memory walls were searched against the planted limit (each try its own process), and the report
+    (session.json's "step") and its plot were written with the versions and the git sha."""
+    from grpo_kernels.bench import step
+
+    _, out_dir, out = resumed
+    record = json.loads((out_dir / "session.json").read_text())
+    part = next(p for p in record["calls"][-1]["parts"] if p["name"] == "step")
+    assert part["status"] == "ok" and part["files"] == ["session.json", "step.png"], part
+    rows = {r["key"]: r for r in read_rows(out_dir / "results.jsonl") if r.get("part") == "step"}
+    assert set(rows) == set(step.session_rows(True)), set(rows) ^ set(step.session_rows(True))
+    for key, row in rows.items():
+        if row["kind"] != "step":
+            continue
+        assert row["status"] == "ok", (key, row.get("reason"), [s.get("reason") for s in row.get("sides", [])])
+        for first, second in step.PAIRS:
+            if second in row["parity"]:
+                check = row["parity"][second]
+                assert check["ok"] and check["diff"] <= check["tolerance"] < 1e-4, (key, second, check)
+        for side in row["sides"]:
+            assert side["status"] == "ok" and len(side["steps"]) == 2, (key, side)
+            assert all(side["median_s"][ph] > 0 for ph in (*step.PHASES, "step")), side["median_s"]
+            assert side["peak_memory_bytes"] is None and "CUDA only" in side["peak_memory_note"]
+            assert side["tokens_per_s"] > 0 and side["tokens"] == row["shape"]["seqs"] * (
+                row["shape"]["prompt"] + row["shape"]["completion"])  # fmt: skip
+    assert {s["settings"]["lora"] for k in ("step|tiny-lora|trainer", "step|tiny-lora|trl")
+            for s in rows[k]["sides"]} == {True}  # fmt: skip
+    # the planted limit: the 4 x 64 logits fit, 4 x 128 do not (a tensor over 600 kB), on both sides
+    for side in ("trainer-torch-head", "trainer-fused"):
+        wall = rows[f"wall|tiny|length|{side}"]
+        assert wall["planted_limit_bytes"] == step.REHEARSAL_PLANTED_BYTES and len(wall["tries"]) <= 3
+        assert (wall["largest_ok"], wall["smallest_oom"]) == (64, 128), wall["tries"]
+        assert "planted limit" in wall["tries"][-1]["reason"]
+    seqs = rows["wall|tiny|seqs|trainer-torch-head"]  # the other axis: sequences at a fixed length
+    assert (seqs["largest_ok"], seqs["smallest_oom"], seqs["exact"]) == (8, 16, True) and seqs["base"]["completion"] == 16, seqs["tries"]
+    report = record["step"]
+    assert report["schema"] == step.SCHEMA and report["measured"] is False
+    assert report["git"]["sha"] == record["calls"][-1]["source"]["sha"]
+    assert report["environment"]["trl"] == "1.16.0" and report["environment"]["torch"]
+    assert {(p["stock"], p["ours"]) for p in report["pairs"]} == set(step.PAIRS)
+    assert (out_dir / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sweep.png" not in {p.name for p in out_dir.iterdir()}  # drawn below the headline's panels
+    tail = out.stdout[-4000:]  # the closing summary names each pair's step speed and each wall
+    assert "step tiny: trl-stock -> trl-fused: " in tail and "wall tiny length trainer-fused: fits 64" in tail, tail
+
+
+def test_the_memory_wall_search_is_bounded_and_exact_when_it_can_be():
+    from grpo_kernels.bench.step import wall_search
+
+    calls = []
+
+    def fits(limit):
+        def f(value):
+            calls.append(value)
+            return "ok" if value <= limit else "oom"
+
+        return f
+
+    r = wall_search(fits(700), lo=64, hi=4096, grid=64, tries=8)
+    assert (r["largest_ok"], r["smallest_oom"], r["exact"]) == (640, 704, True) and len(r["tries"]) <= 8
+    calls.clear()
+    r = wall_search(fits(700), lo=64, hi=4096, grid=64, tries=3, guess=2000)  # a guess past the wall
+    assert len(calls) == 3 and r["largest_ok"] is not None and not r["exact"] and r["smallest_oom"] <= 2000
+    r = wall_search(fits(10**6), lo=64, hi=4096, grid=64, tries=10)  # no wall in the range
+    assert (r["largest_ok"], r["smallest_oom"], r["exact"]) == (4096, None, True)
+    r = wall_search(fits(0), lo=64, hi=4096, grid=64, tries=10)  # not even the smallest fits
+    assert (r["largest_ok"], r["smallest_oom"], r["exact"]) == (None, 64, True)
+
+
+def test_step_parity_refuses_to_time_a_side_whose_loss_differs(monkeypatch):
+    """A side whose loss leaves its pair's by more than the dtype's tolerance is not timed, and says why."""
+    import torch
+
+    from grpo_kernels.bench import step
+
+    assert step.parity_tolerance(1.0, 1024, torch.bfloat16) > 1e-3 > 1e-5 > step.parity_tolerance(1.0, 1024, torch.float32)
+    losses = {"trainer-torch-head": 0.25, "trainer-fused": 0.25 + 1e-3}  # a head that is off by 1e-3
+
+    class Fake:
+        def __init__(self, side, *args):
+            self.side = side
+
+        def old(self, r):
+            return torch.zeros(r["completion_ids"].shape)
+
+        ref = old
+
+        def loss_backward(self, r, old, ref):
+            return losses[self.side]
+
+        def zero_grad(self):
+            pass
+
+    timed = []
+    monkeypatch.setattr(step, "make_side", lambda side, *a: Fake(side))
+    monkeypatch.setattr(step, "time_side", lambda side, *a: timed.append(side) or {"side": side, "status": "ok"})
+    row = step.run_family("trainer", "tiny", step.Shape(2, 4, 8), 1, 0)
+    fused = next(s for s in row["sides"] if s["side"] == "trainer-fused")
+    assert timed == ["trainer-torch-head"] and fused["status"] == "parity-failed", row["sides"]
+    assert "> tolerance" in fused["reason"] and row["parity"]["trainer-fused"]["diff"] > 9e-4
 
 
 def _kill_workers_writing_to(out_dir: Path) -> None:
@@ -228,9 +351,9 @@ def test_a_call_killed_a_third_into_its_budget_keeps_the_verdict_of_the_rows_bef
 
 
 def test_a_part_past_its_limit_is_killed_and_earlier_results_stay(tmp_path):
-    slow = gpu_session.Part(
-        "gpu-tests", "sleeps", 3, "tests", command=[sys.executable, "-c", "import time; time.sleep(60)"]
-    )
+    script = ("import time; print('tests/t.py::test_a[x] PASSED', flush=True); "
+              "print('[gw0] [ 9%] FAILED tests/t.py::test_b[grpo-packed]', flush=True); time.sleep(60)")  # fmt: skip
+    slow = gpu_session.Part("gpu-tests", "sleeps", 3, "tests", command=[sys.executable, "-c", script])
     session = gpu_session.Session(tmp_path, budget_s=60, rehearsal=True, parts=[slow])
     start = time.monotonic()
     gpu_session.MIN_PART_S, saved = 1, gpu_session.MIN_PART_S
@@ -241,6 +364,10 @@ def test_a_part_past_its_limit_is_killed_and_earlier_results_stay(tmp_path):
     record = json.loads((tmp_path / "session.json").read_text())
     assert code == 1
     assert record["calls"][0]["parts"][0]["status"] == "timeout"
+    # a tier cut at its limit still names what passed and what failed (its -v lines in log.txt)
+    tests = record["calls"][0]["parts"][0]["tests"]
+    assert tests["counts"]["passed"] == 1 and tests["cases"] == [
+        {"test": "tests/t.py::test_b[grpo-packed]", "outcome": "failed"}], tests  # fmt: skip
     assert time.monotonic() - start < 30
     assert record["verdict"]["measured"] is False and "no headline results" in record["verdict"]["why"]
 

@@ -21,6 +21,7 @@ PARITY_PEERS = ("trl", "verl", "liger_kernel")
 
 NOT_QUICK = {  # test files without a quick test, and why
     "test_gpu.py": "needs CUDA (tier 4)",
+    "test_gpu_tier.py": "needs CUDA (tier 4; its structure is checked on CPU by test_gpu_tier_structure.py)",
     "test_vllm_engine.py": "needs a vLLM engine (its own environment, README 'vLLM rollouts')",
     "test_vllm_trainer.py": "needs a vLLM engine (its own environment)",
     "test_integration_trl_vllm.py": "needs a vLLM engine (its own environment)",

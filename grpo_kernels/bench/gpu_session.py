@@ -13,16 +13,23 @@ Order (priority: what the verdict needs first, then what the next change is chos
   preflight       versions, the GPU and its peaks, every provider's modules imported (not just the lazy
                   package: trl.trainer.grpo_trainer, Liger's chunked loss, ...), profilers; a provider whose
                   import fails is skipped with the reason
+  gpu-tests       the GPU test tier, first: tests/test_gpu_tier.py (every loss-head configuration, schedule,
+                  input dtype and layout against the fp32 reference) and tests/test_gpu.py; a failure is named
+                  (session.json: the part's `tests`) and stops nothing
   headline        fused_grpo + logprobs at the target shape: the 3-GEMM floor, grpo_kernels (auto), TRL,
                   Liger; each provider checked against the fp32 reference before it is timed; verdict.json
                   (ratios to the floor, to TRL, to Liger, extra memory, met / missed) rewritten after each row
+  step            a GRPO training step, stock against grpo_kernels (grpo_kernels/bench/step.py): TRL 1.16's
+                  GRPOTrainer stock and with the adapter in both modes, the reference trainer's update with
+                  the fused loss and with a plain PyTorch head; Qwen3-1.7B full fine-tuning and Qwen3-8B with
+                  LoRA, built in code; losses checked equal per pair before timing; time split, peak memory,
+                  tokens/s; then the memory walls (longest completion, most sequences; each try a process)
   smoke           each kernel and fused-loss schedule against the PyTorch backend on the same bf16 inputs,
                   a small shape then the target; stops with a report at the first wrong one
   micro           per-kernel microbenchmarks at the target head (microbench.py): TF/s and GB/s against the
                   device's peaks and the ceilings measured in the same run
   schedules       the other schedules and plain PyTorch at the target shape (SCHEDULE_PROVIDERS)
   sweep           fused_grpo over 4k-64k tokens: the floor and SWEEP_PROVIDERS
-  gpu-tests       the GPU test tier, tests/test_gpu.py
   opt-in-kernels  microbenchmarks of the opt-in kernels (TMA kernel A, one_pass_dz's dz kernels)
   smoke-opt-in    the TMA kernel A and OPT_IN_SCHEDULES against the PyTorch backend
   opt-in          every other provider of the registry (opt-in variants, the other peers; torch-compile last)
@@ -40,7 +47,8 @@ and the verdict of the headline rows measured before it.
 
 Files (8): session.json (every call's parts, lost rows, wheels, skipped providers, verdict), log.txt,
 results.jsonl, verdict.json, headline.json (the benchmark report of every target-shape and sweep row),
-headline.png, sweep.png, kernels.png. The last lines printed: the verdict table, the three kernels furthest
+headline.png (the sweep's panels below the headline's), kernels.png, step.png (the step report itself is
+session.json's "step"). The last lines printed: the verdict table, the three kernels furthest
 from their measured ceilings, what was lost or not reached and how to resume.
 
   python -m grpo_kernels.bench.gpu_session run [--out DIR] [--resume DIR] [--budget S] [--parts a,b]
@@ -82,6 +90,7 @@ from .session_worker import (
     profile_keys,
     read_rows,
     smoke_keys,
+    step_keys,
 )
 
 SCHEMA = "grpo_kernels.gpu_session/3"
@@ -106,6 +115,13 @@ ROW_LIMIT_S = (
 ROW_LIMITS = {"liger-chunked": 120, "torch-compile": 150}  # torch.compile inside the row
 SMOKE_ROW_LIMIT_S = 90  # a smoke row compiles the kernels it runs first
 STARTUP_LIMIT_S = 90  # a child that starts no row within this is stuck (imports, CUDA context)
+# The GPU test tier (tests/test_gpu_tier.py is every kernel path against the fp32 reference, sized to run in
+# under 60 s on an H200; its part's budget lets the verdict's headline still fit the first call)
+GPU_TEST_FILES = ("test_gpu_tier.py", "test_gpu.py")
+GPU_TESTS_BUDGET_S = 75
+# The training step (grpo_kernels/bench/step.py): at most ~3 minutes in a call; rows not reached are resumed
+STEP_BUDGET_S = 180
+STEP_ROW_LIMIT_S = 170  # one family (every side built twice: parity, then timing) or one memory wall
 
 # Peers the GPU image lacks, as cp312 wheels, with their own dependencies the image lacks too
 # (the image has transformers, accelerate, pandas, pyarrow, xxhash, huggingface-hub, fsspec, ...).
@@ -247,8 +263,17 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
                                "--import-timeout", "80" if rehearsal else "30", *common("preflight")],
                   [f"preflight|call{call}"], 90 if rehearsal else 60)]),
         # (a rehearsal's headline imports TRL in each of its processes and may restart after a planted fault)
+        # every kernel path against the fp32 reference, first: a failure is named there and stops nothing
+        Part("gpu-tests", f"GPU test tier: {', '.join(GPU_TEST_FILES)} (each config named; stops nothing)",
+             GPU_TESTS_BUDGET_S, "tests",
+             command=[_python(), "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *_test_workers(rehearsal),
+                      *[str(ROOT / "tests" / f) for f in GPU_TEST_FILES]]),
         rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(headline)} (the verdict, "
              "rewritten after each row)", 240 if rehearsal else 120, bench("headline", (FLOOR, *headline))),
+        rows("step", "a GRPO training step, stock against grpo_kernels (TRL 1.16 and the reference trainer; "
+             f"{'tiny Qwen3, 2 steps, planted memory limit' if rehearsal else 'Qwen3-1.7B full, Qwen3-8B LoRA'}): "
+             "time split, peak memory, tokens/s, then the memory walls", STEP_BUDGET_S,
+             [Job("step", ["step", *common("step")], step_keys(rehearsal), row_limit or STEP_ROW_LIMIT_S)]),
         rows("smoke", f"kernel A, backward, loss head, schedules {', '.join(schedules)} vs the PyTorch "
              "backend (bf16), small then target shape; stops at the first wrong", 45,
              [Job("smoke", ["smoke", "--schedules", ",".join(schedules), *common("smoke")],
@@ -259,9 +284,6 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
              bench("headline", others)),
         rows("sweep", f"fused_grpo over {sweep}: floor, {', '.join(sweepers)}", 70,
              bench("sweep", (FLOOR, *sweepers), ("fused_grpo",), sweep, sweep_timing)),
-        Part("gpu-tests", "GPU test tier: tests/test_gpu.py", 45, "tests",
-             command=[_python(), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                      str(ROOT / "tests" / "test_gpu.py")]),
         rows("opt-in-kernels", "microbenchmarks of the opt-in kernels (TMA kernel A, dz-in-GEMM)", 30,
              [Job("micro-opt-in", ["micro", "--opt-in", *common("opt-in-kernels")],
                   micro_keys("opt-in-kernels", True), row_limit or ROW_LIMIT_S)]),
@@ -277,9 +299,19 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
     ]  # fmt: skip
 
 
+def _test_workers(rehearsal: bool) -> list[str]:
+    """pytest-xdist's workers for the GPU tier where it is installed (the GPU image has it): the kernels'
+    specialisations compile in parallel, one process each (each its own CUDA context). `-v`: every test's
+    outcome is a line of log.txt as it ends, so a tier cut at its limit still names what passed and failed."""
+    import importlib.util
+
+    return [] if rehearsal or importlib.util.find_spec("xdist") is None else ["-n", "8"]
+
+
 def file_list() -> list[str]:
+    # the sweep's plot is drawn below the headline's in headline.png; the step report is session.json's "step"
     files = ["session.json", "log.txt", "results.jsonl", "verdict.json", "headline.json", "headline.png",
-             "sweep.png", "kernels.png"]  # fmt: skip
+             "kernels.png", "step.png"]  # fmt: skip
     assert len(files) <= MAX_FILES, files
     return files
 
@@ -338,6 +370,7 @@ class Session:
             "wheels": {},
             "skipped_providers": {},
             "verdict": earlier.get("verdict") if earlier else None,
+            "step": earlier.get("step") if earlier else None,  # the step report (step.py), kept across calls
         }
         self.log = open(out / "log.txt", "a", buffering=1)
 
@@ -583,10 +616,17 @@ class Session:
     def _tests(self, part: Part, entry: dict, limit: float) -> None:
         junit = Path(tempfile.gettempdir()) / f"grpo_kernels_gpu_tests_{os.getpid()}.xml"
         junit.unlink(missing_ok=True)
+        self.log.flush()
+        start = (self.out / "log.txt").stat().st_size
         code, _, why, _ = self.watch(
             part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False
         )
         entry["tests"] = _junit_summary(junit)
+        if entry["tests"]["counts"] is None:  # cut at its limit (no junit): the outcomes its -v lines gave
+            self.log.flush()
+            with open(self.out / "log.txt", "rb") as f:
+                f.seek(start)
+                entry["tests"] = _verbose_summary(f.read().decode(errors="replace"))
         if why:
             entry["status"] = "timeout"
         elif code == 0:
@@ -615,6 +655,15 @@ class Session:
         the JSON)."""
         rows = read_rows(self.results)
         try:
+            if part.name == "step":  # the step report in session.json (8 files at most), its plot in step.png
+                from .step import plot as step_plot
+                from .step import report as step_report
+
+                self.record["step"] = step_report([r for r in rows if r.get("key", "").startswith(("step|", "wall|"))],
+                                                  self.this_call["environment"], self.source)  # fmt: skip
+                step_plot(self.record["step"], self.out / "step.png")
+                entry["files"] = ["session.json", "step.png"]
+                return
             if part.name in ("micro", "opt-in-kernels"):  # one plot of every micro row so far
                 if kernels_plot(rows, self.out / "kernels.png", self.this_call["environment"], self.source):
                     entry["files"] = ["kernels.png"]
@@ -626,14 +675,29 @@ class Session:
             if report is None:
                 return
             entry["files"] = ["verdict.json", "headline.json"]
-            if part.name == "sweep":
-                sweep_plot(report, self.out / "sweep.png")
-                entry["files"].append("sweep.png")
-            else:
-                headline_plot(report, self.out / "headline.png", "headline")
-                entry["files"].append("headline.png")
+            # one figure: the headline's panels, the sweep's below them once it has rows (8 files at most)
+            headline_plot(report, self.out / "headline.png", "headline")
+            if any(r.get("part") == "sweep" for r in report["results"]):
+                sweep = self.out / "sweep.tmp.png"
+                sweep_plot(report, sweep)
+                _stack_pngs([self.out / "headline.png", sweep], self.out / "headline.png")
+                sweep.unlink()
+            entry["files"].append("headline.png")
         except Exception as exc:  # noqa: BLE001 - a plot must not stop the session
             entry["plot_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _stack_pngs(paths: list[Path], out: Path) -> None:
+    """The images one above the other (left-aligned, white behind the narrower) into `out`."""
+    from PIL import Image
+
+    images = [Image.open(p).convert("RGB") for p in paths]
+    canvas = Image.new("RGB", (max(i.width for i in images), sum(i.height for i in images)), "white")
+    y = 0
+    for image in images:
+        canvas.paste(image, (0, y))
+        y += image.height
+    canvas.save(out)
 
 
 def _row_part(job: Job) -> str:
@@ -752,6 +816,25 @@ def _junit_summary(path: Path) -> dict:
     return {"counts": counts, "cases": cases}
 
 
+def _verbose_summary(text: str) -> dict:
+    """pytest -v's outcome lines (plain or pytest-xdist's `[gw0] [ 5%] PASSED path::test`) as counts and
+    the failed tests' names: what a tier cut at its limit leaves."""
+    import re
+
+    counts, failed = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}, []
+    pattern = re.compile(r"(?:(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED))|(?:(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+))")
+    for line in text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        test, outcome = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+        key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}[outcome]
+        counts[key] += 1
+        if key in ("failed", "error"):
+            failed.append({"test": test, "outcome": key})
+    return {"counts": counts, "cases": failed, "from": "log lines (the tier was cut at its limit: no junit)"}
+
+
 def summarize(report: dict) -> list[dict]:
     """One line per result row: what the verdict and a reader need."""
     rows = []
@@ -852,6 +935,20 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
         value = c.get("value")
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         lines.append(f"  [{met:>6}] {c['op']}: {c['check']}: {shown}{'  (' + c['why'] + ')' if c.get('why') else ''}")
+    tier = next((p for c in reversed(record["calls"]) for p in c["parts"] if p["name"] == "gpu-tests"
+                 and p.get("tests")), None)  # fmt: skip
+    if tier and tier["tests"].get("counts"):
+        bad = [c["test"] for c in tier["tests"]["cases"] if c["outcome"] in ("failed", "error")]
+        lines.append(f"GPU test tier ({tier['status']}): {tier['tests']['counts']}"
+                     + (f"; failed: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}" if bad else ""))  # fmt: skip
+    if (record.get("step") or {}).get("pairs") or (record.get("step") or {}).get("walls"):
+        lines.append("training step, stock -> grpo_kernels (session.json \"step\", step.png):")
+    for p in (record.get("step") or {}).get("pairs", []):  # the training step: stock -> ours, per pair
+        speed = f"{p['step_speedup']:.2f}x the step speed" if p.get("step_speedup") else p["status"]
+        saved = f", {p['peak_memory_saved_gib']:.1f} GiB less peak" if p.get("peak_memory_saved_gib") is not None else ""
+        lines.append(f"  step {p['model']}: {p['stock']} -> {p['ours']}: {speed}{saved}")
+    for w in (record.get("step") or {}).get("walls", []):
+        lines.append(f"  wall {w['model']} {w['axis']} {w['side']}: fits {w.get('largest_ok')}, OOM at {w.get('smallest_oom')}")
     slow = slowest_kernels(rows)
     lines.append("kernels furthest from their measured ceilings:" if slow else
                  "kernels: no microbenchmark rows yet (the micro part has not run)")  # fmt: skip

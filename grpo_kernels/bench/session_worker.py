@@ -533,6 +533,57 @@ def job_profile(args) -> int:
     return 0
 
 
+def step_keys(rehearsal: bool) -> list[str]:
+    from .step import session_rows
+
+    return list(session_rows(rehearsal))
+
+
+def job_step(args) -> int:
+    """The training-step rows (grpo_kernels/bench/step.py): each family's parity check and timed steps, then
+    the memory walls (each try a process of its own). A rehearsal plants a memory limit for the walls."""
+    from . import step
+
+    if args.rehearsal:
+        os.environ[step.PLANTED_ENV] = str(step.REHEARSAL_PLANTED_BYTES)
+        import torch
+
+        torch.set_num_threads(1)  # tiny models on a shared CPU: thread start-up would dominate every op
+    specs = step.session_rows(args.rehearsal)
+    keys = list(specs)
+    only = set(args.only.split(",")) if args.only else None
+    for key in keys:
+        if only is not None and key not in only:
+            continue
+        _start(key, keys)
+        spec = specs[key]
+        try:
+            row = step.run_session_row(spec, [r for r in read_rows(args.jsonl) if r.get("kind") == "step"])
+            status = "ok"
+            if row["kind"] == "step" and any(s.get("status") != "ok" for s in row["sides"]):
+                status = "ok-with-errors"
+        except Exception as exc:  # noqa: BLE001 - the row says why; the next rows go on
+            row = {"kind": spec["kind"], "model": spec["model"], "reason": f"{type(exc).__name__}: {str(exc)[:400]}",
+                   "traceback": traceback.format_exc()[-1500:]}  # fmt: skip
+            status = "oom" if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() else "error"
+        append(args.jsonl, {**row, "kind": row["kind"], "part": args.part, "key": key, "status": status})
+        _end(key)
+        if row["kind"] == "step":
+            for s in row.get("sides", []):
+                if s.get("status") == "ok":
+                    peak = s.get("peak_memory_bytes")
+                    shown = (f"{s['median_s']['step'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tok/s, peak "
+                             + ("n/a (CPU)" if peak is None else f"{peak / 2**30:.1f} GiB"))  # fmt: skip
+                else:
+                    shown = f"{s.get('status')}: {s.get('reason', '')[:200]}"
+                print(f"  {key} {s['side']:<20} {shown}", flush=True)
+        else:
+            print(f"  {key}: {status}, fits {row.get('largest_ok')}, OOM at {row.get('smallest_oom')}", flush=True)
+        if _poisoned(row.get("reason", "")):
+            return RESTART
+    return 0
+
+
 def _tool_output(command: list[str], what: str, timeout: float) -> dict:
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -547,7 +598,7 @@ def _tool_output(command: list[str], what: str, timeout: float) -> dict:
         }
 
 
-JOBS = {"preflight": job_preflight, "smoke": job_smoke, "micro": job_micro, "bench": job_bench,
+JOBS = {"step": job_step, "preflight": job_preflight, "smoke": job_smoke, "micro": job_micro, "bench": job_bench,
         "profile": job_profile, "profile-target": job_profile_target}  # fmt: skip
 
 

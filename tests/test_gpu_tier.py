@@ -1,0 +1,330 @@
+"""Tier 4, first in a GPU session: every kernel path the interpreter tier checks, now on the hardware.
+
+The interpreter tier (tests/test_loss_head_triton_interpreter.py, tests/test_fused_triton_interpreter.py)
+runs the Triton kernels on CPU; this module runs the same cases, by the same names, on a CUDA GPU against the
+fp32 reference (tests/test_gpu_tier_structure.py checks on CPU that no interpreter case is missing here):
+
+  * the loss head, grpo_loss(backend="triton") against backend="torch" (the fp32 reference), for every
+    configuration of test_loss_head.CONFIGS, padded and packed, and the NaN sampler log-prob cases;
+  * the fused loss, fused_linear_grpo_loss(backend="triton") against backend="torch" on the same fp32
+    inputs (bias, temperature 0.8, chunks of 7 valid tokens), for every configuration, both layouts, the
+    one-pass and two-pass schedules, one_pass_dz, the low-memory schedule, long completions cut across
+    chunks, "auto" over and within the memory goal, and the TMA kernel A;
+  * GPU only: every schedule "auto" can pick, at a small head and at Qwen3-8B's (H = 4096, V = 151936,
+    320 tokens), in bf16; and the input variants (bias, soft-cap, temperature != 1, fp16, fp32 inputs,
+    packed layout, batch_invariant) at the target head.
+
+Tolerances. fp32 inputs (the interpreter cases): the kernels' fp32 products run as tf32x3 (about fp32's
+rounding), so only summation order differs, as under the interpreter: the interpreter tier's bounds,
+1e-5 (1 + |expected|) for the loss head and 2e-5 for the fused loss (gradients relative to their largest
+element). 16-bit inputs at real heads: no worse than twice PyTorch's own 16-bit path (logits in the input
+dtype, fp32 log-softmax: what TRL and verl users accept today) against the fp32 truth on the same rounded
+inputs, the measure tests/test_gpu.py uses; the factor 2 covers the in-place schedules, which round the
+running grad_weight to the weight's dtype once per chunk where PyTorch rounds once.
+
+Sized to run in well under 90 s on an H200 (a few hundred tokens per case; most of the time is compiling
+the kernels' specialisations). Run: `python -m pytest tests/test_gpu_tier.py -q` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+import grpo_kernels.ops.fused.function as fused
+from grpo_kernels.testing import assert_no_worse_than
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_loss_head import CONFIGS, UNSCORED_CASES, batch  # noqa: E402
+
+_saved_chunk = fused.ONE_PASS_CHUNK_TOKENS
+import _fused_interpreter_cases as fused_cases  # noqa: E402  (its inputs() and run(); it sets the chunk size)
+
+fused.ONE_PASS_CHUNK_TOKENS = _saved_chunk  # restored: each test below sets what it needs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tier 4)"),
+]
+LOSS_HEAD_TOL = 1e-5  # the interpreter tier's (fp32 inputs: summation order only)
+FUSED_TOL = 2e-5
+LAYOUTS = ("padded", "packed")
+# "auto" picks among these (ops/fused/function.py: choose_schedule, the time model and the memory goal);
+# one_pass_dz is opt-in only and runs in test_one_pass_dz_in_gemm_matches_torch
+AUTO_SCHEDULES = tuple(s for s in fused.SCHEDULES if s != "one_pass_dz")
+HEADS = {"small": (512, 4099), "qwen3-8b": (4096, 151936)}
+TARGET_TOKENS = 320
+
+
+def close(got, expected, tol, scale=None) -> bool:
+    if got is None:
+        return False
+    if isinstance(expected, float) and math.isnan(expected):
+        return isinstance(got, float) and math.isnan(got)
+    return abs(got - expected) <= tol * (1.0 + abs(expected if scale is None else scale))
+
+
+def cuda(d: dict) -> dict:
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# the loss head: tests/test_loss_head_triton_interpreter.py's cases
+# ------------------------------------------------------------------------------------------------
+LOSS_HEAD_CASES = [f"{name}-{layout}" for name in sorted(CONFIGS) for layout in LAYOUTS] + [
+    f"{name}-nan-rollout" for name in UNSCORED_CASES
+]
+
+
+def run_loss_head(cfg, d, backend, layout):
+    """grpo_loss on the batch of test_loss_head (the interpreter's case script, on CUDA tensors)."""
+    lp = d["lp"].clone().requires_grad_()
+    ent = d["ent"].clone().requires_grad_()
+    kwargs = dict(old_logprobs=d["old"], ref_logprobs=d["ref"] if cfg.needs_reference else None,
+                  rollout_logprobs=d["rollout"] if cfg.uses_rollout_logprobs else None, entropy=ent, config=cfg,
+                  backend=backend)  # fmt: skip
+    mask = d["mask"]
+    if layout == "packed":
+        lengths = mask.sum(-1)
+        kwargs["cu_seqlens"] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        adv = d["adv"] if d["adv"].dim() == 1 else d["adv"][mask]
+        for key in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+            if kwargs[key] is not None:
+                kwargs[key] = kwargs[key][mask]
+        lp_in, mask_in = lp[mask], torch.ones(int(lengths.sum()), dtype=torch.bool, device=mask.device)
+        kwargs["entropy"] = ent[mask]
+    else:
+        adv, lp_in, mask_in = d["adv"], lp, mask
+    torch.manual_seed(5)  # clip_cov draws a random subset
+    out = gk.grpo_loss(lp_in, adv, mask_in, **kwargs)
+    grads = torch.autograd.grad(out.loss, [lp, ent], allow_unused=True)
+    return out, [torch.zeros_like(lp) if g is None else g for g in grads]
+
+
+@pytest.mark.parametrize("case", LOSS_HEAD_CASES)
+def test_triton_loss_head_matches_reference(case):
+    name, _, layout = case.partition("-")
+    cfg = CONFIGS[name]
+    if layout == "nan-rollout":
+        d = cuda(batch(per_token_adv=True, seed=13))
+        d["rollout"][0, 2] = float("nan")
+        d["rollout"][4, 0] = float("nan")
+        layout = "padded"
+    else:
+        d = cuda(batch(per_token_adv=layout == "padded" and cfg.loss_type not in ("gmpo", "group_dpo"), seed=11))
+    ref, g_ref = run_loss_head(cfg, d, "torch", layout)
+    tri, g_tri = run_loss_head(cfg, d, "triton", layout)
+    assert close(tri.loss.item(), ref.loss.item(), LOSS_HEAD_TOL), f"{case} loss: triton {tri.loss.item()!r}, reference {ref.loss.item()!r}"
+    for label, a, b in (("dL/dlogp", g_tri[0], g_ref[0]), ("dL/dentropy", g_tri[1], g_ref[1])):
+        diff = (a - b).abs().nan_to_num(nan=float("inf"))
+        i = int(diff.reshape(-1).argmax())
+        got, expected = a.reshape(-1)[i].item(), b.reshape(-1)[i].item()
+        assert close(got, expected, LOSS_HEAD_TOL), f"{case} {label}: worst at flat index {i}: triton {got}, reference {expected}"
+    for key, value in ref.metrics.items():
+        got = tri.metrics[key].item() if key in tri.metrics else None
+        assert close(got, value.item(), LOSS_HEAD_TOL), f"{case} metric {key}: triton {got!r}, reference {value.item()!r}"
+    assert not set(tri.metrics) - set(ref.metrics), f"{case}: metrics the reference does not have"
+
+
+# ------------------------------------------------------------------------------------------------
+# the fused loss: tests/test_fused_triton_interpreter.py's cases
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fused_inputs():
+    return cuda(fused_cases.inputs())
+
+
+@contextlib.contextmanager
+def chunk_tokens(n: int):
+    saved = fused.ONE_PASS_CHUNK_TOKENS
+    fused.ONE_PASS_CHUNK_TOKENS = n
+    try:
+        yield
+    finally:
+        fused.ONE_PASS_CHUNK_TOKENS = saved
+
+
+def fused_case(case, cfg, d, layout, schedule, chunk=7):
+    """Triton against the PyTorch backend on the same fp32 inputs; returns the refusal's text, if refused."""
+    with chunk_tokens(chunk):
+        ref, g_ref = fused_cases.run(cfg, d, "torch", "two_pass", layout)
+        try:
+            out, g = fused_cases.run(cfg, d, "triton", schedule, layout)
+        except ValueError as exc:
+            return str(exc)
+    assert close(out.loss.item(), ref.loss.item(), FUSED_TOL), f"{case} loss: triton {out.loss.item()!r}, torch {ref.loss.item()!r}"
+    for label, a, b in zip(("hidden", "weight", "bias"), g, g_ref):
+        got, expected, index, scale = fused_cases.worst(a, b)
+        assert close(got, expected, FUSED_TOL, scale), f"{case} grad_{label}: worst at flat index {index}: triton {got}, torch {expected}"
+    got, expected, index, _ = fused_cases.worst(out.logprobs, ref.logprobs)
+    assert close(got, expected, FUSED_TOL), f"{case} logprobs at {index}: triton {got}, torch {expected}"
+    for key, value in ref.metrics.items():
+        got = out.metrics[key].item() if key in out.metrics else None
+        assert close(got, value.item(), FUSED_TOL), f"{case} metric {key}: triton {got!r}, torch {value.item()!r}"
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_triton_matches_torch(name, layout, schedule, fused_inputs):
+    refused = fused_case(f"{name}-{layout}-{schedule}", CONFIGS[name], fused_inputs, layout, schedule)
+    if schedule == "one_pass" and CONFIGS[name].needs_global_statistics:
+        assert refused and "needs statistics of the whole batch" in refused, refused
+    else:
+        assert refused is None, refused
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_pass_dz_in_gemm_matches_torch(name, fused_inputs):
+    refused = fused_case(f"{name}-packed-one_pass_dz", CONFIGS[name], fused_inputs, "packed", "one_pass_dz")
+    if CONFIGS[name].needs_global_statistics:
+        assert refused and "schedule='one_pass_dz' is not valid here" in refused, refused
+    else:
+        assert refused is None, refused
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_pass_cuts_long_completions_of_token_local_objectives(name, fused_inputs):
+    cfg = CONFIGS[name]
+    refused = fused_case(f"{name}-packed-one_pass-long", cfg, fused_inputs, "packed", "one_pass", chunk=3)
+    if cfg.needs_global_statistics:
+        assert refused and "needs statistics of the whole batch" in refused, refused
+    elif not cfg.token_local:
+        assert refused and "is not token-local" in refused, refused
+    else:
+        assert refused is None, refused
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_low_memory_schedule_matches_torch(name, fused_inputs, monkeypatch):
+    monkeypatch.setattr(fused, "LOW_MEMORY_SLAB_BYTES", 1)  # 128-column slabs of V = 203, as the interpreter's
+    assert fused_case(f"{name}-packed-low_memory", CONFIGS[name], fused_inputs, "packed", "low_memory") is None
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
+def test_auto_takes_the_low_memory_schedule_over_the_memory_goal(name, fused_inputs, monkeypatch):
+    import grpo_kernels.ops.fused.memory as memory
+
+    monkeypatch.setattr(memory, "EXTRA_MEMORY_GOAL", 0)
+    assert fused_case(f"{name}-packed-auto-over-goal", CONFIGS[name], fused_inputs, "packed", "auto") is None
+
+
+def test_auto_within_the_memory_goal_takes_the_fastest_fitting_schedule(fused_inputs):
+    assert fused_case("grpo-packed-auto-within-goal", CONFIGS["grpo"], fused_inputs, "packed", "auto") is None
+
+
+@pytest.mark.parametrize("schedule", ["one_pass", "two_pass"])
+@pytest.mark.parametrize("name", ["grpo", "gspo", "dapo"])
+def test_tma_kernel_a_matches_torch(name, schedule, fused_inputs):
+    from grpo_kernels.ops.lm_head import triton as lm_triton
+
+    with lm_triton.use_forward_kernel("tma"):
+        refused = fused_case(f"{name}-packed-{schedule}-tma", CONFIGS[name], fused_inputs, "packed", schedule)
+    assert refused is None, refused
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: the schedules at real heads, and the input variants, in 16-bit
+# ------------------------------------------------------------------------------------------------
+def real_inputs(h, v, dtype, seed=0, n_seq=4, packed=False):
+    """n_seq sequences of up to TARGET_TOKENS / n_seq tokens (ragged), GRPO's per-token inputs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    length = TARGET_TOKENS // n_seq
+    hidden = torch.randn(n_seq, length, h, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (3.0 / h**0.5)).to(dtype)
+    targets = torch.randint(0, v, (n_seq, length), device="cuda", generator=g)
+    lengths = torch.tensor([length, length - 7, length // 2, length - 1], device="cuda")[:n_seq]
+    mask = torch.arange(length, device="cuda")[None, :] < lengths[:, None]
+    with torch.no_grad():
+        lp = gk.fused_linear_logprobs(hidden.float(), weight.float(), targets, backend="torch").logprobs
+    old = lp + 0.2 * torch.randn(lp.shape, device="cuda", generator=g)
+    ref = lp + 0.1 * torch.randn(lp.shape, device="cuda", generator=g)
+    adv = torch.randn(n_seq, device="cuda", generator=g)
+    d = dict(hidden=hidden, weight=weight, targets=targets, mask=mask, old=old, ref=ref, adv=adv, bias=None, extra={})
+    if packed:
+        d["extra"] = {"cu_seqlens": torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])}
+        for key in ("hidden", "targets", "old", "ref"):
+            d[key] = d[key][mask]
+        d["mask"] = torch.ones(int(lengths.sum()), dtype=torch.bool, device="cuda")
+    return d
+
+
+def fused_grads(d, cfg, backend, dtype=None, **kwargs):
+    """(loss, grad_hidden, grad_weight[, grad_bias]) as fp32; `dtype`: the inputs cast first (fp32 truth)."""
+    cast = (lambda x: x) if dtype is None else (lambda x: None if x is None else x.to(dtype))
+    leaves = [None if x is None else cast(x).clone().requires_grad_() for x in (d["hidden"], d["weight"], d["bias"])]
+    out = gk.fused_linear_grpo_loss(leaves[0], leaves[1], d["targets"], d["adv"], d["mask"], d["old"], d["ref"],
+                                    bias=leaves[2], config=cfg, backend=backend, **d["extra"], **kwargs)  # fmt: skip
+    out.loss.backward()
+    return [out.loss.detach().float().reshape(1)] + [x.grad.float() for x in leaves if x is not None]
+
+
+def pytorch_16bit(d, cfg, softcap=None):
+    """PyTorch's own path: logits in the input dtype, fp32 log-softmax (soft-cap in fp32), the loss head."""
+    leaves = [None if x is None else x.clone().requires_grad_() for x in (d["hidden"], d["weight"], d["bias"])]
+    logits = leaves[0] @ leaves[1].T
+    if leaves[2] is not None:
+        logits = logits + leaves[2]
+    z = logits.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = torch.log_softmax(z / cfg.temperature, -1)
+    lp = log_p.gather(-1, d["targets"][..., None]).squeeze(-1)
+    out = gk.grpo_loss(lp, d["adv"], d["mask"], d["old"], d["ref"], config=cfg, backend="torch", **d["extra"])
+    out.loss.backward()
+    return [out.loss.detach().float().reshape(1)] + [x.grad.float() for x in leaves if x is not None]
+
+
+def check_against_truth(label, d, cfg, truth, ours, softcap=None):
+    baseline = pytorch_16bit(d, cfg, softcap)
+    for name, a, b, t in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), ours, baseline, truth):
+        assert_no_worse_than(f"{label} {name}", a, b, t, factor=2.0, floor=1e-6 * t.abs().max().item())
+
+
+@pytest.mark.parametrize("schedule", AUTO_SCHEDULES)
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_every_schedule_auto_can_pick_at_small_and_target_head(head, schedule):
+    h, v = HEADS[head]
+    cfg = gk.PolicyLossConfig.dapo().replace(kl_coef=0.04)
+    d = real_inputs(h, v, torch.bfloat16)
+    truth = fused_grads(d, cfg, "torch", torch.float32)
+    ours = fused_grads(d, cfg, "triton", schedule=schedule)
+    check_against_truth(f"{head} {schedule}", d, cfg, truth, ours)
+
+
+VARIANTS = {  # name -> (input dtype, config changes, call keywords, packed, bias)
+    "bias": (torch.bfloat16, {}, {}, False, True),
+    "softcap": (torch.bfloat16, {}, {"softcap": 30.0}, False, False),
+    "temperature": (torch.bfloat16, {"temperature": 0.7}, {}, False, False),
+    "fp16": (torch.float16, {}, {}, False, False),
+    "fp32": (torch.float32, {}, {}, False, False),
+    "packed": (torch.bfloat16, {}, {}, True, False),
+    "batch_invariant": (torch.bfloat16, {}, {"batch_invariant": True}, False, False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_input_variants_at_the_target_head(variant):
+    dtype, changes, kwargs, packed, bias = VARIANTS[variant]
+    h, v = HEADS["qwen3-8b"]
+    cfg = gk.PolicyLossConfig.grpo().replace(kl_coef=0.04, **changes)
+    d = real_inputs(h, v, dtype, seed=1, packed=packed)
+    if bias:
+        d["bias"] = (0.1 * torch.randn(v, device="cuda")).to(dtype)
+    # the truth computes the same function: the logit transform, not the Triton-only reduction order switch
+    truth = fused_grads(d, cfg, "torch", torch.float32, **{k: v for k, v in kwargs.items() if k != "batch_invariant"})
+    ours = fused_grads(d, cfg, "triton", **kwargs)
+    if dtype == torch.float32:  # fp32 operands (tf32x3): summation order against the fp32 truth
+        for name, a, t in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), ours, truth):
+            err = (a - t).abs().max().item()
+            assert err <= FUSED_TOL * (1 + t.abs().max().item()), f"fp32 {name}: worst |diff| {err:.3g}"
+        return
+    check_against_truth(variant, d, cfg, truth, ours, kwargs.get("softcap"))
