@@ -129,6 +129,11 @@ def inputs(seed=0):
     return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, mask=mask, old=old, adv=adv)
 
 
+def inputs_valid(x):
+    """A [B, L] per-token tensor of inputs() at the valid tokens only, [N]."""
+    return x[inputs()["mask"]]
+
+
 def packed(d):
     """The valid tokens only, [N] with cu_seqlens."""
     mask = d["mask"]
@@ -176,16 +181,25 @@ def count(fn) -> dict:
 
 
 def loss_case(schedule, layout, *, config=None, scale=1.0, max_extra_memory=None, grad=True, bias=True,
-              normalizers=None):
+              normalizers=None, samplers=False, **options):
     d = inputs()
+    if samplers:  # the reference's and the sampler's log-probs; NaN: a token the sampler did not score
+        g = torch.Generator().manual_seed(5)
+        d["ref"] = d["old"] + torch.randn(d["old"].shape, generator=g) * 0.1
+        d["rollout"] = d["old"] + torch.randn(d["old"].shape, generator=g) * 0.1
+        d["rollout"][0, 1] = float("nan")
     if layout == "packed":
         d = packed(d)
+        if samplers:
+            d["ref"], d["rollout"] = inputs_valid(d["ref"]), inputs_valid(d["rollout"])
     cfg = config or gk.PolicyLossConfig(temperature=0.9)
     h, w, b = leaves(d, bias)
 
     def call():
         extra = {} if max_extra_memory is None else {"max_extra_memory": max_extra_memory}
-        extra.update(normalizers or {})
+        extra.update(normalizers or {}, **options)
+        if samplers:
+            extra.update(ref_logprobs=d["ref"], rollout_logprobs=d["rollout"])
         with torch.set_grad_enabled(grad):
             out = gk.fused_linear_grpo_loss(h, w, d["targets"], d["adv"], d["mask"], d["old"], bias=b, config=cfg,
                                             cu_seqlens=d.get("cu_seqlens"), backend="triton", schedule=schedule,
@@ -235,6 +249,14 @@ def cases():
         # TRL passes num_items_in_batch as a tensor: its value joins the call's one read
         tensors = {"num_tokens": torch.tensor(20.0), "num_sequences": torch.tensor(4)}
         yield f"loss-normalizers-{layout}", lambda lay=layout: loss_case("auto", lay, normalizers=tensors)
+        # the options together: KL, token IS over NaN sampler log-probs, an entropy bonus, a soft cap and a logit
+        # scale, the step's normalizers; and the batch-invariant head
+        options = gk.PolicyLossConfig(kl_coef=0.1, is_level="token", entropy_coef=0.01, temperature=0.9)
+        yield f"loss-options-{layout}", lambda lay=layout: loss_case(
+            "one_pass_cublas_inplace", lay, config=options, samplers=True, softcap=5.0, logit_scale=0.8, dp_size=2,
+            grad_accum_steps=2)  # fmt: skip
+        yield f"loss-batch_invariant-{layout}", lambda lay=layout: loss_case("one_pass_inplace", lay,
+                                                                             batch_invariant=True)  # fmt: skip
         yield f"logprobs-{layout}", lambda lay=layout: logprobs_case(lay)
         yield f"logprobs_nograd-{layout}", lambda lay=layout: logprobs_case(lay, grad=False, entropy=False)
 
