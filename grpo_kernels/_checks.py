@@ -26,27 +26,51 @@ class DeviceChecks:
     it had when every check read its own flag. `read` makes the one copy to the host: the flags with the
     values the caller needs there (the batch's layout, tensor normalizers), one wait for the device per call
     instead of one per check. The inputs are read by no kernel before it: a failing call raises before any
-    heavy work, as before."""
+    heavy work, as before. A check that raises at once (a shape, a dtype) after device checks were added
+    yields to the first of them that fails (`earlier`, read on that failing path only): the old precedence."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self):
         self.flags: list[torch.Tensor] = []
         self.eager: list = []
+        self.done = False  # read: every flag was clear
 
     def add(self, failed: torch.Tensor, eager) -> None:
         self.flags.append(failed.reshape(()))
         self.eager.append(eager)
 
-    def read(self, *values: torch.Tensor) -> list[list]:
-        """The one host read: the flags and `values` (numeric tensors, any shape) in one copy; raises the first
-        failing check's error; else returns each value flattened to a Python list (int for integer dtypes)."""
-        parts = [torch.stack(self.flags).to(torch.float64)] if self.flags else []
-        parts += [v.reshape(-1).to(device=self.device, dtype=torch.float64) for v in values]
-        host = torch.cat(parts).tolist() if parts else []  # exact: the layout's offsets and counts are < 2^53
-        for failed, eager in zip(host, self.eager):
+    def _first_failure(self, flags: list) -> ValueError | None:
+        for failed, eager in zip(flags, self.eager):
             if failed:
-                eager()
+                try:
+                    eager()
+                except ValueError as error:
+                    return error
                 raise AssertionError("grpo_kernels: a device check failed but its eager check passed")  # pragma: no cover
+        return None
+
+    def earlier(self, exc: BaseException) -> BaseException:
+        """`exc` raised during validation: the error of a device check added before it that fails (the one the
+        call raised when each check read its own flag), else `exc`."""
+        if self.done or not self.flags:
+            return exc
+        error = self._first_failure(torch.stack(self.flags).tolist())
+        if error is None:
+            return exc
+        error.__suppress_context__ = True  # raised in exc's place, not while handling it
+        return error
+
+    def read(self, *values: torch.Tensor) -> list[list]:
+        """The one host read: the flags and `values` (numeric tensors, any shape) in one copy (on the device of
+        the first that is not on the CPU); raises the first failing check's error; else returns each value
+        flattened to a Python list (int for integer dtypes)."""
+        parts = ([torch.stack(self.flags)] if self.flags else []) + [v.reshape(-1) for v in values]
+        device = next((p.device for p in parts if p.device.type != "cpu"), torch.device("cpu"))
+        parts = [p.to(device=device, dtype=torch.float64) for p in parts]
+        host = torch.cat(parts).tolist() if parts else []  # exact: the layout's offsets and counts are < 2^53
+        error = self._first_failure(host[: len(self.flags)])
+        if error is not None:
+            raise error
+        self.done = True
         out, at = [], len(self.flags)
         for v in values:
             part = host[at:at + v.numel()]

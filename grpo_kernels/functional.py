@@ -217,6 +217,7 @@ def fused_linear_logprobs(
             batch_invariant, softcap, logit_scale, backend))  # fmt: skip
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_logprobs")
+    checks = chk.DeviceChecks()  # the value checks, read with the valid-token count (the call's one host read)
     try:  # with tp_group a failure here is carried by the first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -227,7 +228,6 @@ def fused_linear_logprobs(
         device = chk.check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias, mask=mask)
         if targets.numel() == 0:
             chk.fail("targets is empty: nothing to compute")
-        checks = chk.DeviceChecks(device)  # the value checks, read with the valid-token count (one host read)
         valid = targets != ignore_index
         if mask is not None:
             chk.check_tensor("mask", mask)
@@ -258,8 +258,9 @@ def fused_linear_logprobs(
                                     bias_present=bias is not None)  # fmt: skip
             agreement.block, agreement.targets = weight, (targets, valid)
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if agreement is None:
-            raise
+            raise exc
         agreement.failed(exc)
     layout = _vocab_layout(agreement, 0 if agreement is None or agreement.failure else weight.shape[0])
     if layout is not None:
@@ -589,6 +590,7 @@ def _flatten_batch(
     normalizers: dict,
     check_finite: bool,
     device,
+    checks: chk.DeviceChecks,
     token_name: str = "logprobs",
 ) -> _FlatBatch:
     """Validate the loss-head inputs of either layout and flatten them (see module docstring)."""
@@ -607,7 +609,6 @@ def _flatten_batch(
         chk.fail(f"empty batch: token tensors have shape {token_shape}")
     chk.check_tensor("mask", mask)
     chk.check_shape("mask", mask, token_shape, token_name)
-    checks = chk.DeviceChecks(device)  # value checks on the device, read once by _read_checks
     valid = chk.check_mask("mask", mask, checks).reshape(-1)
     if packed:
         seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens, checks)
@@ -816,6 +817,7 @@ def grpo_loss(
             backend)  # fmt: skip
         return GRPOLossOutput(loss, metrics, logprobs.detach(), None if entropy is None else entropy.detach())
     entropy_agreement = _entropy_agreement(entropy_group, "grpo_loss")
+    checks = chk.DeviceChecks()  # the value checks, read once by _read_checks (the call's one host read)
     try:  # with entropy_group a failure here is carried by its first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -836,7 +838,7 @@ def grpo_loss(
         normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                            grad_accum_steps=grad_accum_steps)  # fmt: skip
         batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                               check_finite, device)  # fmt: skip
+                               check_finite, device, checks)  # fmt: skip
         flat_lp = logprobs.reshape(-1)
         if check_finite:
             chk.check_finite("logprobs", flat_lp, batch.valid, checks=batch.checks)
@@ -847,8 +849,9 @@ def grpo_loss(
         if entropy_agreement is not None:
             entropy_agreement.values.update(config=cfg, **_normalizer_values(normalizers))
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if entropy_agreement is None:
-            raise
+            raise exc
         _agreement.join_failed(entropy_agreement, exc)
     _warn_local_normalizers(cfg, normalizers, None)
     out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved, entropy_agreement)
@@ -1094,6 +1097,7 @@ def fused_linear_grpo_loss(
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_grpo_loss")
     entropy_agreement = _entropy_agreement(entropy_group, "fused_linear_grpo_loss")
+    checks = chk.DeviceChecks()  # the value checks, read with the layout by _read_checks (the call's one host read)
     try:  # with a group a failure here is carried by the first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -1118,7 +1122,7 @@ def fused_linear_grpo_loss(
         normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                            grad_accum_steps=grad_accum_steps)  # fmt: skip
         batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                               check_finite, device, token_name="targets")  # fmt: skip
+                               check_finite, device, checks, token_name="targets")  # fmt: skip
         if tp_group is not None and schedule == "low_memory":
             chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
                      "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
@@ -1155,8 +1159,9 @@ def fused_linear_grpo_loss(
             entropy_agreement.values.update(config=cfg, softcap=softcap, logit_scale=logit_scale,
                                             **_normalizer_values(normalizers))  # fmt: skip
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if agreement is None and entropy_agreement is None:
-            raise
+            raise exc
         if agreement is None:
             _agreement.join_failed(entropy_agreement, exc)
         agreement.failed(exc)
