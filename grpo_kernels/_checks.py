@@ -60,13 +60,17 @@ class DeviceChecks:
         return error
 
     def read(self, *values: torch.Tensor) -> list[list]:
-        """The one host read: the flags and `values` (numeric tensors, any shape) in one copy (on the device of
-        the first that is not on the CPU); raises the first failing check's error; else returns each value
-        flattened to a Python list (int for integer dtypes)."""
+        """The one host read: the flags and `values` (numeric tensors, any shape) in one copy; raises the first
+        failing check's error; else returns each value flattened to a Python list (int for integer dtypes)."""
         parts = ([torch.stack(self.flags)] if self.flags else []) + [v.reshape(-1) for v in values]
-        device = next((p.device for p in parts if p.device.type != "cpu"), torch.device("cpu"))
-        parts = [p.to(device=device, dtype=torch.float64) for p in parts]
-        host = torch.cat(parts).tolist() if parts else []  # exact: the layout's offsets and counts are < 2^53
+        # the parts on the device in one copy; a part already on the host (a CPU normalizer next to CUDA inputs)
+        # is read where it is: moving it to the device first would be a copy that waits for the device too
+        on_device = [p for p in parts if p.device.type != "cpu"] or parts
+        read = iter(torch.cat([p.to(dtype=torch.float64) for p in on_device]).tolist() if on_device else [])
+        host = []  # exact in float64: the layout's offsets and counts are < 2^53
+        for p in parts:
+            host += [next(read) for _ in range(p.numel())] if any(p is q for q in on_device) else \
+                p.to(torch.float64).tolist()  # fmt: skip
         error = self._first_failure(host[: len(self.flags)])
         if error is not None:
             raise error
