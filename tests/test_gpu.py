@@ -156,8 +156,13 @@ def test_one_synchronising_operation_per_call(schedule):
                 torch.cuda.set_sync_debug_mode("default")
         return out, [str(c.message) for c in caught if "synchroniz" in str(c.message)]
 
-    loss, forward = synchronising(lambda: gk.fused_linear_grpo_loss(
-        x, w, targets.reshape(4, -1), adv, mask, backend="triton", schedule=schedule).loss)  # fmt: skip
+    def call():
+        return gk.fused_linear_grpo_loss(x, w, targets.reshape(4, -1), adv, mask, backend="triton",
+                                         schedule=schedule).loss  # fmt: skip
+
+    (call() * 0.5).backward()  # warm: the kernels compiled (and any autotuning done) before counting
+    gk.fused_linear_logprobs(x, w, targets.reshape(4, -1), mask=mask, backend="triton")
+    loss, forward = synchronising(call)
     _, backward = synchronising(lambda: (loss * 0.5).backward())
     assert len(forward) == 1 and not backward, (forward, backward)
     _, logprobs = synchronising(lambda: gk.fused_linear_logprobs(x, w, targets.reshape(4, -1), mask=mask,
