@@ -17,6 +17,72 @@ def fail(message: str) -> None:
     raise ValueError(message)
 
 
+class DeviceChecks:
+    """The value checks of one call, computed on the device and read with the call's one host read.
+
+    Each check is a 0-d bool tensor (True: it fails) made by device operations, and the eager check that
+    raises its error (today's message: the count, the first offender and its value); the eager checks run
+    only when a flag says a check failed, in the order added, so an error has the message and the precedence
+    it had when every check read its own flag. `read` makes the one copy to the host: the flags with the
+    values the caller needs there (the batch's layout, tensor normalizers), one wait for the device per call
+    instead of one per check. The inputs are read by no kernel before it: a failing call raises before any
+    heavy work, as before. A check that raises at once (a shape, a dtype) after device checks were added
+    yields to the first of them that fails (`earlier`, read on that failing path only): the old precedence."""
+
+    def __init__(self):
+        self.flags: list[torch.Tensor] = []
+        self.eager: list = []
+        self.done = False  # read: every flag was clear
+
+    def add(self, failed: torch.Tensor, eager) -> None:
+        self.flags.append(failed.reshape(()))
+        self.eager.append(eager)
+
+    def _first_failure(self, flags: list) -> ValueError | None:
+        for failed, eager in zip(flags, self.eager):
+            if failed:
+                try:
+                    eager()
+                except ValueError as error:
+                    return error
+                raise AssertionError("grpo_kernels: a device check failed but its eager check passed")  # pragma: no cover
+        return None
+
+    def earlier(self, exc: BaseException) -> BaseException:
+        """`exc` raised during validation: the error of a device check added before it that fails (the one the
+        call raised when each check read its own flag), else `exc`."""
+        if self.done or not self.flags:
+            return exc
+        error = self._first_failure(torch.stack(self.flags).tolist())
+        if error is None:
+            return exc
+        error.__suppress_context__ = True  # raised in exc's place, not while handling it
+        return error
+
+    def read(self, *values: torch.Tensor) -> list[list]:
+        """The one host read: the flags and `values` (numeric tensors, any shape) in one copy; raises the first
+        failing check's error; else returns each value flattened to a Python list (int for integer dtypes)."""
+        parts = ([torch.stack(self.flags)] if self.flags else []) + [v.reshape(-1) for v in values]
+        # the parts on the device in one copy; a part already on the host (a CPU normalizer next to CUDA inputs)
+        # is read where it is: moving it to the device first would be a copy that waits for the device too
+        on_device = [p for p in parts if p.device.type != "cpu"] or parts
+        read = iter(torch.cat([p.to(dtype=torch.float64) for p in on_device]).tolist() if on_device else [])
+        host = []  # exact in float64: the layout's offsets and counts are < 2^53
+        for p in parts:
+            host += [next(read) for _ in range(p.numel())] if any(p is q for q in on_device) else \
+                p.to(torch.float64).tolist()  # fmt: skip
+        error = self._first_failure(host[: len(self.flags)])
+        if error is not None:
+            raise error
+        self.done = True
+        out, at = [], len(self.flags)
+        for v in values:
+            part = host[at:at + v.numel()]
+            out.append([int(x) for x in part] if not v.is_floating_point() else part)
+            at += v.numel()
+        return out
+
+
 def check_tensor(name: str, x, *, dtypes=None, ndim=None) -> None:
     if not isinstance(x, torch.Tensor):
         fail(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -57,17 +123,30 @@ def _bad_elements(x: torch.Tensor, allow_neg_inf: bool) -> torch.Tensor:
     return torch.isnan(x) | (x == float("inf")) if allow_neg_inf else ~torch.isfinite(x)
 
 
-def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None, allow_neg_inf: bool = False) -> None:
+def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None, allow_neg_inf: bool = False,
+                 checks: DeviceChecks | None = None) -> None:
     """NaN / inf anywhere `where` is true (default: everywhere) is an error showing the first offender.
     allow_neg_inf: -inf is allowed (a bias that forbids tokens: p = 0 for them).
 
     Memory: a float tensor of 2+ dims is checked by its minimum and maximum (NaN propagates into both):
     the whole tensor at once without `where` (O(1) extra: no weight-sized temporary), per row with a row
     mask (`where` of shape [..., 1]: O(rows)). Other shapes (per-token vectors) elementwise. Only a failing
-    check looks further, one row at a time, for the count and the first offender. One host sync."""
+    check looks further, one row at a time, for the count and the first offender. One host sync, or, with
+    `checks`, none: the flag joins the call's one read (DeviceChecks) and this eager check runs on failure."""
     if x.numel() == 0:
         return
     rowwise = x.dim() >= 2 and x.is_floating_point() and (where is None or (where.dim() == x.dim() and where.shape[-1] == 1))
+    if checks is not None:
+        if not rowwise:
+            bad = _bad_elements(x, allow_neg_inf)
+            failed = (bad if where is None else bad & where).any()
+        elif where is None:
+            failed = _bad_of_minmax(*torch.aminmax(x), allow_neg_inf)
+        else:
+            lo, hi = torch.aminmax(x, dim=-1)
+            failed = (_bad_of_minmax(lo, hi, allow_neg_inf) & where[..., 0]).any()
+        checks.add(failed, lambda: check_finite(name, x, where, allow_neg_inf))
+        return
     if not rowwise:
         bad = _bad_elements(x, allow_neg_inf)
         if where is not None:
@@ -110,24 +189,30 @@ def _fail_finite(name: str, x: torch.Tensor, count: int, idx: tuple) -> None:
     )
 
 
-def check_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
-    """Bool masks pass; integer / float masks must hold only 0 and 1. Returns the bool mask."""
+def check_mask(name: str, mask: torch.Tensor, checks: DeviceChecks | None = None) -> torch.Tensor:
+    """Bool masks pass; integer / float masks must hold only 0 and 1. Returns the bool mask. With `checks`
+    the values are checked in the call's one read (DeviceChecks)."""
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point() or mask.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
         bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
+        if checks is not None:
+            checks.add(bad.any(), lambda: check_mask(name, mask))
+        elif bool(bad.any()):
             idx = tuple(int(i) for i in bad.nonzero()[0])
             fail(f"{name} must hold only 0 and 1 (or be bool); found {mask[idx].item()} at index {idx}")
         return mask != 0
     fail(f"{name} must be bool or hold 0/1, got dtype {mask.dtype}")
 
 
-def check_targets(name: str, targets: torch.Tensor, vocab_size: int, valid: torch.Tensor) -> None:
+def check_targets(name: str, targets: torch.Tensor, vocab_size: int, valid: torch.Tensor,
+                  checks: DeviceChecks | None = None) -> None:
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         fail(f"{name} must be an integer tensor of token ids, got {targets.dtype}")
     bad = ((targets < 0) | (targets >= vocab_size)) & valid
-    if bool(bad.any()):
+    if checks is not None:
+        checks.add(bad.any(), lambda: check_targets(name, targets, vocab_size, valid))
+    elif bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         fail(
             f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) at trained positions; first at "
@@ -167,14 +252,23 @@ def check_count(name: str, value, *, integer: bool = False, minimum: float | Non
         fail(f"{name} must be {kind} {bound}{meaning}, got {value:g}")  # :g: 2 and 2.0 alike
 
 
-def cu_seqlens_to_index(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Validated cu_seqlens [S+1] (0 = start, n_tokens = end, non-decreasing) -> seq_index [N]."""
+def cu_seqlens_to_index(cu_seqlens: torch.Tensor, n_tokens: int, checks: DeviceChecks | None = None) -> torch.Tensor:
+    """Validated cu_seqlens [S+1] (0 = start, n_tokens = end, non-decreasing) -> seq_index [N]. With `checks`
+    the offsets are checked in the call's one read (DeviceChecks) and seq_index is made without a host read
+    (a search of each token's offset: defined, if meaningless, for offsets that then fail the check)."""
     check_tensor("cu_seqlens", cu_seqlens, ndim=1)
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         fail(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.numel() < 2:
         fail(f"cu_seqlens must hold at least 2 offsets (one sequence), got {cu_seqlens.numel()}")
     cu = cu_seqlens.long()
+    if checks is not None:
+        failed = (cu[0] != 0) | (cu[-1] != n_tokens) | (cu[1:] < cu[:-1]).any()
+        checks.add(failed, lambda: cu_seqlens_to_index(cu_seqlens, n_tokens))
+        # token t belongs to the sequence s with cu[s] <= t < cu[s + 1] (empty sequences hold no token): the
+        # number of offsets cu[1:] at or below t, as repeat_interleave(arange(S), lengths) gives it
+        tokens = torch.arange(n_tokens, device=cu.device)
+        return torch.searchsorted(cu[1:], tokens, right=True).clamp_(max=cu.numel() - 2)
     if int(cu[0]) != 0 or int(cu[-1]) != n_tokens:
         fail(f"cu_seqlens must start at 0 and end at the token count {n_tokens}, got {int(cu[0])}..{int(cu[-1])}")
     lengths = cu[1:] - cu[:-1]

@@ -164,8 +164,8 @@ def fused_linear_logprobs(
         mask: optional bool / 0-1 [...]: tokens with 0 are skipped (never multiplied) and get 0.
         ignore_index: targets equal to it are skipped like mask 0 (default -100, as TRL / transformers).
         compute_entropy: compute the entropy too (default True; False saves a little work).
-        check_finite: raise on a NaN / inf in hidden (valid tokens) or weight before any work (one host
-            synchronisation; default True).
+        check_finite: raise on a NaN / inf in hidden (valid tokens) or weight before any work (checked on
+            the device, read with the call's one host read; default True).
         tp_group: a torch.distributed process group over which the vocabulary is sharded (Megatron /
             torchtitan tensor parallelism): ``weight`` / ``bias`` are this rank's contiguous block of the
             full head's rows (rank r's block follows ranks 0..r-1's, sizes may differ), ``targets`` are
@@ -217,6 +217,7 @@ def fused_linear_logprobs(
             batch_invariant, softcap, logit_scale, backend))  # fmt: skip
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_logprobs")
+    checks = chk.DeviceChecks()  # the value checks, read with the valid-token count (the call's one host read)
     try:  # with tp_group a failure here is carried by the first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -231,21 +232,24 @@ def fused_linear_logprobs(
         if mask is not None:
             chk.check_tensor("mask", mask)
             chk.check_shape("mask", mask, targets.shape, "targets")
-            valid = valid & chk.check_mask("mask", mask)
+            valid = valid & chk.check_mask("mask", mask, checks)
         if group is None:
-            chk.check_targets("targets", targets, vocab, valid)
+            chk.check_targets("targets", targets, vocab, valid, checks)
         else:  # against the whole vocabulary, after the exchange; the dtype now
-            chk.check_targets("targets", targets[:0], 0, valid[:0])
+            chk.check_targets("targets", targets[:0], 0, valid[:0], checks)
         if check_finite:
-            chk.check_finite("hidden", hidden, valid[..., None])
-            chk.check_finite("weight", weight)
+            chk.check_finite("hidden", hidden, valid[..., None], checks=checks)
+            chk.check_finite("weight", weight, checks=checks)
             if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
-                chk.check_finite("bias", bias, allow_neg_inf=True)
-                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None)
+                chk.check_finite("bias", bias, allow_neg_inf=True, checks=checks)
+                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None, checks=checks)
         _check_flag("batch_invariant", batch_invariant)
         _check_transform(softcap, logit_scale)
         _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias)
         resolved = resolve_backend(backend, device, "fused_linear_logprobs")
+        # the call's one host read: the checks' flags and the valid-token count (the compaction's size)
+        (n_valid,) = checks.read(valid.sum())
+        n_valid = n_valid[0]
         if agreement is not None:
             agreement.tensors.update(hidden=hidden, targets=targets, mask=valid)
             agreement.values.update(temperature=float(temperature), softcap=softcap, logit_scale=logit_scale,
@@ -254,8 +258,9 @@ def fused_linear_logprobs(
                                     bias_present=bias is not None)  # fmt: skip
             agreement.block, agreement.targets = weight, (targets, valid)
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if agreement is None:
-            raise
+            raise exc
         agreement.failed(exc)
     layout = _vocab_layout(agreement, 0 if agreement is None or agreement.failure else weight.shape[0])
     if layout is not None:
@@ -266,8 +271,9 @@ def fused_linear_logprobs(
     flat_hidden = hidden.reshape(-1, hidden_size)
     flat_targets = targets.reshape(-1)
     flat_valid = valid.reshape(-1)
-    all_valid = bool(flat_valid.all())
-    rows = None if all_valid else flat_valid.nonzero().squeeze(-1)
+    all_valid = n_valid == flat_valid.numel()
+    # the valid rows, their count known: no second read
+    rows = None if all_valid else torch.nonzero_static(flat_valid, size=n_valid).squeeze(-1)
     # compact the valid rows: masked tokens are never multiplied
     h = flat_hidden if all_valid else flat_hidden.index_select(0, rows)
     y = (flat_targets if all_valid else flat_targets.index_select(0, rows)).long()
@@ -452,13 +458,16 @@ def _check_logit_limits(softcap, logit_scale, temperature, hidden, weight, bias)
                      f"bias| (max row norms) exceeds {limit}: the logits could overflow")  # fmt: skip
 
 
-def _check_bias_allows_a_token(bias, softcap, vocab_parallel: bool) -> None:
+def _check_bias_allows_a_token(bias, softcap, vocab_parallel: bool, checks: chk.DeviceChecks | None = None) -> None:
     """A bias of -inf everywhere (no soft cap) leaves no token to sample: the softmax is undefined; refused
     (with check_finite). Without the check both backends give the same defined values: every logit is the
-    forbidden-token sentinel, so the row is uniform over V (log-prob -log V, entropy log V)."""
+    forbidden-token sentinel, so the row is uniform over V (log-prob -log V, entropy log V). With `checks`:
+    in the call's one read."""
     if bias is None or softcap is not None or vocab_parallel:  # capped: -softcap / T each, a uniform row
         return
-    if bool((bias == float("-inf")).all()):
+    if checks is not None:
+        checks.add((bias == float("-inf")).all(), lambda: _check_bias_allows_a_token(bias, softcap, vocab_parallel))
+    elif bool((bias == float("-inf")).all()):
         chk.fail(f"bias is -inf for all {bias.numel()} tokens: every token is forbidden, so softmax(z) is "
                  "undefined (leave at least one token finite)")  # fmt: skip
 
@@ -547,7 +556,10 @@ class _FlatBatch:
     rollout_logprobs: torch.Tensor | None
     is_weights: torch.Tensor | None
     token_weights: torch.Tensor | None
-    normalizers: dict
+    normalizers: dict  # Python numbers after read_checks (a 1-element tensor given is read there)
+    checks: chk.DeviceChecks  # the value checks, read once by _read_checks
+    nonempty: torch.Tensor | None = None  # 0-d: sequences with a valid token (num_sequences given), read there
+    host: object = None  # ops.fused.function.HostIndex: the layout read with the checks (fused schedules)
 
 
 def _check_temperature(temperature) -> None:
@@ -578,6 +590,7 @@ def _flatten_batch(
     normalizers: dict,
     check_finite: bool,
     device,
+    checks: chk.DeviceChecks,
     token_name: str = "logprobs",
 ) -> _FlatBatch:
     """Validate the loss-head inputs of either layout and flatten them (see module docstring)."""
@@ -596,9 +609,9 @@ def _flatten_batch(
         chk.fail(f"empty batch: token tensors have shape {token_shape}")
     chk.check_tensor("mask", mask)
     chk.check_shape("mask", mask, token_shape, token_name)
-    valid = chk.check_mask("mask", mask).reshape(-1)
+    valid = chk.check_mask("mask", mask, checks).reshape(-1)
     if packed:
-        seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens)
+        seq_index = chk.cu_seqlens_to_index(cu_seqlens.to(device), n_tokens, checks)
         num_seqs = cu_seqlens.numel() - 1
         offsets = cu_seqlens.to(device=device, dtype=torch.int64)
     else:
@@ -618,7 +631,7 @@ def _flatten_batch(
             f"got {tuple(advantages.shape)}"
         )
     if check_finite:
-        chk.check_finite("advantages", adv, valid)
+        chk.check_finite("advantages", adv, valid, checks=checks)
 
     flat = {}
     for name, x in per_token.items():
@@ -633,13 +646,16 @@ def _flatten_batch(
             # ratio is measured against them (ratio_anchor="rollout": no ratio without the sampler's log-prob)
             unscored_ok = name == "rollout_logprobs" and config.ratio_anchor != "rollout"
             where = valid & ~torch.isnan(flat[name]) if unscored_ok else valid
-            chk.check_finite(name, flat[name], where)
+            chk.check_finite(name, flat[name], where, checks=checks)
 
-    # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused
-    chk.check_count("num_tokens", normalizers["num_tokens"], minimum=None,
-                    meaning=" (the valid tokens of the whole optimizer step, or an estimate of them)")
-    chk.check_count("num_sequences", normalizers["num_sequences"], minimum=None,
-                    meaning=" (the sequences of the whole optimizer step)")
+    # global normalizers: any finite value > 0 taken as given (no clamp), the rest refused (a tensor's value
+    # in _read_checks, with the call's one host read)
+    for name in ("num_tokens", "num_sequences"):
+        if isinstance(normalizers[name], torch.Tensor):
+            if normalizers[name].numel() != 1:
+                chk.fail(f"{name} must be a number or a 1-element tensor, got shape {tuple(normalizers[name].shape)}")
+        else:
+            _check_normalizer(name, normalizers[name])
     chk.check_count("dp_size", normalizers["dp_size"], integer=True, meaning=" (data-parallel ranks)")
     local_only = ("length-pow" in (config.loss_agg_mode, config.entropy_agg_mode, config.kl_agg_mode)
                   or config.loss_type == "group_dpo")  # fmt: skip
@@ -658,9 +674,9 @@ def _flatten_batch(
     # num_tokens is not bounded below by this call's count: an estimate of the step's count is a normaliser
     # too (TRL scales the generation batch's count by GA / steps_per_generation, which can fall below one
     # micro-batch's own count when GA < steps_per_generation)
+    nonempty = None  # checked against num_sequences in _read_checks
     if normalizers["num_sequences"] is not None:
-        nonempty = int((torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum())
-        chk.check_global_count("num_sequences", normalizers["num_sequences"], nonempty, "sequences with a valid token")
+        nonempty = (torch.zeros(num_seqs, device=device).index_add(0, seq_index, valid.float()) > 0).sum()
     _check_inputs_used(config, flat)
     return _FlatBatch(
         token_shape=tuple(token_shape),
@@ -675,7 +691,39 @@ def _flatten_batch(
         is_weights=flat.get("is_weights"),
         token_weights=flat.get("token_weights"),
         normalizers=normalizers,
+        checks=checks,
+        nonempty=nonempty,
     )
+
+
+def _check_normalizer(name: str, value) -> None:
+    meaning = {"num_tokens": " (the valid tokens of the whole optimizer step, or an estimate of them)",
+               "num_sequences": " (the sequences of the whole optimizer step)"}[name]  # fmt: skip
+    chk.check_count(name, value, minimum=None, meaning=meaning)
+
+
+def _read_checks(batch: _FlatBatch, layout: bool = False) -> None:
+    """The call's one host read (chk.DeviceChecks.read): the value checks' flags, the normalizers given as
+    tensors, the count of non-empty sequences (num_sequences given) and, with `layout`, the batch's layout for
+    the fused schedules' planners (cu_seqlens and the valid tokens before each position: batch.host). Raises
+    a failing check's error (its message as before: the eager check runs on failure); the normalizers become
+    Python numbers, checked here."""
+    n = batch.normalizers
+    given = [name for name in ("num_tokens", "num_sequences") if isinstance(n[name], torch.Tensor)]
+    values = [n[name] for name in given] + ([] if batch.nonempty is None else [batch.nonempty])
+    if layout:
+        values += [batch.cu_seqlens, batch.valid.long().cumsum(0)]
+    read = batch.checks.read(*values)
+    for name, value in zip(given, read):
+        n[name] = value[0]
+        _check_normalizer(name, n[name])
+    if batch.nonempty is not None:
+        nonempty = read[len(given)][0]
+        chk.check_global_count("num_sequences", n["num_sequences"], nonempty, "sequences with a valid token")
+    if layout:
+        from .ops.fused.function import HostIndex
+
+        batch.host = HostIndex(read[-2], [0] + read[-1])
 
 
 def _check_inputs_used(cfg: PolicyLossConfig, flat: dict) -> None:
@@ -769,6 +817,7 @@ def grpo_loss(
             backend)  # fmt: skip
         return GRPOLossOutput(loss, metrics, logprobs.detach(), None if entropy is None else entropy.detach())
     entropy_agreement = _entropy_agreement(entropy_group, "grpo_loss")
+    checks = chk.DeviceChecks()  # the value checks, read once by _read_checks (the call's one host read)
     try:  # with entropy_group a failure here is carried by its first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -789,18 +838,20 @@ def grpo_loss(
         normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                            grad_accum_steps=grad_accum_steps)  # fmt: skip
         batch = _flatten_batch(tuple(logprobs.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                               check_finite, device)  # fmt: skip
+                               check_finite, device, checks)  # fmt: skip
         flat_lp = logprobs.reshape(-1)
         if check_finite:
-            chk.check_finite("logprobs", flat_lp, batch.valid)
+            chk.check_finite("logprobs", flat_lp, batch.valid, checks=batch.checks)
+        _read_checks(batch)  # the call's one host read: raises a failing value check's error
         flat_entropy = None if entropy is None else entropy.reshape(-1)
         resolved = _loss_head_backend(cfg, backend, device, resolve_backend(backend, device, "grpo_loss"))
         _check_entropy_group(entropy_group, cfg)
         if entropy_agreement is not None:
             entropy_agreement.values.update(config=cfg, **_normalizer_values(normalizers))
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if entropy_agreement is None:
-            raise
+            raise exc
         _agreement.join_failed(entropy_agreement, exc)
     _warn_local_normalizers(cfg, normalizers, None)
     out = _loss_head(flat_lp, flat_entropy, batch, cfg, resolved, entropy_agreement)
@@ -972,7 +1023,8 @@ def fused_linear_grpo_loss(
             it so that the average is the gradient of the global loss. A whole number >= 1. Default 1.
         grad_accum_steps: micro-batches per optimizer step, used only when num_tokens / num_sequences
             are not given (local counts divided by it). A whole number >= 1. Default 1.
-        check_finite: raise on NaN / inf in a valid token's input before any work (one host sync).
+        check_finite: raise on NaN / inf in a valid token's input before any work (checked on the device,
+            read with the call's one host read).
         bias: optional [V] LM-head bias.
         tp_group: vocabulary-parallel LM head, as in ``fused_linear_logprobs`` (weight / bias are this
             rank's block of rows, targets global ids, every per-token input the same on every rank); loss,
@@ -1045,6 +1097,7 @@ def fused_linear_grpo_loss(
     group = _check_group("tp_group", tp_group)  # None also for a 1-rank group
     agreement = None if group is None else _agreement.Agreement(group, "tp_group", "fused_linear_grpo_loss")
     entropy_agreement = _entropy_agreement(entropy_group, "fused_linear_grpo_loss")
+    checks = chk.DeviceChecks()  # the value checks, read with the layout by _read_checks (the call's one host read)
     try:  # with a group a failure here is carried by the first collective: every rank raises it
         if type_error is not None:
             raise type_error
@@ -1069,27 +1122,30 @@ def fused_linear_grpo_loss(
         normalizers = dict(num_tokens=num_tokens, num_sequences=num_sequences, dp_size=dp_size,
                            grad_accum_steps=grad_accum_steps)  # fmt: skip
         batch = _flatten_batch(tuple(targets.shape), mask, advantages, cu_seqlens, per_token, cfg, normalizers,
-                               check_finite, device, token_name="targets")  # fmt: skip
+                               check_finite, device, checks, token_name="targets")  # fmt: skip
         if tp_group is not None and schedule == "low_memory":
             chk.fail("schedule='low_memory' is not available with tp_group (its vocabulary slabs would differ "
                      "across ranks); use 'auto', 'one_pass' or 'two_pass'")  # fmt: skip
         flat_targets = targets.reshape(-1)
         # with tp_group: the ids against the whole vocabulary after the exchange; the dtype now
         chk.check_targets("targets", flat_targets if group is None else flat_targets[:0],
-                          vocab if group is None else 0, batch.valid if group is None else batch.valid[:0])  # fmt: skip
+                          vocab if group is None else 0, batch.valid if group is None else batch.valid[:0],
+                          batch.checks)  # fmt: skip
         flat_hidden = hidden.reshape(-1, hidden_size)
         if check_finite:
-            chk.check_finite("hidden", flat_hidden, batch.valid[:, None])
-            chk.check_finite("weight", weight)
+            chk.check_finite("hidden", flat_hidden, batch.valid[:, None], checks=batch.checks)
+            chk.check_finite("weight", weight, checks=batch.checks)
             if bias is not None:  # -inf forbids a token (p = 0 for it), a common use: allowed
-                chk.check_finite("bias", bias, allow_neg_inf=True)
-                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None)
+                chk.check_finite("bias", bias, allow_neg_inf=True, checks=batch.checks)
+                _check_bias_allows_a_token(bias, softcap, vocab_parallel=group is not None, checks=batch.checks)
         resolved = resolve_backend(backend, device, "fused_linear_grpo_loss")
         _check_flag("batch_invariant", batch_invariant)
         _check_transform(softcap, logit_scale)
         _check_logit_limits(softcap, logit_scale, cfg.temperature, hidden, weight, bias)
         head_backend = _loss_head_backend(cfg, backend, device, resolved)
         _check_entropy_group(entropy_group, cfg)
+        # the call's one host read: the value checks (raising a failing one's error) and the batch's layout
+        _read_checks(batch, layout=True)
         scalars = dict(config=cfg, temperature=cfg.temperature, softcap=softcap, logit_scale=logit_scale,
                        check_finite=check_finite, batch_invariant=batch_invariant, backend=resolved,
                        schedule=schedule, max_extra_memory=max_extra_memory,
@@ -1103,8 +1159,9 @@ def fused_linear_grpo_loss(
             entropy_agreement.values.update(config=cfg, softcap=softcap, logit_scale=logit_scale,
                                             **_normalizer_values(normalizers))  # fmt: skip
     except Exception as exc:
+        exc = checks.earlier(exc)  # a value check made before it that fails speaks first, as before
         if agreement is None and entropy_agreement is None:
-            raise
+            raise exc
         if agreement is None:
             _agreement.join_failed(entropy_agreement, exc)
         agreement.failed(exc)

@@ -307,3 +307,21 @@ def test_low_memory_schedule_equals_two_pass(name, monkeypatch):
     for label, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), results["low_memory"],
                            results["two_pass"]):  # fmt: skip
         assert_close(label, a, b, atol=4e-6 * max(b.abs().max().item(), 1e-30), rtol=0)
+
+
+def test_bytes_per_logit_of_the_streaming_passes():
+    """ops/fused/cost.py's count of the bytes each pass over the [tokens, V] logits moves per logit (bf16), and
+    the time model charging exactly that: at one chunk, each more valid token adds count x V bytes."""
+    from grpo_kernels.ops.fused import cost
+
+    counts = {s: sum(cost.logit_bytes(s).values()) for s in ("one_pass", "one_pass_inplace", "one_pass_cublas",
+                                                            "one_pass_cublas_inplace", "one_pass_dz", "two_pass")}  # fmt: skip
+    # cuBLAS writes fp32 logits (4), the statistics pass reads them (4), the dz pass reads them (4) and writes the
+    # bf16 dz slab (2) that the two GEMMs read (2 + 2); kernel A has no statistics pass; two_pass keeps no logits
+    assert counts == {"one_pass": 14, "one_pass_inplace": 14, "one_pass_cublas": 18, "one_pass_cublas_inplace": 18,
+                      "one_pass_dz": 12, "two_pass": 6}, counts  # fmt: skip
+    assert sum(cost.logit_bytes("one_pass_cublas", transform_writes=True).values()) == 22  # z written back
+    h, v = 64, 1000
+    for schedule in ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace"):
+        one, two = (cost.schedule_time(schedule, n, h, v, 2, chunk_rows=4096).bytes_moved for n in (100, 101))
+        assert two - one == counts[schedule] * v, (schedule, two - one)

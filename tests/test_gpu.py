@@ -132,3 +132,39 @@ def test_backward_gemms_take_the_fp32_out_path():
     out = gk.fused_linear_logprobs(hidden, w, targets, backend="triton")
     out.logprobs.sum().backward()
     assert lm_triton.gemm_path("cuda") == "fp32-out", f"backward GEMM path: {lm_triton.gemm_path('cuda')}"
+
+
+@pytest.mark.parametrize("schedule", ["auto", "one_pass_cublas_inplace", "one_pass", "two_pass", "low_memory"])
+def test_one_synchronising_operation_per_call(schedule):
+    """On the GPU, what tests/test_host_reads.py counts on CPU: torch's sync debug mode flags every
+    synchronising CUDA operation; the fused loss makes one per call (the checks with the layout), none in its
+    backward (loss * 0.5: grad_output is not 1, the scale kernel runs), and fused_linear_logprobs one."""
+    n, h, v = 512, 256, 4099
+    hidden, weight, targets = make(n, h, v)
+    mask = torch.rand(4, n // 4, device="cuda") > 0.2
+    adv = torch.randn(4, device="cuda")
+    x, w = hidden.reshape(4, n // 4, h).clone().requires_grad_(), weight.clone().requires_grad_()
+
+    def synchronising(fn) -> list[str]:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return out, [str(c.message) for c in caught if "synchroniz" in str(c.message)]
+
+    def call():
+        return gk.fused_linear_grpo_loss(x, w, targets.reshape(4, -1), adv, mask, backend="triton",
+                                         schedule=schedule).loss  # fmt: skip
+
+    (call() * 0.5).backward()  # warm: the kernels compiled (and any autotuning done) before counting
+    gk.fused_linear_logprobs(x, w, targets.reshape(4, -1), mask=mask, backend="triton")
+    loss, forward = synchronising(call)
+    _, backward = synchronising(lambda: (loss * 0.5).backward())
+    assert len(forward) == 1 and not backward, (forward, backward)
+    _, logprobs = synchronising(lambda: gk.fused_linear_logprobs(x, w, targets.reshape(4, -1), mask=mask,
+                                                                 backend="triton"))  # fmt: skip
+    assert len(logprobs) == 1, logprobs

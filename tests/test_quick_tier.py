@@ -48,6 +48,7 @@ KERNELS = {
     "lm_head_bwd_kernel_grad_hidden_dz": "tests/test_dz_in_gemm_interpreter.py::test_dz_in_gemm_equals_the_slab_path",
     "lm_head_bwd_kernel_grad_weight_dz": "tests/test_dz_in_gemm_interpreter.py::test_dz_in_gemm_equals_the_slab_path",
     "loss_head_fwd_bwd_kernel": "tests/test_loss_head_triton_interpreter.py::test_triton_loss_head_matches_reference",
+    "scale_by_device_scalar_kernel": "tests/test_host_reads.py::test_scale_kernel_matches_pytorch",
 }
 
 # every fused schedule -> a quick test that runs it on the Triton kernels (interpreter)

@@ -47,6 +47,28 @@ class ScheduleTime:
                 f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + {self.bytes_moved / 1e9:.1f} GB at {BANDWIDTH / 1e12:.1f} TB/s")  # fmt: skip
 
 
+def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool = False) -> dict[str, int]:
+    """The bytes each pass over the `[tokens, V]` logits moves per logit (per valid token and vocabulary entry),
+    by pass: what schedule_time charges as N x V traffic. bf16 at the target head, `one_pass_cublas_inplace`
+    (what auto runs there): 18 = 4 (cuBLAS writes the fp32 logits) + 4 (the statistics kernel reads them) + 4
+    (C's dz pass reads them) + 2 (it writes the dz slab) + 2 + 2 (the grad_hidden and grad_weight GEMMs read
+    it); kernel A's one-pass schedules skip the statistics pass (14), the recomputing ones store no logits."""
+    e = element_size
+    dz_slab = {"dz slab written": e, "dz slab read by grad_hidden GEMM": e, "dz slab read by grad_weight GEMM": e}
+    if schedule in ("two_pass", "low_memory"):  # the logits are recomputed inside the dz kernel: never stored
+        return dz_slab
+    if schedule == "one_pass_dz":  # dz formed inside the two GEMMs' operand loads from the stored logits
+        return {"logits written (kernel A)": 4, "logits read by grad_hidden GEMM": 4, "logits read by grad_weight GEMM": 4}
+    if schedule in ("one_pass", "one_pass_inplace"):
+        return {"logits written (kernel A)": 4, "logits read by dz pass": 4, **dz_slab}
+    if schedule in ("one_pass_cublas", "one_pass_cublas_inplace"):
+        out = {"logits written (cuBLAS)": 4, "logits read by statistics pass": 4}
+        if transform_writes:  # a bias or soft-cap: the statistics kernel writes z back for C
+            out["logits written back by statistics pass"] = 4
+        return {**out, "logits read by dz pass": 4, **dz_slab}
+    raise ValueError(f"no byte count for schedule {schedule!r}")
+
+
 def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_size: int = 2, *,
                   chunk_rows: int, slab_columns: int = 8192, transform_writes: bool = False) -> ScheduleTime:  # fmt: skip
     """The modelled time of `schedule` for `n_valid` valid tokens with one-pass chunks of `chunk_rows`
@@ -59,7 +81,7 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
         # A (kernel A) and the slab recompute (dlogits kernel) are Triton, the two backward GEMMs cuBLAS;
         # W read three times, each grad_weight block written once; dz written and read twice; the fp32
         # grad_hidden read and written per slab
-        traffic = 3 * vh * e + vh * e + 3 * nv * e + slabs * 8.0 * n_valid * hidden
+        traffic = 3 * vh * e + vh * e + nv * sum(logit_bytes(schedule, e).values()) + slabs * 8.0 * n_valid * hidden
         return ScheduleTime(schedule, 2 * unit, 2 * unit, traffic)
     if schedule == "two_pass":
         from ..lm_head.triton import DEFAULT_WORKSPACE_BYTES, plan_backward
@@ -68,7 +90,7 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
                                need_bias_grad=False, need_hidden_grad=True).num_chunks  # fmt: skip
         # A reads W once; per backward chunk the recompute and the grad_hidden GEMM read W and the fp32
         # accumulator is read and written; dz written and read twice
-        traffic = vh * e + chunks * (2 * vh * e + 8 * vh) + 3 * nv * e
+        traffic = vh * e + chunks * (2 * vh * e + 8 * vh) + nv * sum(logit_bytes(schedule, e).values())
         return ScheduleTime(schedule, 2 * unit, 2 * unit, traffic)
     cublas_forward = schedule.startswith("one_pass_cublas")
     in_place = schedule.endswith("_inplace")
@@ -79,9 +101,7 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
     # element; in place: the gradient buffer in the weight's dtype)
     per_chunk = 2 * vh * e + vh * (2 * e if in_place else 8)
     # logits stored and read back (fp32), dz slab written and read twice; the streaming statistics kernel
-    # reads the logits once more (and writes z back when a bias or soft-cap changes it)
-    traffic = chunks * per_chunk + 8 * nv + 3 * nv * e
-    if cublas_forward:
-        traffic += 4 * nv * (2 if transform_writes else 1)
+    # reads the logits once more (and writes z back when a bias or soft-cap changes it): logit_bytes
+    traffic = chunks * per_chunk + nv * sum(logit_bytes(schedule, e, transform_writes=transform_writes).values())
     cublas = 3 * unit if cublas_forward else 2 * unit
     return ScheduleTime(schedule, cublas, 0.0 if cublas_forward else unit, traffic)

@@ -113,7 +113,9 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     goal = memory.EXTRA_MEMORY_GOAL if max_extra_memory is None else int(max_extra_memory)
     element_size = flat_hidden.element_size()
     bias_grad = bias is not None and bias.requires_grad
-    host = host_index(batch.cu_seqlens, batch.valid)  # the call's one host read of the batch's layout
+    # the batch's layout on the host: read by the functional layer with the value checks (the call's one host
+    # read), else read here once
+    host = getattr(batch, "host", None) or host_index(batch.cu_seqlens, batch.valid)
     if schedule in IN_PLACE and chunk_tokens is None:  # chunks sized to fill the goal
         n_valid = host.n_valid
         rows = memory.inplace_chunk_rows(n_valid, weight.shape[1], vocab, element_size, goal, bias=bias_grad,
@@ -139,7 +141,7 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     if backend == "torch" and chosen == "two_pass" and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (flat_hidden, weight, bias)):  # fmt: skip
         # C reads A's fp32 logits instead of recomputing them where they fit the budget (3 GEMM units, not 4)
-        n_valid = int(batch.valid.sum())
+        n_valid = host.n_valid
         kept = LogitsStore.nbytes(n_valid, weight.shape[0])
         if kept <= TORCH_LOGITS_BYTES:
             def logits_store(rows):
@@ -157,7 +159,7 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
             return fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl,
                                                chunks, variant=chosen, host=host)  # fmt: skip
         return fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head,
-                                  low_memory=chosen == "low_memory", logits_store=logits_store)  # fmt: skip
+                                  low_memory=chosen == "low_memory", logits_store=logits_store, host=host)  # fmt: skip
 
 
 def auto_schedule_at(n_valid: int, hidden: int, vocab: int, dtype: torch.dtype = torch.bfloat16, *,

@@ -58,6 +58,8 @@ class _Saved:
     grad_hidden: torch.Tensor | None = None
     grad_weight: torch.Tensor | None = None
     grad_bias: torch.Tensor | None = None
+    # grad_output applied by a Triton kernel that reads it on the device (scale.py), not by a host read
+    scale_on_device: bool = False
 
 
 # Valid tokens per one-pass chunk: large enough that re-reading W and the fp32 grad_weight
@@ -125,8 +127,13 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
                 "gradients are computed in the forward and handed to autograd once. Call it again instead."
             )
 
-        # the loss's upstream gradient, read once (a scalar: one host read, not an equality kernel and a read
-        # per gradient); 1 (loss.backward()) leaves the gradients as computed
+        if s.scale_on_device:  # Triton: grad_output read by the kernel, the gradients scaled in place (at 1:
+            from .scale import scale_  # untouched); no host read, so the host never waits for the device here
+
+            return scale_(s.grad_hidden, grad_output), scale_(s.grad_weight, grad_output), \
+                scale_(s.grad_bias, grad_output), None, None  # fmt: skip
+        # PyTorch backend: the loss's upstream gradient, read once (a scalar: one host read, not an equality
+        # kernel and a read per gradient); 1 (loss.backward()) leaves the gradients as computed
         unit = grad_output.numel() == 1 and float(grad_output) == 1.0
 
         def scale(g):
@@ -135,6 +142,12 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
             return (g.float() * grad_output.float()).to(g.dtype)
 
         return scale(s.grad_hidden), scale(s.grad_weight), scale(s.grad_bias), None, None
+
+
+def _is_triton(lm_impl) -> bool:
+    """The Triton backend (the name of a wrapped backend (batch-invariant, logit transform, vocabulary-parallel)
+    starts with the backend module's)."""
+    return lm_impl.__name__.split(" ")[0].endswith(".triton")
 
 
 def vocab_slab_columns(n_rows: int, hidden_size: int, element_size: int, vocab: int) -> int:
@@ -162,7 +175,7 @@ def lm_head_grads_vocab_outer(lm_impl, hidden_rows, weight, bias, targets_rows, 
     extra = {}
     # the dz workspace of one token chunk of the slab (Triton backend; the name of a wrapped backend
     # (batch-invariant, logit transform) starts with the backend module's)
-    if lm_impl.__name__.split(" ")[0].endswith(".triton"):
+    if _is_triton(lm_impl):
         extra["workspace_bytes"] = LOW_MEMORY_DZ_ROWS * ((columns + 64) * hidden_rows.element_size() + 4 * hidden_size)
     for v0 in range(0, vocab, columns):
         v1 = min(vocab, v0 + columns)
@@ -181,15 +194,17 @@ def lm_head_grads_vocab_outer(lm_impl, hidden_rows, weight, bias, targets_rows, 
 
 
 def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss_head, low_memory=False,
-                       logits_store=None):  # fmt: skip
+                       logits_store=None, host: HostIndex | None = None):  # fmt: skip
     """Returns (loss, metrics, logprobs [N], entropy [N]); loss is differentiable w.r.t. hidden,
     weight and bias when they require grad and grad mode is on. `logits_store(n_valid_rows)`: a buffer
     for A's logits that C reads instead of recomputing them (the PyTorch backend's LogitsStore), or None
-    where they are recomputed."""
+    where they are recomputed. `host`: the batch's layout on the host (its valid-token count sizes the
+    compaction, so no read here); None: read here."""
     valid = batch.valid
     n_tokens = valid.shape[0]
-    all_valid = bool(valid.all())
-    rows = None if all_valid else valid.nonzero().squeeze(-1)
+    n_valid = host.n_valid if host is not None else int(valid.sum())
+    all_valid = n_valid == n_tokens
+    rows = None if all_valid else torch.nonzero_static(valid, size=n_valid).squeeze(-1)
     hidden_rows = flat_hidden if all_valid else flat_hidden.index_select(0, rows)  # [Nv, H]
     targets_rows = (flat_targets if all_valid else flat_targets.index_select(0, rows)).long()
     temperature = float(cfg.temperature)
@@ -232,6 +247,7 @@ def fused_grpo_forward(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_i
 
     # C: LM-head gradients, logits recomputed
     saved = _Saved()
+    saved.scale_on_device = _is_triton(lm_impl)
     if low_memory:
         grad_hidden, grad_weight, grad_bias = lm_head_grads_vocab_outer(
             lm_impl, hidden_rows.detach(), weight.detach(), None if bias is None else bias.detach(), targets_rows,
@@ -395,12 +411,12 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
         return None if x is None else x[t0:t1]
 
     vocab = weight.shape[0]
-    # The valid rows of every chunk from the planners' host index (no device read here) and ONE nonzero
-    # where tokens are masked (all valid: an arange), not a sync per chunk (each would stall the GPU).
+    # The valid rows of every chunk from the planners' host index (no device read here) and one nonzero of
+    # the size the index gives (all valid: an arange): no read, not a sync per chunk (each would stall the GPU).
     host = host or host_index(batch.cu_seqlens, valid)
     n_valid = host.n_valid
     valid_rows = (torch.arange(n_valid, device=device) if n_valid == valid.shape[0]
-                  else valid.nonzero().squeeze(-1))  # [Nv] flat indices, ascending  # fmt: skip
+                  else torch.nonzero_static(valid, size=n_valid).squeeze(-1))  # [Nv] flat indices, ascending  # fmt: skip
     edges = [t0 for _, _, t0, _ in chunks] + ([chunks[-1][3]] if chunks else [])
     row_edges = [host.valid_before[e] for e in edges]
     logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
@@ -459,6 +475,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     if not needs_grad:
         return loss, metrics, logprobs, entropy
     saved = _Saved()
+    saved.scale_on_device = True  # the one-pass schedules run on the Triton backend
     saved.grad_hidden = grad_hidden
     saved.grad_weight = None if grad_weight_acc is None else grad_weight_acc.to(weight.dtype)
     saved.grad_bias = None if grad_bias_acc is None else grad_bias_acc.to(bias.dtype)
