@@ -51,9 +51,9 @@ def test_dry_run_fits_the_lease_with_room_for_a_second_call(tmp_path):
     # the first call reaches the verdict's rows whatever else it reaches, and by its budgets the smoke check
     # and the microbenchmarks; a resumed call installs the wheels and checks the machine again
     # the first call: the GPU test tier first after preflight, then the verdict's rows; the training step
-    # (at most ~3 minutes) fits the second call with its wheels and preflight
+    # (at most ~3 minutes) and csrc/'s kernel A check fit the second call with its wheels and preflight
     assert lease["calls"][0] == ["wheels", "preflight", "gpu-tests", "headline"], lease["calls"]
-    assert lease["calls"][1] == ["wheels", "preflight", "step"], lease["calls"]
+    assert lease["calls"][1] == ["wheels", "preflight", "csrc", "step"], lease["calls"]
     step = next(p for p in lease["parts"] if p.name == "step")
     assert step.budget_s <= 180 and all(j.row_limit_s <= step.budget_s for j in step.jobs)
     assert all(c[:2] == ["wheels", "preflight"] for c in lease["calls"][1:])
@@ -71,7 +71,8 @@ def test_the_verdict_rows_come_first_and_every_provider_has_one_place():
     parts = gpu_session.plan(False)
     names = [p.name for p in parts]
     assert names[:4] == ["wheels", "preflight", "gpu-tests", "headline"]
-    assert names.index("step") == names.index("headline") + 1  # the training step right after the kernel verdict
+    # csrc/'s kernel A check, then the training step, right after the kernel verdict (the second call)
+    assert names[4:6] == ["csrc", "step"], names
     headline = next(p for p in parts if p.name == "headline")
     assert [j.label for j in headline.jobs] == ["floor", "grpo_kernels", "trl", "liger-chunked"]
     # every row that is not in the verdict comes after the verdict's rows
@@ -370,6 +371,52 @@ def test_a_part_past_its_limit_is_killed_and_earlier_results_stay(tmp_path):
         {"test": "tests/t.py::test_b[grpo-packed]", "outcome": "failed"}], tests  # fmt: skip
     assert time.monotonic() - start < 30
     assert record["verdict"]["measured"] is False and "no headline results" in record["verdict"]["why"]
+
+
+def _csrc_part(script: str, budget: int = 20) -> "gpu_session.Part":
+    # what benchmarks/gpu/csrc_check.py does: one JSON file at --out, rewritten after each phase
+    return gpu_session.Part("csrc", "a stand-in for csrc_check.py", budget, "script",
+                            command=[sys.executable, "-c", script])  # fmt: skip
+
+
+def test_the_csrc_part_lands_in_session_json_and_a_finished_one_is_not_run_again(tmp_path):
+    script = ("import json, sys; out = sys.argv[sys.argv.index('--out') + 1]; json.dump({'checks': ["
+              "{'case': 'small bf16', 'ok': True}, {'case': 'target bf16', 'ok': False}], 'all_checks_ok': False}, "
+              "open(out, 'w')); sys.exit(0)")  # fmt: skip
+    session = gpu_session.Session(tmp_path / "a", budget_s=60, rehearsal=False, parts=[_csrc_part(script)])
+    gpu_session.MIN_PART_S, saved = 1, gpu_session.MIN_PART_S
+    try:
+        assert session.run() == 0
+        record = json.loads((tmp_path / "a" / "session.json").read_text())
+        assert record["calls"][0]["parts"][0]["status"] == "ok", record["calls"][0]["parts"][0]
+        assert record["csrc"]["checks"][1] == {"case": "target bf16", "ok": False}, record["csrc"]
+        summary = gpu_session.closing_summary(record, gpu_session.read_rows(tmp_path / "a" / "results.jsonl"),
+                                              tmp_path / "a")  # fmt: skip
+        assert "csrc kernel A" in summary and "1/2 checks ok (wrong: target bf16)" in summary, summary
+        # a resumed call keeps the part's JSON and does not run it again (a command that would fail)
+        again = gpu_session.Session(tmp_path / "b", budget_s=60, rehearsal=False, resume=tmp_path / "a",
+                                    parts=[_csrc_part("import sys; sys.exit(3)")])  # fmt: skip
+        assert again.run() == 0
+    finally:
+        gpu_session.MIN_PART_S = saved
+    record = json.loads((tmp_path / "b" / "session.json").read_text())
+    assert record["csrc"]["all_checks_ok"] is False and record["calls"][-1]["parts"][0]["status"] != "failed"
+
+
+def test_a_csrc_part_cut_at_its_limit_keeps_what_it_wrote(tmp_path):
+    script = ("import json, sys, time; out = sys.argv[sys.argv.index('--out') + 1]; "
+              "json.dump({'phase': 'checked', 'all_checks_ok': True}, open(out, 'w')); time.sleep(60)")  # fmt: skip
+    session = gpu_session.Session(tmp_path, budget_s=60, rehearsal=False, parts=[_csrc_part(script, budget=3)])
+    gpu_session.MIN_PART_S, saved = 1, gpu_session.MIN_PART_S
+    start = time.monotonic()
+    try:
+        assert session.run() == 1
+    finally:
+        gpu_session.MIN_PART_S = saved
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert record["calls"][0]["parts"][0]["status"] == "timeout"
+    assert record["csrc"] == {"phase": "checked", "all_checks_ok": True}
+    assert time.monotonic() - start < 30
 
 
 def test_the_stamp_names_the_commit_only_for_the_tree_it_was_made_from(tmp_path):

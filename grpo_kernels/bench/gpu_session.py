@@ -19,6 +19,9 @@ Order (priority: what the verdict needs first, then what the next change is chos
   headline        fused_grpo + logprobs at the target shape: the 3-GEMM floor, grpo_kernels (auto), TRL,
                   Liger; each provider checked against the fp32 reference before it is timed; verdict.json
                   (ratios to the floor, to TRL, to Liger, extra memory, met / missed) rewritten after each row
+  csrc            csrc/'s CUTLASS sm_90a kernel A (the library travels built): every check against the fp32
+                  reference, then timed against one cuBLAS GEMM, interleaved (benchmarks/gpu/csrc_check.py;
+                  session.json's "csrc"); wrong or slower, the default stays
   step            a GRPO training step, stock against grpo_kernels (grpo_kernels/bench/step.py): TRL 1.16's
                   GRPOTrainer stock and with the adapter in both modes, the reference trainer's update with
                   the fused loss and with a plain PyTorch head; Qwen3-1.7B full fine-tuning and Qwen3-8B with
@@ -120,8 +123,11 @@ STARTUP_LIMIT_S = 90  # a child that starts no row within this is stuck (imports
 GPU_TEST_FILES = ("test_gpu_tier.py", "test_gpu.py")
 GPU_TESTS_BUDGET_S = 75
 # The training step (grpo_kernels/bench/step.py): at most ~3 minutes in a call; rows not reached are resumed
-STEP_BUDGET_S = 180
-STEP_ROW_LIMIT_S = 170  # one family (every side built twice: parity, then timing) or one memory wall
+STEP_BUDGET_S = 135  # the second call: wheels 20 + preflight 40 + csrc 60 + step 135 + reserve 15 = 270
+# csrc/'s CUTLASS kernel A (benchmarks/gpu/csrc_check.py): checked against the fp32 reference, then timed against
+# one cuBLAS GEMM (no compile of its own: the library travels built; Triton compiles its comparison kernels)
+CSRC_BUDGET_S = 60
+STEP_ROW_LIMIT_S = 130  # one family (every side built twice: parity, then timing) or one memory wall
 
 # Peers the GPU image lacks, as cp312 wheels, with their own dependencies the image lacks too
 # (the image has transformers, accelerate, pandas, pyarrow, xxhash, huggingface-hub, fsspec, ...).
@@ -211,9 +217,9 @@ class Part:
     name: str
     what: str
     budget_s: int  # the most this part may take (less when less is left)
-    kind: str = "rows"  # "rows" (jobs), "wheels", "tests"
+    kind: str = "rows"  # "rows" (jobs), "wheels", "tests", "script" (a command writing one JSON file)
     jobs: list[Job] = field(default_factory=list)
-    command: list[str] = field(default_factory=list)  # "tests": the command
+    command: list[str] = field(default_factory=list)  # "tests" / "script": the command
 
 
 def _python() -> str:
@@ -270,6 +276,10 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
                       *[str(ROOT / "tests" / f) for f in GPU_TEST_FILES]]),
         rows("headline", f"{' + '.join(HEADLINE_OPS)} at {head}: floor, {', '.join(headline)} (the verdict, "
              "rewritten after each row)", 240 if rehearsal else 120, bench("headline", (FLOOR, *headline))),
+        # csrc/'s kernel A: its checks, then its timing (one JSON, session.json's "csrc"); on a CPU rehearsal skipped
+        Part("csrc", "csrc/ CUTLASS sm_90a kernel A: checked against the fp32 reference (small head, target head), "
+             "then timed against one cuBLAS GEMM, interleaved (benchmarks/gpu/csrc_check.py)", CSRC_BUDGET_S, "script",
+             command=[_python(), str(ROOT / "benchmarks" / "gpu" / "csrc_check.py")]),
         rows("step", "a GRPO training step, stock against grpo_kernels (TRL 1.16 and the reference trainer; "
              f"{'tiny Qwen3, 2 steps, planted memory limit' if rehearsal else 'Qwen3-1.7B full, Qwen3-8B LoRA'}): "
              "time split, peak memory, tokens/s, then the memory walls", STEP_BUDGET_S,
@@ -371,6 +381,7 @@ class Session:
             "skipped_providers": {},
             "verdict": earlier.get("verdict") if earlier else None,
             "step": earlier.get("step") if earlier else None,  # the step report (step.py), kept across calls
+            "csrc": earlier.get("csrc") if earlier else None,  # csrc_check.py's JSON, kept across calls
         }
         self.log = open(out / "log.txt", "a", buffering=1)
 
@@ -407,7 +418,8 @@ class Session:
             entry.update(status="running", limit_s=round(limit))  # what a killed session.json shows
             self.save()
             t0 = time.monotonic()
-            {"wheels": self._wheels, "tests": self._tests, "rows": self._rows}[part.kind](part, entry, limit)
+            {"wheels": self._wheels, "tests": self._tests, "rows": self._rows, "script": self._script}[part.kind](
+                part, entry, limit)
             entry["seconds"] = round(time.monotonic() - t0, 1)
             self._outputs(part, entry)
             self.say(f"[{part.name}] {entry['status']} in {entry['seconds']:.0f} s")
@@ -427,8 +439,8 @@ class Session:
     def _measured(self, part: Part) -> bool:
         """Every row of the part is in the results (measured, lost or skipped by an earlier call)."""
         done = self.done_keys()
-        if part.kind == "tests":
-            return f"{part.name}|tests" in done
+        if part.kind in ("tests", "script"):
+            return f"{part.name}|{part.kind}" in done
         keys = [k for j in part.jobs for k in j.keys]
         return bool(keys) and all(k in done for k in keys)
 
@@ -636,6 +648,30 @@ class Session:
         if not why:  # the tier ran to its end: a resumed call does not run it again
             append(self.results, {"kind": "tests", "part": part.name, "key": f"{part.name}|tests",
                                   "status": entry["status"], "tests": entry["tests"]})  # fmt: skip
+
+    def _script(self, part: Part, entry: dict, limit: float) -> None:
+        """A command that writes one JSON file (`--out`), rewritten as it goes: its content lands in
+        session.json under the part's name, whatever the command's end (a cut keeps what it measured)."""
+        if self.rehearsal:  # csrc_check needs a Hopper GPU; the rehearsal checks the flow, not the kernel
+            entry.update(status="skipped", reason="rehearsal: needs a Hopper GPU")
+            return
+        result = Path(tempfile.gettempdir()) / f"grpo_kernels_{part.name}_{os.getpid()}.json"
+        result.unlink(missing_ok=True)
+        code, _, why, tail = self.watch(part.command + ["--out", str(result)], limit, time.monotonic() + limit,
+                                        rows=False)  # fmt: skip
+        try:
+            self.record[part.name] = json.loads(result.read_text())
+        except (OSError, ValueError) as e:
+            self.record[part.name] = {"error": f"no readable result: {e}"}
+        if why:
+            entry.update(status="timeout", reason=why)
+        elif code == 0:
+            entry["status"] = "ok"
+        else:
+            entry.update(status="failed", reason=f"exit code {code}: {' | '.join(tail[-2:])[-300:]}")
+        if not why:  # ran to its end: a resumed call does not run it again
+            append(self.results, {"kind": part.kind, "part": part.name, "key": f"{part.name}|{part.kind}",
+                                  "status": entry["status"]})  # fmt: skip
 
     # -- result files -----------------------------------------------------------------------------
 
@@ -949,6 +985,17 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
         lines.append(f"  step {p['model']}: {p['stock']} -> {p['ours']}: {speed}{saved}")
     for w in (record.get("step") or {}).get("walls", []):
         lines.append(f"  wall {w['model']} {w['axis']} {w['side']}: fits {w.get('largest_ok')}, OOM at {w.get('smallest_oom')}")
+    csrc = record.get("csrc")
+    if csrc:  # csrc/'s kernel A (csrc_check.py): its checks, then its time against one cuBLAS GEMM
+        timing = (csrc.get("timing") or {}).get("summary")
+        checks = csrc.get("checks") or []
+        wrong = [c["case"] for c in checks if not c.get("ok")]
+        said = (f"{len(checks) - len(wrong)}/{len(checks)} checks ok" + (f" (wrong: {', '.join(wrong)})" if wrong else "")
+                if checks else f"not checked ({csrc.get('why_not') or csrc.get('error') or 'cut before its checks'})")
+        if timing:
+            said += (f"; best {timing['best_csrc']} at {timing['best_csrc_to_cublas']:.3f}x one cuBLAS GEMM "
+                     f"(Triton kernel A {timing['triton_to_cublas']:.3f}x)")
+        lines.append(f"csrc kernel A (session.json \"csrc\"): {said}")
     slow = slowest_kernels(rows)
     lines.append("kernels furthest from their measured ceilings:" if slow else
                  "kernels: no microbenchmark rows yet (the micro part has not run)")  # fmt: skip
