@@ -180,6 +180,11 @@ class PolicyLossConfig:
             if isinstance(self.variant_params, dict):  # read back from the config's JSON
                 object.__setattr__(self, "variant_params", variant.params(**self.variant_params))
             _check(
+                not variant.config_fields,
+                f"loss_type={self.loss_type!r} takes its params as the keywords "
+                f"{', '.join(variant.config_fields.values())}; variant_params is for a variant without keywords",
+            )
+            _check(
                 type(self.variant_params) is variant.params,
                 f"variant_params for loss_type={self.loss_type!r} must be a {variant.params.__module__}."
                 f"{variant.params.__qualname__}, got {type(self.variant_params).__name__}",
@@ -202,11 +207,6 @@ class PolicyLossConfig:
         _check(
             self.entropy_agg_mode in ENTROPY_AGG_MODES,
             f"unknown entropy_agg_mode {self.entropy_agg_mode!r}; known: {ENTROPY_AGG_MODES}",
-        )
-        _check(self.cispo_form in CISPO_FORMS, f"unknown cispo_form {self.cispo_form!r}; known: {CISPO_FORMS}")
-        _check(
-            self.dppo_divergence in DPPO_DIVERGENCES,
-            f"unknown dppo_divergence {self.dppo_divergence!r}; known: {DPPO_DIVERGENCES}",
         )
         _check(
             self.ratio_anchor in RATIO_ANCHORS, f"unknown ratio_anchor {self.ratio_anchor!r}; known: {RATIO_ANCHORS}"
@@ -237,34 +237,27 @@ class PolicyLossConfig:
         _check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low and clip_high must be >= 0")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        _check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "sapo temperatures must be > 0")
-        _check(0.0 <= self.pspo_alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.pspo_alpha}")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1.0, f"dual_clip must be > 1, got {self.dual_clip}")
             _check(self.loss_type in ("ppo_clip", "dcpo"), "dual_clip applies to loss_type 'ppo_clip' and 'dcpo' only")
-        _check(self.dcpo_max_ratio > 1.0, f"dcpo_max_ratio must be > 1, got {self.dcpo_max_ratio}")
         _check(0.0 <= self.prefix_decay <= 1.0, f"prefix_decay must be in [0, 1], got {self.prefix_decay}")
-        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
         _check(self.length_power >= 0, f"length_power must be >= 0, got {self.length_power}")
-        if self.loss_type == "group_dpo":
+        # every variant's params from the flat keywords, each validated by its own file (a bad value is refused
+        # whatever loss_type is), then the chosen variant's combinations and ratio levels
+        for other in _variants.VARIANTS.values():
+            other.flat_params(self)
+        if variant.check is not None:
+            variant.check(self)
+        if variant.ratio_levels is not None:
             _check(
-                isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size >= 2,
-                f"group_dpo needs group_size >= 2 (completions per prompt, consecutive), got {self.group_size!r}",
-            )
-            _check(self.ratio_level == "token", "group_dpo compares summed log-probs; ratio_level must be 'token'")
-            _check(
-                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None and self.is_level is None
-                and self.off_policy_mask_threshold is None and self.is_gate is None,
-                "group_dpo is a sequence-pair objective: token selection and IS corrections are not defined for it",
+                self.ratio_level in variant.ratio_levels,
+                f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'"
+                if variant.ratio_levels == ("token",) else
+                f"loss_type={self.loss_type!r} takes ratio_level {variant.ratio_levels}, got {self.ratio_level!r}",
             )  # fmt: skip
-        else:
+        if self.loss_type != "group_dpo":
             _check(self.group_size is None, "group_size is only used by loss_type='group_dpo'")
-        if self.loss_type == "dppo":
-            _check(
-                self.ratio_level == "token",
-                "loss_type='dppo' masks tokens by their own probability change; ratio_level must be 'token'",
-            )
-        else:
+        if self.loss_type != "dppo":
             _check(
                 self.dppo_divergence == "binary_tv",
                 f"dppo_divergence={self.dppo_divergence!r} is only used by loss_type='dppo'",
@@ -272,7 +265,7 @@ class PolicyLossConfig:
         _check(self.ratio_kl_coef >= 0, f"ratio_kl_coef must be >= 0, got {self.ratio_kl_coef}")
         if self.ratio_kl_coef > 0:
             _check(
-                self.loss_type not in ("gmpo", "group_dpo"),
+                variant.sequence_loss is None,
                 f"ratio_kl_coef adds a per-token term; loss_type={self.loss_type!r} is a sequence-level objective",
             )
         if self.delta is not None:
@@ -280,38 +273,10 @@ class PolicyLossConfig:
             _check(self.loss_type == "ppo_clip", "delta applies to loss_type='ppo_clip' only")
         if self.log_ratio_clamp is not None:
             _check(self.log_ratio_clamp > 0, f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
-        if self.loss_type == "cispo" and self.cispo_form == "absolute":
-            _check(
-                self.cispo_cap is not None and self.cispo_cap > 0,
-                "cispo_form='absolute' needs cispo_cap > 0 (TRL's epsilon_high, e.g. 5.0)",
-            )
         _check(
             self.cispo_cap is None or (self.loss_type == "cispo" and self.cispo_form == "absolute"),
             "cispo_cap is only used by loss_type='cispo' with cispo_form='absolute'",
         )
-        if self.loss_type in ("gpg", "gmpo", "clip_cov", "kl_cov", "group_dpo"):
-            _check(
-                self.ratio_level == "token",
-                f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'",
-            )
-        if self.loss_type == "vespo":  # its weight comes from the summed log-ratio; ratio_level sets only the
-            # ratio of the KL correction (TRL's importance_sampling_level does the same)
-            _check(
-                self.ratio_level in ("token", "sequence"),
-                f"loss_type='vespo' takes ratio_level 'token' or 'sequence' (the KL correction's ratio), got "
-                f"{self.ratio_level!r}",
-            )
-        if self.loss_type == "gmpo":
-            _check(
-                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None,
-                "gmpo averages log-ratios over whole sequences; token selection (top_entropy_quantile, "
-                "old_prob_threshold) is not defined for it",
-            )
-        if self.loss_type == "vespo" and self.is_level is not None:
-            _check(self.is_level == "token", "vespo folds token-level IS weights only (is_level='token')")
-        if self.loss_type == "vespo":
-            _check(self.is_gate is None, "vespo folds token-level IS weights into its own weight; is_gate is not "
-                   "defined for it")  # fmt: skip
         if self.is_max is not None:
             _check(self.is_max > 0, f"is_max must be > 0, got {self.is_max}")
         if self.is_min is not None:
@@ -326,8 +291,6 @@ class PolicyLossConfig:
                 "is_mode='mask' with neither is_min nor is_max would mask nothing: set a bound",
             )
         self._check_rollout_fields()
-        if variant.check is not None:  # the variant's own combinations
-            variant.check(self)
         if self.off_policy_mask_threshold is not None:
             _check(self.off_policy_mask_threshold >= 0, "off_policy_mask_threshold must be >= 0")
         _check(
@@ -337,8 +300,6 @@ class PolicyLossConfig:
         _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "clip_cov_ratio and kl_cov_ratio must be > 0")
         _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
         _check(self.kl_cov_coef >= 0, "kl_cov_coef must be >= 0")
-        if "length-pow" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode):
-            _check(self.loss_type != "gmpo", "gmpo averages over sequences; length-pow does not apply")
         if self.old_prob_threshold is not None:
             _check(0 < self.old_prob_threshold < 1, "old_prob_threshold must be in (0, 1)")
         uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode)

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ...config import PolicyLossConfig
 from . import variants
-from .variants import LossId, _base, clip_cov, cispo, dcpo, dppo, gpg, kl_cov, ppo_clip, pspo, sapo, vespo
+from .variants import (LossId, _base, cispo, clip_cov, dcpo, dppo, gmpo, gpg, group_dpo, kl_cov, ppo_clip, pspo, sapo,
+                       vespo)  # fmt: skip
 
 
 def _bind_variant_pieces():
@@ -77,6 +78,9 @@ AGG_IDS = {"token-mean": 0, "token-sum": 1, "seq-mean-token-sum": 2, "seq-mean-t
  P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV, P_ABS_LR, P_PHI, P_RATIO_KL,
  P_LOSS_RATIO_KL, P_GATED) = range(33)  # fmt: skip
 NUM_PARTIALS = 36
+# the columns a variant's finalize reads by name (variants/_base.py Partials)
+_SLOTS = {"dual": P_DUAL, "any": P_ANY, "cov": P_COV, "abs_lr": P_ABS_LR, "phi": P_PHI, "gmpo_high": P_GMPO_HIGH,
+          "gmpo_low": P_GMPO_LOW, "sum_lp": P_SUM_LP, "sum_ref": P_SUM_REF, "sum_adv": P_SUM_ADV}  # fmt: skip
 PARTIALS_PER_SEQ = tl.constexpr(NUM_PARTIALS)
 # normalizer slots (a small device tensor, so no host sync is needed to build it)
 N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
@@ -206,30 +210,17 @@ def loss_head_fwd_bwd_kernel(
                     sum_beh += tl.sum(tl.where(scored, (rollout - lp) * mf, 0.0))
             elif OFFPOL:
                 sum_beh += tl.sum((old - lp) * mf)
-            if LOSS == LOSS_VESPO:  # VESPO: sequence log-ratio with TRL's +-20 token clamp
-                sum_vespo += tl.sum(tl.minimum(tl.maximum(lr, -20.0), 20.0) * mf)
+            if LOSS == LOSS_VESPO:  # the sequence log-ratio W (with the token IS weights TRL folds in)
+                sum_vespo += vespo.block_log_ratio(lr, mf)
                 if IS_LEVEL == 1:
-                    d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
-                    rho = tl.exp(d)
-                    lo = is_min
-                    if IS_MASK:
-                        rho = tl.where((rho >= lo) & (rho <= is_max), rho, 0.0)
-                    else:
-                        rho = tl.minimum(tl.maximum(rho, lo), is_max)
-                    log_is = tl.minimum(tl.maximum(tl.log(rho * mf), LOG_1E8), 20.0)
-                    sum_log_is += tl.sum(tl.where(m, log_is, 0.0))
-            if LOSS == LOSS_GMPO:  # GMPO: sign-aware clipped log-ratio
-                sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
-                clipped = tl.minimum(tl.maximum(lr, -clip_low), clip_high)
-                lr_min = sgn * tl.minimum(sgn * lr, sgn * clipped)
-                sum_gmpo += tl.sum(lr_min * mf)
+                    sum_log_is += vespo.block_log_is(old, rollout, scored, m, mf, log_clamp, is_min, is_max, IS_MASK,
+                                                     LOG_1E8)  # fmt: skip
+            if LOSS == LOSS_GMPO:  # the sign-aware clipped log-ratios (and the IS weights' geometric mean)
+                sum_gmpo += gmpo.block_log_ratio(lr, adv, mf, clip_low, clip_high)
                 if HAS_ISW:
-                    w_is = tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-                    sum_log_isw += tl.sum(tl.log(w_is + 1e-10) * mf)
-            if LOSS == LOSS_GROUP_DPO:
-                ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-                sum_lp += tl.sum(lp * mf)
-                sum_ref += tl.sum(ref * mf)
+                    sum_log_isw += gmpo.block_log_is(isw_ptr, idx, inb, m, mf)
+            if LOSS == LOSS_GROUP_DPO:  # the summed log-probs its pairing compares
+                sum_lp, sum_ref = group_dpo.block_sums(lp, m, mf, ref_ptr, idx, inb, sum_lp, sum_ref)
     if HAS_SEQ_LEN:
         length = tl.load(seqlen_ptr + seq).to(tl.float32)
     len1 = tl.maximum(length, 1.0)
@@ -266,18 +257,8 @@ def loss_head_fwd_bwd_kernel(
     gmpo_coef = 0.0
     loss_pg = 0.0
     if LOSS == LOSS_GMPO:
-        seq_ratio = tl.exp(sum_gmpo / len1)
-        seq_adv = sum_adv / len1
-        is_geo = 1.0
-        if HAS_ISW:
-            is_geo = tl.exp(sum_log_isw / len1)
-        keep = tl.where(length > 0, 1.0, 0.0)
-        if OFFPOL:
-            keep = keep * tl.maximum(offpol_seq_ok, any_nonneg)
-        gmpo_scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
-        loss_pg = -seq_adv * seq_ratio * gmpo_scale
-        # d loss / d lr_min_t = -Abar * ratio / |o| * gmpo_scale for every valid token
-        gmpo_coef = -seq_adv * seq_ratio / len1 * gmpo_scale
+        loss_pg, gmpo_coef = gmpo.sequence_term(sum_gmpo, sum_adv, sum_log_isw, length, len1, offpol_seq_ok,
+                                                any_nonneg, norms_ptr, dp_size, HAS_ISW, OFFPOL)  # fmt: skip
 
     # ---------------- pass B: per token ----------------
     acc_loss_pg = tl.zeros([BLOCK], tl.float32)
@@ -452,13 +433,8 @@ def loss_head_fwd_bwd_kernel(
             g_logw = g_r * scale * ratio * clamp_pass
             g_lp = g_direct * scale
         if LOSS == LOSS_GMPO:  # GMPO: through the sign-aware clipped log-ratio of each token
-            sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
-            inside = (lr >= -clip_low) & (lr <= clip_high)
-            passes = tl.where(inside, 1.0, tl.where(sgn * lr < sgn * tl.minimum(tl.maximum(lr, -clip_low), clip_high), 1.0, 0.0))
-            g_lp = gmpo_coef * sgn * sgn * passes * mf
-            was_clipped = tl.where(m & ~inside, 1.0, 0.0)
-            acc_gmpo_hi += was_clipped * tl.where(adv > 0, 1.0, 0.0)
-            acc_gmpo_lo += was_clipped * tl.where(adv < 0, 1.0, 0.0)
+            g_lp, acc_gmpo_hi, acc_gmpo_lo = gmpo.token_gradient(lr, adv, m, mf, clip_low, clip_high, gmpo_coef,
+                                                                 acc_gmpo_hi, acc_gmpo_lo)  # fmt: skip
 
         # KL to the reference
         if HAS_REF:
@@ -782,7 +758,7 @@ def finalize_partials(partials, seq_len, cfg, *, dp_size, grad_accum_steps, has_
 def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad, has_ent, has_ref, has_isw):
     """Reduce the per-sequence partials into the loss and the metrics of reference.py (same keys,
     same definitions). Returns (loss, per-sequence gradient of the summed log-probs or None)."""
-    from .reference import CLIP_METRIC_LOSSES, group_dpo_loss
+    from .reference import CLIP_METRIC_LOSSES
 
     p = partials
     nonempty = seq_len > 0
@@ -802,27 +778,15 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
 
     extra_grad = None
     policy_loss = p[:, P_LOSS_PG].sum()
-    if cfg.loss_type == "group_dpo":
-        seq_sum_lp = p[:, P_SUM_LP].clone().requires_grad_(need_grad)
-        seq_adv = p[:, P_SUM_ADV] / lengths
-        with torch.enable_grad():
-            dpo = group_dpo_loss(cfg, seq_sum_lp, p[:, P_SUM_REF], seq_adv, seq_len, grad_accum_steps, dp_size,
-                                 metrics)  # fmt: skip
-        if need_grad:
-            (extra_grad,) = torch.autograd.grad(dpo, seq_sum_lp)
-        policy_loss = dpo.detach()
-
-    if cfg.loss_type in ("ppo_clip", "dcpo") and cfg.dual_clip is not None:
-        metrics["clip_ratio/dual_mean"] = level_mean(P_DUAL)
-    if cfg.loss_type == "cispo":
-        metrics["clip_ratio/any_mean"] = level_mean(P_ANY)
-    if cfg.loss_type in ("clip_cov", "kl_cov"):
-        metrics["selection/cov_frac"] = token_mean(P_COV)
-    if cfg.loss_type == "kl_cov":
-        metrics["ppo_kl_abs"] = token_mean(P_ABS_LR)
-    if cfg.loss_type == "vespo":  # mean over non-empty sequences of the sequence's phi
-        per_seq = p[:, P_PHI] / lengths
-        metrics["vespo/phi_seq_mean"] = (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
+    variant = variants.get(cfg.loss_type)
+    if variant.finalize is not None:  # the variant's own metrics (variants/<loss_type>.py finalize)
+        view = _base.Partials(columns=p, slots=_SLOTS, cfg=cfg, metrics=metrics, seq_len=seq_len,
+                              token_mean=lambda name: token_mean(_SLOTS[name]),
+                              level_mean=lambda name: level_mean(_SLOTS[name]), need_grad=need_grad,
+                              grad_accum_steps=grad_accum_steps, dp_size=dp_size)  # fmt: skip
+        result = variant.finalize(view)
+        if result is not None:  # a policy term formed from the partial sums (group DPO)
+            policy_loss, extra_grad = result
     if cfg.loss_type in CLIP_METRIC_LOSSES:
         metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
         metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
@@ -843,9 +807,6 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty, 1.0)
         if cfg.is_mode == "mask" and cfg.is_level is not None:
             metrics["is_weight/masked_frac"] = token_mean(P_IS_ZERO)
-    if cfg.loss_type == "gmpo":
-        metrics["clip_ratio/high_mean"] = token_mean(P_GMPO_HIGH)
-        metrics["clip_ratio/low_mean"] = token_mean(P_GMPO_LOW)
     loss = policy_loss
     metrics["policy_loss"] = policy_loss
     if cfg.ratio_kl_coef > 0:

@@ -73,6 +73,32 @@ class Context:
     sampler_is_weights: Callable  # () -> the configured sampler IS weights [N] (reference._sampler_is_weights)
 
 
+@dataclass
+class Partials:
+    """The Triton loss head's per-sequence partial sums of a batch, as a variant's `finalize` reads them
+    (../triton.py `_finalize`: the common metrics are reduced there, a variant's own here)."""
+
+    columns: torch.Tensor  # [S, NUM_PARTIALS] fp32
+    slots: dict  # column name -> index (../triton.py P_*)
+    cfg: Any
+    metrics: dict  # the metrics being built: a variant adds its own
+    seq_len: torch.Tensor  # [S] valid tokens per sequence
+    token_mean: Callable  # column name -> mean over the valid tokens
+    level_mean: Callable  # column name -> mean over the ratio's units (tokens, or non-empty sequences)
+    need_grad: bool
+    grad_accum_steps: int
+    dp_size: int
+
+    def column(self, name: str) -> torch.Tensor:
+        return self.columns[:, self.slots[name]]
+
+
+def require(condition: bool, message: str) -> None:
+    """A variant's validation: the error PolicyLossConfig raises for a bad value or combination."""
+    if not condition:
+        raise ValueError(f"PolicyLossConfig: {message}")
+
+
 def clip_masks(ratio, metric_ratio, lower, upper, adv):
     """TRL's clip statistics: clipped below with A < 0, above with A > 0 (the ratio the upper bound reads may be
     the delta-capped one)."""
@@ -100,13 +126,18 @@ class LossVariant:
     compile_cases: dict = field(default_factory=dict)  # name -> (keywords or {"preset": name, ...}, inputs)
     peer_names: dict = field(default_factory=dict)  # trainer -> its name for this variant
     check: Callable[[Any], None] | None = None  # cfg -> raises ValueError on a combination it does not define
+    # Partials -> None (its metrics added), or (policy loss, dL/d(summed log-probs) [S] | None) for a variant
+    # whose policy term is formed from the partial sums (group_dpo)
+    finalize: Callable | None = None
+
+    def flat_params(self, cfg):
+        """The params built from PolicyLossConfig's flat keywords (validated by the params' __post_init__)."""
+        return self.params(**{name: getattr(cfg, keyword) for name, keyword in self.config_fields.items()})
 
     def params_of(self, cfg):
         """The variant's params of a config: given whole (cfg.variant_params), else from the flat keywords."""
         given = getattr(cfg, "variant_params", None)
-        if given is not None:
-            return given
-        return self.params(**{name: getattr(cfg, keyword) for name, keyword in self.config_fields.items()})
+        return given if given is not None else self.flat_params(cfg)
 
     def metric_names(self, cfg) -> set:
         names = set() if self.metrics is None else set(self.metrics(cfg))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import LossVariant, Objective, clip_masks, tl, triton_piece  # noqa: F401  (tl: bound later)
+from ._base import LossVariant, Objective, clip_masks, require, tl, triton_piece  # noqa: F401  (tl: bound later)
 
 FORMS = (
     "relative",  # clip(r, 1 - clip_low, 1 + clip_high) (verl, the MiniMax-M1 paper)
@@ -21,6 +21,15 @@ FORMS = (
 class Params:
     form: str = "relative"  # one of FORMS
     cap: float | None = None  # "absolute": min(r, cap) (TRL's epsilon_high, e.g. 5.0)
+
+    def __post_init__(self):
+        require(self.form in FORMS, f"unknown cispo_form {self.form!r}; known: {FORMS}")
+
+
+def check(cfg):
+    if cfg.params.form == "absolute":
+        cap = cfg.params.cap
+        require(cap is not None and cap > 0, "cispo_form='absolute' needs cispo_cap > 0 (TRL's epsilon_high, e.g. 5.0)")
 
 
 def objective(ctx) -> Objective:
@@ -41,6 +50,10 @@ def objective(ctx) -> Objective:
     ctx.metrics["clip_ratio/any_mean"] = ctx.level_mean(outside.float())
     low, high = clip_masks(ratio, ratio, lower, upper, adv)
     return Objective(value, low, high)
+
+
+def finalize(partials):
+    partials.metrics["clip_ratio/any_mean"] = partials.level_mean("any")
 
 
 @triton_piece
@@ -71,7 +84,9 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"form": "cispo_form", "cap": "cispo_cap"},
     metrics=lambda cfg: {"clip_ratio/any_mean"},
+    finalize=finalize,
     clip_metrics=True,
+    check=check,
     rollout_anchor=True,
     presets={"cispo": dict(loss_type="cispo", cispo_form="relative", clip_low=1.0, clip_high=4.0, kl_coef=0.0,
                            loss_agg_mode="token-mean")},  # fmt: skip

@@ -61,6 +61,10 @@ def host_selection(cfg, params, logprobs, advantages, old_logprobs, valid):
     return keep(params, adv_c, lp_c, m, valid, -adv_c * clipped > -adv_c * ratio)
 
 
+def finalize(partials):
+    partials.metrics["selection/cov_frac"] = partials.token_mean("cov")
+
+
 @triton_piece
 def apply_keep(objective, g_r, cov_ptr, idx, inb, mf, acc_cov):
     """Detach the host-chosen tokens: (l, dl/dr, the detached count)."""
@@ -79,6 +83,7 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"ratio": "clip_cov_ratio", "lb": "clip_cov_lb", "ub": "clip_cov_ub"},
     metrics=lambda cfg: {"selection/cov_frac"},
+    finalize=finalize,
     clip_metrics=True,
     token_local=False,
     global_statistics=True,

@@ -8,13 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from . import ppo_clip
-from ._base import LossVariant, Objective, clip_masks, max_weight, min_weight, tl, triton_piece  # noqa: F401
+from ._base import LossVariant, Objective, clip_masks, max_weight, min_weight, require, tl, triton_piece  # noqa: F401
 
 
 @dataclass(frozen=True)
 class Params:
     max_ratio: float = 10.0  # cap of the probability-dependent upper bound
     dual_clip: float | None = None  # as ppo_clip's
+
+    def __post_init__(self):
+        require(self.max_ratio > 1.0, f"dcpo_max_ratio must be > 1, got {self.max_ratio}")
 
 
 def objective(ctx) -> Objective:
@@ -54,6 +57,7 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"max_ratio": "dcpo_max_ratio", "dual_clip": "dual_clip"},
     metrics=lambda cfg: {"clip_ratio/dual_mean"} if cfg.dual_clip is not None else set(),
+    finalize=ppo_clip.finalize,
     clip_metrics=True,
     presets={"dcpo": dict(loss_type="dcpo", clip_low=0.16, clip_high=0.2, dcpo_max_ratio=10.0, dual_clip=10.0,
                           kl_coef=0.0, loss_agg_mode="seq-mean-token-sum")},  # fmt: skip

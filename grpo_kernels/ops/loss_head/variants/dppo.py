@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import LossVariant, Objective, binary_kl, binary_kl_piece, tl, triton_piece  # noqa: F401
+from ._base import LossVariant, Objective, binary_kl, binary_kl_piece, require, tl, triton_piece  # noqa: F401
 
 DIVERGENCES = (
     "binary_tv",  # p - mu (probabilities): the total variation of the binary {token, rest} distributions
@@ -18,6 +18,16 @@ DIVERGENCES = (
 @dataclass(frozen=True)
 class Params:
     divergence: str = "binary_tv"  # one of DIVERGENCES
+
+    def __post_init__(self):
+        require(self.divergence in DIVERGENCES, f"unknown dppo_divergence {self.divergence!r}; known: {DIVERGENCES}")
+
+
+def check(cfg):
+    require(
+        cfg.ratio_level == "token",
+        "loss_type='dppo' masks tokens by their own probability change; ratio_level must be 'token'",
+    )
 
 
 def out_of_region(cfg, divergence, lp, anchor, adv):
@@ -74,6 +84,7 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"divergence": "dppo_divergence"},
     clip_metrics=True,
+    check=check,
     ratio_levels=("token",),
     rollout_anchor=True,
     presets={"dppo": dict(loss_type="dppo", dppo_divergence="binary_tv", clip_low=0.2, clip_high=0.2, kl_coef=0.0,

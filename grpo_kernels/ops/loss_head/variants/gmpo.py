@@ -1,12 +1,22 @@
 """gmpo: the geometric mean of the sign-aware clipped token ratios of each sequence times its mean advantage,
 averaged over sequences (GMPO, arXiv 2507.20673; verl compute_policy_loss_geo_mean). A sequence-level objective:
-its Triton part is the kernel's pass A sum and pass B gradient under LOSS == LOSS_GMPO."""
+its Triton pieces are the kernel's pass A sums, the sequence term between the passes and the pass B gradient."""
 
 from __future__ import annotations
 
 import torch
 
-from ._base import LossVariant, Objective
+from ._base import LossVariant, Objective, require, tl, triton_piece  # noqa: F401  (tl: bound later)
+
+
+def check(cfg):
+    require(
+        cfg.top_entropy_quantile == 1.0 and cfg.old_prob_threshold is None,
+        "gmpo averages log-ratios over whole sequences; token selection (top_entropy_quantile, "
+        "old_prob_threshold) is not defined for it",
+    )
+    if "length-pow" in (cfg.loss_agg_mode, cfg.entropy_agg_mode, cfg.kl_agg_mode):
+        require(False, "gmpo averages over sequences; length-pow does not apply")
 
 
 def objective(ctx) -> Objective:
@@ -36,12 +46,68 @@ def sequence_loss(ctx, selection, weights, normalizers):
     return total / normalizers.sequence_count() * normalizers.dp_size
 
 
+@triton_piece
+def block_log_ratio(lr, adv, mf, clip_low, clip_high):
+    """Pass A: this block's share of the sum of sign-aware clipped log-ratios."""
+    sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+    clipped = tl.minimum(tl.maximum(lr, -clip_low), clip_high)
+    lr_min = sgn * tl.minimum(sgn * lr, sgn * clipped)
+    return tl.sum(lr_min * mf)
+
+
+@triton_piece
+def block_log_is(isw_ptr, idx, inb, m, mf):
+    """Pass A: this block's share of the summed log IS weights (their geometric mean per sequence, verl)."""
+    w_is = tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+    return tl.sum(tl.log(w_is + 1e-10) * mf)
+
+
+@triton_piece
+def sequence_term(sum_gmpo, sum_adv, sum_log_isw, length, len1, offpol_seq_ok, any_nonneg, norms_ptr, dp_size,
+                  HAS_ISW: tl.constexpr, OFFPOL: tl.constexpr):  # fmt: skip
+    """Between the passes: (the sequence's loss term, d loss / d lr_min_t for each of its valid tokens)."""
+    seq_ratio = tl.exp(sum_gmpo / len1)
+    seq_adv = sum_adv / len1
+    is_geo = 1.0
+    if HAS_ISW:
+        is_geo = tl.exp(sum_log_isw / len1)
+    keep = tl.where(length > 0, 1.0, 0.0)
+    if OFFPOL:
+        keep = keep * tl.maximum(offpol_seq_ok, any_nonneg)
+    gmpo_scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
+    loss_pg = -seq_adv * seq_ratio * gmpo_scale
+    # d loss / d lr_min_t = -Abar * ratio / |o| * gmpo_scale for every valid token
+    gmpo_coef = -seq_adv * seq_ratio / len1 * gmpo_scale
+    return loss_pg, gmpo_coef
+
+
+@triton_piece
+def token_gradient(lr, adv, m, mf, clip_low, clip_high, gmpo_coef, acc_gmpo_hi, acc_gmpo_lo):
+    """Pass B: dL/dlp through the sign-aware clipped log-ratio of each token, and the clip counts."""
+    sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+    inside = (lr >= -clip_low) & (lr <= clip_high)
+    passes = tl.where(inside, 1.0, tl.where(sgn * lr < sgn * tl.minimum(tl.maximum(lr, -clip_low), clip_high), 1.0,
+                                            0.0))  # fmt: skip
+    g_lp = gmpo_coef * sgn * sgn * passes * mf
+    was_clipped = tl.where(m & ~inside, 1.0, 0.0)
+    acc_gmpo_hi += was_clipped * tl.where(adv > 0, 1.0, 0.0)
+    acc_gmpo_lo += was_clipped * tl.where(adv < 0, 1.0, 0.0)
+    return g_lp, acc_gmpo_hi, acc_gmpo_lo
+
+
+def finalize(partials):
+    partials.metrics["clip_ratio/high_mean"] = partials.token_mean("gmpo_high")
+    partials.metrics["clip_ratio/low_mean"] = partials.token_mean("gmpo_low")
+
+
 VARIANT = LossVariant(
     name="gmpo",
     id=9,
     doc="geometric mean of token ratios per sequence (GMPO)",
     objective=objective,
     sequence_loss=sequence_loss,
+    check=check,
+    finalize=finalize,
     metrics=lambda cfg: {"clip_ratio/low_mean", "clip_ratio/high_mean"},
     token_local=False,
     ratio_levels=("token",),

@@ -1,6 +1,6 @@
 """group_dpo: DPO between the best and the worst completion of each group of group_size consecutive
 completions, on summed log-probs against the reference (Rafailov et al. 2023). The kernel returns each
-sequence's summed log-probs (pass A under LOSS == LOSS_GROUP_DPO); the pairing runs in torch (`group_dpo_loss`)
+sequence's summed log-probs (`block_sums` in its pass A); the pairing runs in torch (`finalize`, `group_dpo_loss`)
 and its gradient is broadcast to the tokens."""
 
 from __future__ import annotations
@@ -9,13 +9,30 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import LossVariant, Objective
+from ._base import LossVariant, Objective, require, tl, triton_piece  # noqa: F401  (tl: bound later)
 
 
 @dataclass(frozen=True)
 class Params:
     beta: float = 0.1  # DPO inverse temperature
     group_size: int | None = None  # completions per prompt, laid out consecutively
+
+    def __post_init__(self):
+        require(self.beta > 0, f"dpo_beta must be > 0, got {self.beta}")
+
+
+def check(cfg):
+    g = cfg.params.group_size
+    require(
+        isinstance(g, int) and not isinstance(g, bool) and g >= 2,
+        f"group_dpo needs group_size >= 2 (completions per prompt, consecutive), got {g!r}",
+    )
+    require(cfg.ratio_level == "token", "group_dpo compares summed log-probs; ratio_level must be 'token'")
+    require(
+        cfg.top_entropy_quantile == 1.0 and cfg.old_prob_threshold is None and cfg.is_level is None
+        and cfg.off_policy_mask_threshold is None and cfg.is_gate is None,
+        "group_dpo is a sequence-pair objective: token selection and IS corrections are not defined for it",
+    )  # fmt: skip
 
 
 def group_dpo_loss(cfg, seq_logprob_sum, seq_ref_sum, seq_adv, seq_len, grad_accum_steps, dp_size, metrics):
@@ -42,6 +59,29 @@ def group_dpo_loss(cfg, seq_logprob_sum, seq_ref_sum, seq_adv, seq_len, grad_acc
     return losses.sum() / (n_pairs * grad_accum_steps) * dp_size
 
 
+@triton_piece
+def block_sums(lp, m, mf, ref_ptr, idx, inb, sum_lp, sum_ref):
+    """Pass A: the sequence's summed log-probs and reference log-probs, this block added."""
+    ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
+    sum_lp += tl.sum(lp * mf)
+    sum_ref += tl.sum(ref * mf)
+    return sum_lp, sum_ref
+
+
+def finalize(partials):
+    """The pairing over the kernel's per-sequence sums, and the gradient of each sequence's summed log-probs."""
+    lengths = partials.seq_len.clamp(min=1.0)
+    seq_sum_lp = partials.column("sum_lp").clone().requires_grad_(partials.need_grad)
+    seq_adv = partials.column("sum_adv") / lengths
+    with torch.enable_grad():
+        dpo = group_dpo_loss(partials.cfg, seq_sum_lp, partials.column("sum_ref"), seq_adv, partials.seq_len,
+                             partials.grad_accum_steps, partials.dp_size, partials.metrics)  # fmt: skip
+    extra_grad = None
+    if partials.need_grad:
+        (extra_grad,) = torch.autograd.grad(dpo, seq_sum_lp)
+    return dpo.detach(), extra_grad
+
+
 def objective(ctx) -> Objective:
     return Objective(None)  # sequence-level: sequence_loss below
 
@@ -64,6 +104,8 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"beta": "dpo_beta", "group_size": "group_size"},
     sequence_loss=sequence_loss,
+    check=check,
+    finalize=finalize,
     metrics=lambda cfg: {"dpo/pairs", "dpo/reward_margin", "dpo/accuracy"},
     token_local=False,
     global_statistics=True,

@@ -47,6 +47,11 @@ def host_selection(cfg, params, logprobs, advantages, old_logprobs, valid):
     return selected(params, adv_c, lp_c, valid)
 
 
+def finalize(partials):
+    partials.metrics["selection/cov_frac"] = partials.token_mean("cov")
+    partials.metrics["ppo_kl_abs"] = partials.token_mean("abs_lr")
+
+
 @triton_piece
 def token_objective(ratio, adv, lp, lr, mf, cov_ptr, idx, inb, kl_cov_coef, acc_cov, acc_abs_lr):
     """(l, dl/dr, dl/dlp, the penalised count, the summed |log r|)."""
@@ -67,6 +72,7 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"ratio": "kl_cov_ratio", "coef": "kl_cov_coef"},
     metrics=lambda cfg: {"selection/cov_frac", "ppo_kl_abs"},
+    finalize=finalize,
     token_local=False,
     global_statistics=True,
     ratio_levels=("token",),

@@ -36,6 +36,11 @@ def objective(ctx) -> Objective:
     return Objective(value, low, high)
 
 
+def finalize(partials):
+    if partials.cfg.dual_clip is not None:
+        partials.metrics["clip_ratio/dual_mean"] = partials.level_mean("dual")
+
+
 def metrics(cfg):
     return {"clip_ratio/dual_mean"} if cfg.dual_clip is not None else set()
 
@@ -78,6 +83,7 @@ VARIANT = LossVariant(
     params=Params,
     config_fields={"dual_clip": "dual_clip", "delta": "delta"},
     metrics=metrics,
+    finalize=finalize,
     clip_metrics=True,
     rollout_anchor=True,
     presets={

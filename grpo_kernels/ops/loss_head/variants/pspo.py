@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._base import LossVariant, Objective, tl, triton_piece  # noqa: F401  (tl: bound later)
+from ._base import LossVariant, Objective, require, tl, triton_piece  # noqa: F401  (tl: bound later)
 
 
 @dataclass(frozen=True)
 class Params:
     alpha: float = 0.1  # smoothing weight toward the old policy
+
+    def __post_init__(self):
+        require(0.0 <= self.alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.alpha}")
 
 
 def objective(ctx) -> Objective:

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import LossVariant, Objective, tl, triton_piece  # noqa: F401  (tl: bound later)
+from ._base import LossVariant, Objective, require, tl, triton_piece  # noqa: F401  (tl: bound later)
 
 
 @dataclass(frozen=True)
 class Params:
     tau_pos: float = 1.0  # gate temperature for A > 0
     tau_neg: float = 1.05  # gate temperature for A <= 0
+
+    def __post_init__(self):
+        require(self.tau_pos > 0 and self.tau_neg > 0, "sapo temperatures must be > 0")
 
 
 def objective(ctx) -> Objective:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._base import LossVariant, Objective, tl, triton_piece  # noqa: F401  (tl: bound later)
+from ._base import LossVariant, Objective, require, tl, triton_piece  # noqa: F401  (tl: bound later)
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,19 @@ class Params:
     lambda_pos: float = 3.0  # rate lambda for A >= 0
     k_neg: float = 3.0  # shape k for A < 0
     lambda_neg: float = 2.0  # rate lambda for A < 0
+
+
+def check(cfg):
+    # its weight comes from the summed log-ratio; ratio_level sets only the ratio of the KL correction (TRL's
+    # importance_sampling_level does the same)
+    require(
+        cfg.ratio_level in ("token", "sequence"),
+        f"loss_type='vespo' takes ratio_level 'token' or 'sequence' (the KL correction's ratio), got "
+        f"{cfg.ratio_level!r}",
+    )
+    if cfg.is_level is not None:
+        require(cfg.is_level == "token", "vespo folds token-level IS weights only (is_level='token')")
+    require(cfg.is_gate is None, "vespo folds token-level IS weights into its own weight; is_gate is not defined for it")
 
 
 def phi(ctx):
@@ -51,6 +64,35 @@ def objective(ctx) -> Objective:
     return Objective(-weight * ctx.adv * ctx.lp)
 
 
+def finalize(partials):
+    """The mean over non-empty sequences of the sequence's phi."""
+    lengths = partials.seq_len.clamp(min=1.0)
+    nonempty = partials.seq_len > 0
+    per_seq = partials.column("phi") / lengths
+    partials.metrics["vespo/phi_seq_mean"] = (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
+
+
+@triton_piece
+def block_log_ratio(lr, mf):
+    """Pass A: this block's share of the sequence log-ratio, with TRL's +-20 token clamp."""
+    return tl.sum(tl.minimum(tl.maximum(lr, -20.0), 20.0) * mf)
+
+
+@triton_piece
+def block_log_is(old, rollout, scored, m, mf, log_clamp, is_min, is_max, IS_MASK: tl.constexpr,
+                 LOG_1E8: tl.constexpr):  # fmt: skip
+    """Pass A: this block's share of the summed log token-IS weights VESPO folds into W (TRL)."""
+    d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
+    rho = tl.exp(d)
+    lo = is_min
+    if IS_MASK:
+        rho = tl.where((rho >= lo) & (rho <= is_max), rho, 0.0)
+    else:
+        rho = tl.minimum(tl.maximum(rho, lo), is_max)
+    log_is = tl.minimum(tl.maximum(tl.log(rho * mf), LOG_1E8), 20.0)
+    return tl.sum(tl.where(m, log_is, 0.0))
+
+
 @triton_piece
 def token_objective(adv, lp, mf, log_w_vespo, vk_pos, vl_pos, vk_neg, vl_neg, acc_phi):
     """(l, dl/dlp, phi summed for the metric), given the sequence's clamped log W from pass A."""
@@ -75,6 +117,8 @@ VARIANT = LossVariant(
     config_fields={"k_pos": "vespo_k_pos", "lambda_pos": "vespo_lambda_pos", "k_neg": "vespo_k_neg",
                    "lambda_neg": "vespo_lambda_neg"},  # fmt: skip
     metrics=lambda cfg: {"vespo/phi_seq_mean"},
+    finalize=finalize,
+    check=check,
     token_local=False,
     ratio_levels=("token", "sequence"),
     presets={"vespo": dict(loss_type="vespo", kl_coef=0.0, loss_agg_mode="token-mean")},
