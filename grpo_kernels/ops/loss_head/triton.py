@@ -1,6 +1,8 @@
 """The loss head (B of docs/design.md §1) as one Triton kernel: per-token loss terms, aggregation weights,
 metric partial sums and the per-token gradients dL/dlogp, dL/dentropy, for every variant of
-reference.py (the oracle it is tested against, formula by formula).
+reference.py (the oracle it is tested against, formula by formula). Each loss variant's per-token objective
+and its gradient is a Triton piece of its file, variants/<loss_type>.py, inlined here and selected by its
+constant LOSS_<NAME> (the registry's LossId enum).
 
 One program per sequence (grid = S). A program walks its tokens in blocks, up to three times:
   pass A (when the variant needs sequence statistics): lengths, sum of log-ratios, sequence IS,
@@ -53,18 +55,8 @@ _bind_variant_pieces()
 # ---- code-path ids (constexpr) -------------------------------------------------------------------
 # LOSS: one named constant per loss variant, from the registry's enum (variants/__init__.py LossId)
 LOSS_IDS = {name: int(LossId[name.upper()]) for name in variants.LOSS_TYPES}
-LOSS_PPO_CLIP = tl.constexpr(int(LossId.PPO_CLIP))
-LOSS_CISPO = tl.constexpr(int(LossId.CISPO))
-LOSS_GPG = tl.constexpr(int(LossId.GPG))
-LOSS_SAPO = tl.constexpr(int(LossId.SAPO))
-LOSS_PSPO = tl.constexpr(int(LossId.PSPO))
-LOSS_DCPO = tl.constexpr(int(LossId.DCPO))
-LOSS_VESPO = tl.constexpr(int(LossId.VESPO))
-LOSS_CLIP_COV = tl.constexpr(int(LossId.CLIP_COV))
-LOSS_KL_COV = tl.constexpr(int(LossId.KL_COV))
-LOSS_GMPO = tl.constexpr(int(LossId.GMPO))
-LOSS_GROUP_DPO = tl.constexpr(int(LossId.GROUP_DPO))
-LOSS_DPPO = tl.constexpr(int(LossId.DPPO))
+(LOSS_PPO_CLIP, LOSS_CISPO, LOSS_GPG, LOSS_SAPO, LOSS_PSPO, LOSS_DCPO, LOSS_VESPO, LOSS_CLIP_COV, LOSS_KL_COV, LOSS_GMPO,
+ LOSS_GROUP_DPO, LOSS_DPPO) = (tl.constexpr(int(i)) for i in LossId)  # in LossId order (tests check each name)
 LEVEL_IDS = {"token": 0, "sequence": 1, "sequence_token": 2, "sequence_sum": 3, "prefix": 4}
 KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3, "abs": 4}
 IS_LEVEL_IDS = {None: 0, "token": 1, "sequence": 2, "sequence_geometric": 3}
@@ -128,6 +120,33 @@ def _gate_statistic(GATE: tl.constexpr, old, rollout, scored, mf, log_clamp):
     else:
         s = tl.where(scored, tl.abs(tl.exp(rollout) - tl.exp(old)), 0.0) * mf
     return s
+
+
+@triton.jit
+def _kl_estimator(x, KL_EST: tl.constexpr, KL_ST: tl.constexpr):
+    """(KL estimate, its derivative in lp) of x = ref - lp for the estimator KL_IDS names (reference._kl)."""
+    if KL_EST == 0:
+        kl = -x
+        d_kl = 1.0 + 0.0 * x
+    elif KL_EST == 1:
+        kl = 0.5 * x * x
+        d_kl = -x
+    elif KL_EST == 2:
+        kl = tl.exp(x) - x - 1.0
+        d_kl = 1.0 - tl.exp(x)
+    elif KL_EST == 3:
+        xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
+        raw = tl.exp(xc) - xc - 1.0
+        kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
+        d_kl = (1.0 - tl.exp(xc)) * tl.where((x >= -20.0) & (x <= 20.0), 1.0, 0.0) * tl.where(
+            (raw >= -10.0) & (raw <= 10.0), 1.0, 0.0
+        )
+    else:
+        kl = tl.abs(x)
+        d_kl = -tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    if KL_ST:
+        d_kl = -x
+    return kl, d_kl
 
 
 @triton.jit
@@ -440,27 +459,7 @@ def loss_head_fwd_bwd_kernel(
         if HAS_REF:
             ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
             x = ref - lp
-            if KL_EST == 0:
-                kl = -x
-                d_kl = 1.0 + 0.0 * x
-            elif KL_EST == 1:
-                kl = 0.5 * x * x
-                d_kl = -x
-            elif KL_EST == 2:
-                kl = tl.exp(x) - x - 1.0
-                d_kl = 1.0 - tl.exp(x)
-            elif KL_EST == 3:
-                xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
-                raw = tl.exp(xc) - xc - 1.0
-                kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
-                d_kl = (1.0 - tl.exp(xc)) * tl.where((x >= -20.0) & (x <= 20.0), 1.0, 0.0) * tl.where(
-                    (raw >= -10.0) & (raw <= 10.0), 1.0, 0.0
-                )
-            else:
-                kl = tl.abs(x)
-                d_kl = -tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
-            if KL_ST:
-                d_kl = -x
+            kl, d_kl = _kl_estimator(x, KL_EST, KL_ST)
             kl = kl * mf
             if KL_RATIO:
                 acc_kl += kl * ratio

@@ -76,25 +76,17 @@ def token_objective(ratio, adv, lp, m, lower, upper, low_bound, high_bound, cisp
 
 
 
-VARIANT = LossVariant(
-    name="cispo",
-    id=1,
-    doc="-sg(clip(r)) A logp (MiniMax-M1), 'relative' (verl), 'absolute' (TRL) or 'mask' (SkyRL rollout_is)",
-    objective=objective,
-    params=Params,
-    config_fields={"form": "cispo_form", "cap": "cispo_cap"},
-    metrics=lambda cfg: {"clip_ratio/any_mean"},
-    finalize=finalize,
-    clip_metrics=True,
-    check=check,
+VARIANT = LossVariant("cispo", 1, "-sg(clip(r)) A logp (MiniMax-M1), 'relative' (verl), 'absolute' (TRL) or 'mask' (SkyRL rollout_is)",
+    objective=objective, params=Params, config_fields={"form": "cispo_form", "cap": "cispo_cap"},
+    metrics=lambda cfg: {"clip_ratio/any_mean"}, finalize=finalize, clip_metrics=True, check=check,
     rollout_anchor=True,
     presets={"cispo": dict(loss_type="cispo", cispo_form="relative", clip_low=1.0, clip_high=4.0, kl_coef=0.0,
-                           loss_agg_mode="token-mean")},  # fmt: skip
+                           loss_agg_mode="token-mean")},
     compile_cases={
         "cispo_relative": (dict(preset="cispo"), ("old",)),
         "cispo_absolute": (dict(preset="cispo", cispo_form="absolute", cispo_cap=5.0, clip_low=0.2, clip_high=0.2),
                            ("old",)),
         "rollout_is": (dict(loss_type="cispo", cispo_form="mask", ratio_anchor="rollout"), ("old", "rollout")),
-    },  # fmt: skip
+    },
     peer_names={"TRL": "cispo", "verl": "cispo", "SkyRL": "cispo / rollout_is"},
-)
+)  # fmt: skip

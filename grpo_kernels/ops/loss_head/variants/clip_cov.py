@@ -75,19 +75,11 @@ def apply_keep(objective, g_r, cov_ptr, idx, inb, mf, acc_cov):
     return objective, g_r, acc_cov
 
 
-VARIANT = LossVariant(
-    name="clip_cov",
-    id=7,
-    doc="PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)",
-    objective=objective,
-    params=Params,
+VARIANT = LossVariant("clip_cov", 7, "PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)",
+    objective=objective, params=Params,
     config_fields={"ratio": "clip_cov_ratio", "lb": "clip_cov_lb", "ub": "clip_cov_ub"},
-    metrics=lambda cfg: {"selection/cov_frac"},
-    finalize=finalize,
-    clip_metrics=True,
-    token_local=False,
-    global_statistics=True,
-    ratio_levels=("token",),
+    metrics=lambda cfg: {"selection/cov_frac"}, finalize=finalize, clip_metrics=True, token_local=False,
+    global_statistics=True, ratio_levels=("token",),
     compile_cases={"clip_cov": (dict(loss_type="clip_cov"), ("old",))},
     peer_names={"verl": "clip_cov", "SkyRL": "clip_cov"},
-)
+)  # fmt: skip

@@ -49,18 +49,12 @@ def token_objective(ratio, adv, old, clip_low, clip_high, dcpo_max):
     return objective, g_r, low_bound, high_bound
 
 
-VARIANT = LossVariant(
-    name="dcpo",
-    id=5,
-    doc="PPO clip with probability-dependent bounds (dynamic clipping)",
-    objective=objective,
-    params=Params,
+VARIANT = LossVariant("dcpo", 5, "PPO clip with probability-dependent bounds (dynamic clipping)",
+    objective=objective, params=Params,
     config_fields={"max_ratio": "dcpo_max_ratio", "dual_clip": "dual_clip"},
     metrics=lambda cfg: {"clip_ratio/dual_mean"} if cfg.dual_clip is not None else set(),
-    finalize=ppo_clip.finalize,
-    clip_metrics=True,
+    finalize=ppo_clip.finalize, clip_metrics=True,
     presets={"dcpo": dict(loss_type="dcpo", clip_low=0.16, clip_high=0.2, dcpo_max_ratio=10.0, dual_clip=10.0,
-                          kl_coef=0.0, loss_agg_mode="seq-mean-token-sum")},  # fmt: skip
-    compile_cases={"dcpo": (dict(preset="dcpo"), ("old",))},
-    peer_names={"lime-RL/DCPO": "dcpo"},
-)
+                          kl_coef=0.0, loss_agg_mode="seq-mean-token-sum")},
+    compile_cases={"dcpo": (dict(preset="dcpo"), ("old",))}, peer_names={"lime-RL/DCPO": "dcpo"},
+)  # fmt: skip

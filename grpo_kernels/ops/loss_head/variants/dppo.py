@@ -76,22 +76,14 @@ def token_objective(lp, base, adv, ratio, m, clip_low, clip_high, acc_low, acc_h
     return objective, g_r, acc_low, acc_high, acc_region
 
 
-VARIANT = LossVariant(
-    name="dppo",
-    id=11,
-    doc="-r A k: PPO's clip replaced by a binary trust-region mask k on the probability change (DPPO)",
-    objective=objective,
-    params=Params,
-    config_fields={"divergence": "dppo_divergence"},
-    clip_metrics=True,
-    check=check,
-    ratio_levels=("token",),
-    rollout_anchor=True,
+VARIANT = LossVariant("dppo", 11, "-r A k: PPO's clip replaced by a binary trust-region mask k on the probability change (DPPO)",
+    objective=objective, params=Params, config_fields={"divergence": "dppo_divergence"}, clip_metrics=True,
+    check=check, ratio_levels=("token",), rollout_anchor=True,
     presets={"dppo": dict(loss_type="dppo", dppo_divergence="binary_tv", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-                          loss_agg_mode="token-mean")},  # fmt: skip
+                          loss_agg_mode="token-mean")},
     compile_cases={
         "dppo_rollout_ratio_kl": (dict(preset="dppo", ratio_anchor="rollout", ratio_kl_coef=2e-3), ("rollout",)),
         "dppo_binary_kl": (dict(preset="dppo", dppo_divergence="binary_kl", clip_low=0.05, clip_high=0.05), ("old",)),
-    },  # fmt: skip
+    },
     peer_names={"SkyRL": "dppo", "prime-rl": "default loss (dppo_mask_low / dppo_mask_high)"},
-)
+)  # fmt: skip

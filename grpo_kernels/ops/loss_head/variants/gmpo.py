@@ -100,19 +100,12 @@ def finalize(partials):
     partials.metrics["clip_ratio/low_mean"] = partials.token_mean("gmpo_low")
 
 
-VARIANT = LossVariant(
-    name="gmpo",
-    id=9,
-    doc="geometric mean of token ratios per sequence (GMPO)",
-    objective=objective,
-    sequence_loss=sequence_loss,
-    check=check,
-    finalize=finalize,
-    metrics=lambda cfg: {"clip_ratio/low_mean", "clip_ratio/high_mean"},
-    token_local=False,
+VARIANT = LossVariant("gmpo", 9, "geometric mean of token ratios per sequence (GMPO)",
+    objective=objective, sequence_loss=sequence_loss, check=check, finalize=finalize,
+    metrics=lambda cfg: {"clip_ratio/low_mean", "clip_ratio/high_mean"}, token_local=False,
     ratio_levels=("token",),
     presets={"gmpo": dict(loss_type="gmpo", clip_low=0.4, clip_high=0.4, kl_coef=0.0)},
     compile_cases={"gmpo_offpolicy": (dict(preset="gmpo", off_policy_mask_threshold=0.5),
-                                      ("old", "rollout", "is_weights"))},  # fmt: skip
+                                      ("old", "rollout", "is_weights"))},
     peer_names={"verl": "geo_mean"},
-)
+)  # fmt: skip

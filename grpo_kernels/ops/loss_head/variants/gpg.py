@@ -15,13 +15,8 @@ def token_objective(adv, lp):
     return -adv * lp, -adv
 
 
-VARIANT = LossVariant(
-    name="gpg",
-    id=2,
-    doc="-A logp, no ratio (Group Policy Gradient)",
-    objective=objective,
-    ratio_levels=("token",),
+VARIANT = LossVariant("gpg", 2, "-A logp, no ratio (Group Policy Gradient)",
+    objective=objective, ratio_levels=("token",),
     presets={"gpg": dict(loss_type="gpg", kl_coef=0.0, loss_agg_mode="token-mean")},
-    compile_cases={"gpg": (dict(preset="gpg"), ())},
-    peer_names={"verl": "gpg"},
-)
+    compile_cases={"gpg": (dict(preset="gpg"), ())}, peer_names={"verl": "gpg"},
+)  # fmt: skip

@@ -96,20 +96,10 @@ def sequence_loss(ctx, selection, weights, normalizers):
                           normalizers.grad_accum_steps, normalizers.dp_size, ctx.metrics)  # fmt: skip
 
 
-VARIANT = LossVariant(
-    name="group_dpo",
-    id=10,
-    doc="DPO loss between the best and the worst completion of each group (summed log-probs)",
-    objective=objective,
-    params=Params,
-    config_fields={"beta": "dpo_beta", "group_size": "group_size"},
-    sequence_loss=sequence_loss,
-    check=check,
-    finalize=finalize,
-    metrics=lambda cfg: {"dpo/pairs", "dpo/reward_margin", "dpo/accuracy"},
-    token_local=False,
-    global_statistics=True,
-    ratio_levels=("token",),
-    compile_cases={"group_dpo": (dict(loss_type="group_dpo", group_size=2), ("old", "ref"))},
-    peer_names={},
-)
+VARIANT = LossVariant("group_dpo", 10, "DPO loss between the best and the worst completion of each group (summed log-probs)",
+    objective=objective, params=Params, config_fields={"beta": "dpo_beta", "group_size": "group_size"},
+    sequence_loss=sequence_loss, check=check, finalize=finalize,
+    metrics=lambda cfg: {"dpo/pairs", "dpo/reward_margin", "dpo/accuracy"}, token_local=False,
+    global_statistics=True, ratio_levels=("token",),
+    compile_cases={"group_dpo": (dict(loss_type="group_dpo", group_size=2), ("old", "ref"))}, peer_names={},
+)  # fmt: skip

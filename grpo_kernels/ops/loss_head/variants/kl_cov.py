@@ -64,18 +64,10 @@ def token_objective(ratio, adv, lp, lr, mf, cov_ptr, idx, inb, kl_cov_coef, acc_
     return objective, g_r, g_direct, acc_cov, acc_abs_lr
 
 
-VARIANT = LossVariant(
-    name="kl_cov",
-    id=8,
-    doc="-r A plus |log r| penalty on the top covariance tokens (KL-Cov)",
-    objective=objective,
-    params=Params,
-    config_fields={"ratio": "kl_cov_ratio", "coef": "kl_cov_coef"},
-    metrics=lambda cfg: {"selection/cov_frac", "ppo_kl_abs"},
-    finalize=finalize,
-    token_local=False,
-    global_statistics=True,
-    ratio_levels=("token",),
+VARIANT = LossVariant("kl_cov", 8, "-r A plus |log r| penalty on the top covariance tokens (KL-Cov)",
+    objective=objective, params=Params, config_fields={"ratio": "kl_cov_ratio", "coef": "kl_cov_coef"},
+    metrics=lambda cfg: {"selection/cov_frac", "ppo_kl_abs"}, finalize=finalize, token_local=False,
+    global_statistics=True, ratio_levels=("token",),
     compile_cases={"kl_cov": (dict(loss_type="kl_cov"), ("old",))},
     peer_names={"verl": "kl_cov", "SkyRL": "kl_cov"},
-)
+)  # fmt: skip

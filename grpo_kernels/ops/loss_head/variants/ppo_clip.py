@@ -75,17 +75,9 @@ def dual_clip(objective, g_r, adv, m, dual_c, acc_dual):
 
 
 
-VARIANT = LossVariant(
-    name="ppo_clip",
-    id=0,
-    doc="-min(r A, clip(r, 1-clip_low, 1+clip_high) A), optional dual clip / delta",
-    objective=objective,
-    params=Params,
-    config_fields={"dual_clip": "dual_clip", "delta": "delta"},
-    metrics=metrics,
-    finalize=finalize,
-    clip_metrics=True,
-    rollout_anchor=True,
+VARIANT = LossVariant("ppo_clip", 0, "-min(r A, clip(r, 1-clip_low, 1+clip_high) A), optional dual clip / delta",
+    objective=objective, params=Params, config_fields={"dual_clip": "dual_clip", "delta": "delta"},
+    metrics=metrics, finalize=finalize, clip_metrics=True, rollout_anchor=True,
     presets={
         "grpo": dict(loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3",
                      loss_agg_mode="seq-mean-token-mean"),
@@ -99,10 +91,10 @@ VARIANT = LossVariant(
                       is_level="token", is_mode="truncate", is_max=2.0),
         "tic_grpo": dict(loss_type="ppo_clip", ratio_level="sequence_sum", clip_low=0.2, clip_high=0.2,
                          kl_coef=0.0, loss_agg_mode="seq-mean-token-mean"),
-    },  # fmt: skip
+    },
     compile_cases={
         "dual_clip_delta": (dict(dual_clip=3.0, delta=2.0, loss_agg_mode="token-sum"), ("old",)),
     },
     peer_names={"TRL": "grpo / dapo / bnpo / dr_grpo / luspo", "verl": "vanilla / gspo", "SkyRL": "regular / "
-                "dual_clip / gspo", "OpenRLHF": "ppo / gspo"},  # fmt: skip
-)
+                "dual_clip / gspo", "OpenRLHF": "ppo / gspo"},
+)  # fmt: skip

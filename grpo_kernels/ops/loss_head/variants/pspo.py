@@ -26,14 +26,8 @@ def token_objective(ratio, adv, pspo_alpha):
     return -((1.0 - pspo_alpha) * ratio + pspo_alpha) * adv, -(1.0 - pspo_alpha) * adv
 
 
-VARIANT = LossVariant(
-    name="pspo",
-    id=4,
-    doc="PPO objective on a ratio smoothed toward the old policy (probability smoothing)",
-    objective=objective,
-    params=Params,
-    config_fields={"alpha": "pspo_alpha"},
+VARIANT = LossVariant("pspo", 4, "PPO objective on a ratio smoothed toward the old policy (probability smoothing)",
+    objective=objective, params=Params, config_fields={"alpha": "pspo_alpha"},
     presets={"pspo": dict(loss_type="pspo", pspo_alpha=0.1, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean")},
-    compile_cases={"pspo": (dict(preset="pspo"), ("old",))},
-    peer_names={"TRL": "pspo (PR)"},
-)
+    compile_cases={"pspo": (dict(preset="pspo"), ("old",))}, peer_names={"TRL": "pspo (PR)"},
+)  # fmt: skip

@@ -34,15 +34,10 @@ def token_objective(ratio, adv, tau_pos, tau_neg):
     return -s * 4.0 / tau * adv, -adv * 4.0 * s * (1.0 - s)
 
 
-VARIANT = LossVariant(
-    name="sapo",
-    id=3,
-    doc="-gate(r) A, gate = sigmoid(tau (r - 1)) 4 / tau (soft adaptive policy optimisation)",
-    objective=objective,
-    params=Params,
-    config_fields={"tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"},
+VARIANT = LossVariant("sapo", 3, "-gate(r) A, gate = sigmoid(tau (r - 1)) 4 / tau (soft adaptive policy optimisation)",
+    objective=objective, params=Params, config_fields={"tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"},
     presets={"sapo": dict(loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
-                          loss_agg_mode="seq-mean-token-mean")},  # fmt: skip
+                          loss_agg_mode="seq-mean-token-mean")},
     compile_cases={"sapo": (dict(preset="sapo"), ("old",))},
     peer_names={"TRL": "sapo", "verl": "sapo", "SkyRL": "sapo"},
-)
+)  # fmt: skip

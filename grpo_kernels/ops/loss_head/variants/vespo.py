@@ -108,20 +108,13 @@ def token_objective(adv, lp, mf, log_w_vespo, vk_pos, vl_pos, vk_neg, vl_neg, ac
     return objective, g_direct, acc_phi
 
 
-VARIANT = LossVariant(
-    name="vespo",
-    id=6,
-    doc="detached sequence-level Gamma weight times -A logp (TRL's VESPO)",
-    objective=objective,
-    params=Params,
+VARIANT = LossVariant("vespo", 6, "detached sequence-level Gamma weight times -A logp (TRL's VESPO)",
+    objective=objective, params=Params,
     config_fields={"k_pos": "vespo_k_pos", "lambda_pos": "vespo_lambda_pos", "k_neg": "vespo_k_neg",
-                   "lambda_neg": "vespo_lambda_neg"},  # fmt: skip
-    metrics=lambda cfg: {"vespo/phi_seq_mean"},
-    finalize=finalize,
-    check=check,
-    token_local=False,
+                   "lambda_neg": "vespo_lambda_neg"},
+    metrics=lambda cfg: {"vespo/phi_seq_mean"}, finalize=finalize, check=check, token_local=False,
     ratio_levels=("token", "sequence"),
     presets={"vespo": dict(loss_type="vespo", kl_coef=0.0, loss_agg_mode="token-mean")},
     compile_cases={"vespo_tis": (dict(preset="vespo", is_level="token"), ("old", "rollout"))},
     peer_names={"TRL": "vespo"},
-)
+)  # fmt: skip
