@@ -100,7 +100,8 @@ class PolicyLossConfig:
     (``PolicyLossConfig.dapo()``, ``PolicyLossConfig.grpo(kl_coef=0.0)``, ``from_preset("gspo")``), or
     change one (``cfg.replace(clip_high=0.28)``). Each preset's docstring cites its source. The fields
     (each commented where it is declared): the per-token objective (``loss_type``, ``ratio_level``,
-    clip bounds and each objective's parameters, what the ratio is measured against (``ratio_anchor``)
+    clip bounds and each objective's parameters (its own params object: ``params``, or ``variant_params`` for a
+    variant whose knobs have no keyword here), what the ratio is measured against (``ratio_anchor``)
     and its squared log-ratio penalty (``ratio_kl_coef``)), the KL term (``kl_coef``, ``kl_estimator``),
     the entropy term, sampler-mismatch corrections (``is_level``, ``is_gate``,
     ``off_policy_mask_threshold``), token selection, the aggregation modes, and ``temperature``. The formulas and gradients:
