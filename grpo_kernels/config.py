@@ -14,21 +14,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Per-token objective. "ppo_clip" covers GRPO / DAPO clip-higher / dual clip / TRL's delta.
-LOSS_TYPES = (
-    "ppo_clip",  # -min(r A, clip(r, 1-clip_low, 1+clip_high) A), optional dual clip / delta
-    "cispo",  # -sg(clip(r)) A logp (MiniMax-M1), "relative" (verl) or "absolute" (TRL) cap
-    "gpg",  # -A logp, no ratio (Group Policy Gradient)
-    "sapo",  # -gate(r) A, gate = sigmoid(tau (r - 1)) 4 / tau (soft adaptive policy optimisation)
-    "pspo",  # PPO objective on a ratio smoothed toward the old policy (probability smoothing)
-    "dcpo",  # PPO clip with probability-dependent bounds (dynamic clipping)
-    "gmpo",  # geometric mean of token ratios per sequence (GMPO)
-    "vespo",  # detached sequence-level Gamma weight times -A logp (TRL's VESPO)
-    "clip_cov",  # PPO clip with a random subset of high-covariance tokens detached (Clip-Cov)
-    "kl_cov",  # -r A plus |log r| penalty on the top covariance tokens (KL-Cov)
-    "group_dpo",  # DPO loss between the best and the worst completion of each group (summed log-probs)
-    "dppo",  # -r A k: PPO's clip replaced by a binary trust-region mask k on the probability change (DPPO)
-)
+from .ops.loss_head import variants as _variants
+from .ops.loss_head.variants import cispo as _cispo
+from .ops.loss_head.variants import dppo as _dppo
+
+# Per-token objective: one file per variant in grpo_kernels/ops/loss_head/variants/ (its params, formula, Triton
+# piece, metrics, presets), collected by that package's registry. "ppo_clip" covers GRPO / DAPO clip-higher /
+# dual clip / TRL's delta.
+LOSS_TYPES = _variants.LOSS_TYPES
 # How the importance ratio r is formed from log-ratios lr_t = logp_t - old_t.
 RATIO_LEVELS = (
     "token",  # r_t = exp(lr_t)
@@ -55,16 +48,8 @@ LOSS_AGG_MODES = (
 # The entropy bonus may aggregate like the policy term (None, verl) or as TRL does: a token mean over
 # the tokens it acts on in this call, divided by grad_accum_steps.
 ENTROPY_AGG_MODES = (None, *LOSS_AGG_MODES, "token-mean-local")
-CISPO_FORMS = (
-    "relative",  # clip(r, 1 - clip_low, 1 + clip_high) (verl, the MiniMax-M1 paper)
-    "absolute",  # min(r, cispo_cap) (TRL)
-    "mask",  # r inside (1 - clip_low, 1 + clip_high), else 0: a hard zero outside (SkyRL's rollout_is)
-)
-# DPPO's divergence between the anchor policy mu and the current policy pi on the sampled token
-DPPO_DIVERGENCES = (
-    "binary_tv",  # p - mu (probabilities): the total variation of the binary {token, rest} distributions
-    "binary_kl",  # KL(Bernoulli(mu) || Bernoulli(p)), with the sign of p - mu
-)
+CISPO_FORMS = _cispo.FORMS  # relative (verl, the paper), absolute (TRL), mask (SkyRL's rollout_is)
+DPPO_DIVERGENCES = _dppo.DIVERGENCES  # binary_tv, binary_kl
 # What the policy ratio r = pi / pi_anchor is measured against
 RATIO_ANCHORS = (
     "old",  # old_logprobs (the policy that computed them; on-policy when None)
@@ -89,6 +74,12 @@ IS_GATE_LEVELS = ("token", "sequence")
 OLD_PROB_SIDES = ("low", "high")
 
 
+def _names_with(flag: str) -> str:
+    """'a', 'b' and 'c': the loss types whose variant sets `flag`."""
+    names = [repr(name) for name, v in _variants.VARIANTS.items() if getattr(v, flag)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(f"PolicyLossConfig: {message}")
@@ -109,7 +100,8 @@ class PolicyLossConfig:
     (``PolicyLossConfig.dapo()``, ``PolicyLossConfig.grpo(kl_coef=0.0)``, ``from_preset("gspo")``), or
     change one (``cfg.replace(clip_high=0.28)``). Each preset's docstring cites its source. The fields
     (each commented where it is declared): the per-token objective (``loss_type``, ``ratio_level``,
-    clip bounds and each objective's parameters, what the ratio is measured against (``ratio_anchor``)
+    clip bounds and each objective's parameters (its own params object: ``params``, or ``variant_params`` for a
+    variant whose knobs have no keyword here), what the ratio is measured against (``ratio_anchor``)
     and its squared log-ratio penalty (``ratio_kl_coef``)), the KL term (``kl_coef``, ``kl_estimator``),
     the entropy term, sampler-mismatch corrections (``is_level``, ``is_gate``,
     ``off_policy_mask_threshold``), token selection, the aggregation modes, and ``temperature``. The formulas and gradients:
@@ -144,6 +136,9 @@ class PolicyLossConfig:
     vespo_lambda_pos: float = 3.0  # VESPO: rate lambda for A >= 0
     vespo_k_neg: float = 3.0  # VESPO: shape k for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO: rate lambda for A < 0
+    # the variant's own params object (its file's frozen `Params`), for a variant whose knobs have no keyword
+    # above; None: built from the keywords above (`params`)
+    variant_params: Any = None
     # --- KL to the reference policy -------------------------------------------------------------
     kl_coef: float = 0.0  # beta, the weight of the KL term (0: no KL term, no reference needed)
     kl_estimator: str = "k3"  # k1, k2, k3 (unclamped, TRL), low_var_kl (k3 clamped, verl), abs
@@ -181,6 +176,20 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         _check(self.loss_type in LOSS_TYPES, f"unknown loss_type {self.loss_type!r}; known: {LOSS_TYPES}")
+        variant = _variants.get(self.loss_type)
+        if self.variant_params is not None:
+            if isinstance(self.variant_params, dict):  # read back from the config's JSON
+                object.__setattr__(self, "variant_params", variant.params(**self.variant_params))
+            _check(
+                not variant.config_fields,
+                f"loss_type={self.loss_type!r} takes its params as the keywords "
+                f"{', '.join(variant.config_fields.values())}; variant_params is for a variant without keywords",
+            )
+            _check(
+                type(self.variant_params) is variant.params,
+                f"variant_params for loss_type={self.loss_type!r} must be a {variant.params.__module__}."
+                f"{variant.params.__qualname__}, got {type(self.variant_params).__name__}",
+            )
         _check(
             self.ratio_level in RATIO_LEVELS, f"unknown ratio_level {self.ratio_level!r}; known: {RATIO_LEVELS}"
         )
@@ -199,11 +208,6 @@ class PolicyLossConfig:
         _check(
             self.entropy_agg_mode in ENTROPY_AGG_MODES,
             f"unknown entropy_agg_mode {self.entropy_agg_mode!r}; known: {ENTROPY_AGG_MODES}",
-        )
-        _check(self.cispo_form in CISPO_FORMS, f"unknown cispo_form {self.cispo_form!r}; known: {CISPO_FORMS}")
-        _check(
-            self.dppo_divergence in DPPO_DIVERGENCES,
-            f"unknown dppo_divergence {self.dppo_divergence!r}; known: {DPPO_DIVERGENCES}",
         )
         _check(
             self.ratio_anchor in RATIO_ANCHORS, f"unknown ratio_anchor {self.ratio_anchor!r}; known: {RATIO_ANCHORS}"
@@ -234,34 +238,27 @@ class PolicyLossConfig:
         _check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low and clip_high must be >= 0")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        _check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "sapo temperatures must be > 0")
-        _check(0.0 <= self.pspo_alpha <= 1.0, f"pspo_alpha must be in [0, 1], got {self.pspo_alpha}")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1.0, f"dual_clip must be > 1, got {self.dual_clip}")
             _check(self.loss_type in ("ppo_clip", "dcpo"), "dual_clip applies to loss_type 'ppo_clip' and 'dcpo' only")
-        _check(self.dcpo_max_ratio > 1.0, f"dcpo_max_ratio must be > 1, got {self.dcpo_max_ratio}")
         _check(0.0 <= self.prefix_decay <= 1.0, f"prefix_decay must be in [0, 1], got {self.prefix_decay}")
-        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
         _check(self.length_power >= 0, f"length_power must be >= 0, got {self.length_power}")
-        if self.loss_type == "group_dpo":
+        # every variant's params from the flat keywords, each validated by its own file (a bad value is refused
+        # whatever loss_type is), then the chosen variant's combinations and ratio levels
+        for other in _variants.VARIANTS.values():
+            other.flat_params(self)
+        if variant.check is not None:
+            variant.check(self)
+        if variant.ratio_levels is not None:
             _check(
-                isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size >= 2,
-                f"group_dpo needs group_size >= 2 (completions per prompt, consecutive), got {self.group_size!r}",
-            )
-            _check(self.ratio_level == "token", "group_dpo compares summed log-probs; ratio_level must be 'token'")
-            _check(
-                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None and self.is_level is None
-                and self.off_policy_mask_threshold is None and self.is_gate is None,
-                "group_dpo is a sequence-pair objective: token selection and IS corrections are not defined for it",
+                self.ratio_level in variant.ratio_levels,
+                f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'"
+                if variant.ratio_levels == ("token",) else
+                f"loss_type={self.loss_type!r} takes ratio_level {variant.ratio_levels}, got {self.ratio_level!r}",
             )  # fmt: skip
-        else:
+        if self.loss_type != "group_dpo":
             _check(self.group_size is None, "group_size is only used by loss_type='group_dpo'")
-        if self.loss_type == "dppo":
-            _check(
-                self.ratio_level == "token",
-                "loss_type='dppo' masks tokens by their own probability change; ratio_level must be 'token'",
-            )
-        else:
+        if self.loss_type != "dppo":
             _check(
                 self.dppo_divergence == "binary_tv",
                 f"dppo_divergence={self.dppo_divergence!r} is only used by loss_type='dppo'",
@@ -269,7 +266,7 @@ class PolicyLossConfig:
         _check(self.ratio_kl_coef >= 0, f"ratio_kl_coef must be >= 0, got {self.ratio_kl_coef}")
         if self.ratio_kl_coef > 0:
             _check(
-                self.loss_type not in ("gmpo", "group_dpo"),
+                variant.sequence_loss is None,
                 f"ratio_kl_coef adds a per-token term; loss_type={self.loss_type!r} is a sequence-level objective",
             )
         if self.delta is not None:
@@ -277,38 +274,10 @@ class PolicyLossConfig:
             _check(self.loss_type == "ppo_clip", "delta applies to loss_type='ppo_clip' only")
         if self.log_ratio_clamp is not None:
             _check(self.log_ratio_clamp > 0, f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
-        if self.loss_type == "cispo" and self.cispo_form == "absolute":
-            _check(
-                self.cispo_cap is not None and self.cispo_cap > 0,
-                "cispo_form='absolute' needs cispo_cap > 0 (TRL's epsilon_high, e.g. 5.0)",
-            )
         _check(
             self.cispo_cap is None or (self.loss_type == "cispo" and self.cispo_form == "absolute"),
             "cispo_cap is only used by loss_type='cispo' with cispo_form='absolute'",
         )
-        if self.loss_type in ("gpg", "gmpo", "clip_cov", "kl_cov", "group_dpo"):
-            _check(
-                self.ratio_level == "token",
-                f"loss_type={self.loss_type!r} defines its own ratio; ratio_level must be 'token'",
-            )
-        if self.loss_type == "vespo":  # its weight comes from the summed log-ratio; ratio_level sets only the
-            # ratio of the KL correction (TRL's importance_sampling_level does the same)
-            _check(
-                self.ratio_level in ("token", "sequence"),
-                f"loss_type='vespo' takes ratio_level 'token' or 'sequence' (the KL correction's ratio), got "
-                f"{self.ratio_level!r}",
-            )
-        if self.loss_type == "gmpo":
-            _check(
-                self.top_entropy_quantile == 1.0 and self.old_prob_threshold is None,
-                "gmpo averages log-ratios over whole sequences; token selection (top_entropy_quantile, "
-                "old_prob_threshold) is not defined for it",
-            )
-        if self.loss_type == "vespo" and self.is_level is not None:
-            _check(self.is_level == "token", "vespo folds token-level IS weights only (is_level='token')")
-        if self.loss_type == "vespo":
-            _check(self.is_gate is None, "vespo folds token-level IS weights into its own weight; is_gate is not "
-                   "defined for it")  # fmt: skip
         if self.is_max is not None:
             _check(self.is_max > 0, f"is_max must be > 0, got {self.is_max}")
         if self.is_min is not None:
@@ -332,8 +301,6 @@ class PolicyLossConfig:
         _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "clip_cov_ratio and kl_cov_ratio must be > 0")
         _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
         _check(self.kl_cov_coef >= 0, "kl_cov_coef must be >= 0")
-        if "length-pow" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode):
-            _check(self.loss_type != "gmpo", "gmpo averages over sequences; length-pow does not apply")
         if self.old_prob_threshold is not None:
             _check(0 < self.old_prob_threshold < 1, "old_prob_threshold must be in (0, 1)")
         uses_norm = "seq-mean-token-sum-norm" in (self.loss_agg_mode, self.entropy_agg_mode, self.kl_agg_mode)
@@ -358,8 +325,8 @@ class PolicyLossConfig:
         """The policy ratio's anchor and the sampler-mismatch gate."""
         if self.ratio_anchor == "rollout":
             _check(
-                self.loss_type in ("ppo_clip", "cispo", "dppo"),
-                f"ratio_anchor='rollout' is defined for loss_type 'ppo_clip', 'cispo' and 'dppo', not "
+                _variants.get(self.loss_type).rollout_anchor,
+                f"ratio_anchor='rollout' is defined for loss_type {_names_with('rollout_anchor')}, not "
                 f"{self.loss_type!r} (the others have no ratio, or read the old policy's probabilities)",
             )
         if self.is_gate is None:
@@ -396,7 +363,7 @@ class PolicyLossConfig:
     def needs_global_statistics(self) -> bool:
         """True when the loss of one token depends on statistics of the whole batch (not only its own
         sequence): such variants cannot be computed chunk by chunk (fused path: two passes)."""
-        return self.top_entropy_quantile < 1.0 or self.loss_type in ("clip_cov", "kl_cov", "group_dpo")
+        return self.top_entropy_quantile < 1.0 or _variants.get(self.loss_type).global_statistics
 
     @property
     def token_local(self) -> bool:
@@ -411,7 +378,7 @@ class PolicyLossConfig:
             and self.is_level not in ("sequence", "sequence_geometric")
             and not (self.is_gate is not None and self.is_gate_level == "sequence")
             and self.off_policy_mask_threshold is None
-            and self.loss_type not in ("vespo", "gmpo", "group_dpo")
+            and _variants.get(self.loss_type).token_local
             and not self.needs_global_statistics
         )
 
@@ -434,6 +401,12 @@ class PolicyLossConfig:
     def needs_entropy(self) -> bool:
         return self.entropy_coef != 0 or self.top_entropy_quantile < 1.0
 
+    @property
+    def params(self):
+        """The loss variant's own params (a frozen dataclass of grpo_kernels/ops/loss_head/variants/<loss_type>.py):
+        variant_params when given, else built from the keywords above."""
+        return _variants.get(self.loss_type).params_of(self)
+
     def replace(self, **changes: Any) -> PolicyLossConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -443,77 +416,58 @@ class PolicyLossConfig:
     def grpo(cls, **overrides: Any) -> PolicyLossConfig:
         """GRPO as in DeepSeekMath (Shao et al. 2024, arXiv 2402.03300, §4.1): PPO clip eps 0.2, k3 KL
         to the reference with beta 0.04, per-sequence token mean then mean over sequences."""
-        return cls(
-            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3",
-            loss_agg_mode="seq-mean-token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("grpo", overrides)
 
     @classmethod
     def dapo(cls, **overrides: Any) -> PolicyLossConfig:
         """DAPO (Yu et al. 2025, arXiv 2503.14476): clip-higher eps_low 0.2 / eps_high 0.28, no KL,
         token-level mean over the whole batch. (Overlong shaping and dynamic sampling live on the
         reward / batch side: grpo_kernels.advantages.)"""
-        return cls(
-            loss_type="ppo_clip", clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg_mode="token-mean"
-        ).replace(**overrides)
+        return cls._preset("dapo", overrides)
 
     @classmethod
     def dr_grpo(cls, max_completion_length: int = 1024, **overrides: Any) -> PolicyLossConfig:
         """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783): token
         sums divided by a constant (the max completion length) and the number of sequences, no KL,
         no std in the advantage (advantages side). PPO clip eps 0.2."""
-        return cls(
-            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-            loss_agg_mode="seq-mean-token-sum-norm", max_completion_length=max_completion_length,
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("dr_grpo", dict(max_completion_length=max_completion_length, **overrides))
 
     @classmethod
     def bnpo(cls, **overrides: Any) -> PolicyLossConfig:
         """TRL's "bnpo" loss_type (TRL 1.16 GRPOConfig docs): token mean over the tokens of the local
         batch (pass no global num_tokens), PPO clip eps 0.2, no KL."""
-        return cls(
-            loss_type="ppo_clip", clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg_mode="token-mean"
-        ).replace(**overrides)
+        return cls._preset("bnpo", overrides)
 
     @classmethod
     def gspo(cls, **overrides: Any) -> PolicyLossConfig:
         """GSPO (Zheng et al. 2025, arXiv 2507.18071): length-normalised sequence ratio
         exp(mean_t log r), clip range 3e-4 / 4e-4, no KL, mean over sequences."""
-        return cls(
-            loss_type="ppo_clip", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, kl_coef=0.0,
-            loss_agg_mode="seq-mean-token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("gspo", overrides)
 
     @classmethod
     def cispo(cls, **overrides: Any) -> PolicyLossConfig:
         """CISPO (MiniMax-M1, arXiv 2506.13585 §3.1): clipped, detached IS weight times A logp. The
         paper sets no lower bound (a large eps_low) and tunes eps_high; here clip_low=1.0 (lower bound
         0: none) and clip_high=4.0 (upper bound 5, TRL's recommended cap). Token-level mean, no KL."""
-        return cls(
-            loss_type="cispo", cispo_form="relative", clip_low=1.0, clip_high=4.0, kl_coef=0.0,
-            loss_agg_mode="token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("cispo", overrides)
 
     @classmethod
     def gpg(cls, **overrides: Any) -> PolicyLossConfig:
         """GPG (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline", arXiv 2504.02546): plain
         policy gradient -A logp, no ratio, no clip, no KL, token mean."""
-        return cls(loss_type="gpg", kl_coef=0.0, loss_agg_mode="token-mean").replace(**overrides)
+        return cls._preset("gpg", overrides)
 
     @classmethod
     def gmpo(cls, **overrides: Any) -> PolicyLossConfig:
         """GMPO (Zhao et al. 2025, arXiv 2507.20673): geometric mean of token ratios per sequence with
         sign-aware clipping of log r to (-0.4, 0.4), i.e. ratios in (e^-0.4, e^0.4); no KL."""
-        return cls(loss_type="gmpo", clip_low=0.4, clip_high=0.4, kl_coef=0.0).replace(**overrides)
+        return cls._preset("gmpo", overrides)
 
     @classmethod
     def sapo(cls, **overrides: Any) -> PolicyLossConfig:
         """SAPO (Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347): sigmoid gate
         with tau_pos 1.0, tau_neg 1.05, per-sequence token mean, no KL."""
-        return cls(
-            loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
-            loss_agg_mode="seq-mean-token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("sapo", overrides)
 
     @classmethod
     def olmo3(cls, **overrides: Any) -> PolicyLossConfig:
@@ -522,19 +476,14 @@ class PolicyLossConfig:
         match it), no KL (beta 0), clip-higher eps_low 0.2 / eps_high 0.272, token-level truncated
         importance sampling against the inference engine's log-probs with cap 2.0. Advantages are
         centred without the std (advantage side)."""
-        return cls(
-            loss_type="ppo_clip", clip_low=0.2, clip_high=0.272, kl_coef=0.0, loss_agg_mode="token-mean",
-            is_level="token", is_mode="truncate", is_max=2.0,
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("olmo3", overrides)
 
     @classmethod
     def pspo(cls, **overrides: Any) -> PolicyLossConfig:
         """PSPO / GR-PSPO (Dwyer et al. 2025, "It's Not You, It's Clipping", arXiv 2509.21282): the
         current probability is smoothed toward the old one before the ratio, r~ = (1 - a) r + a, and
         replaces clipping (no min / clip); a = 0.1 (the first author's TRL PR); GRPO aggregation."""
-        return cls(loss_type="pspo", pspo_alpha=0.1, kl_coef=0.0, loss_agg_mode="seq-mean-token-mean").replace(
-            **overrides
-        )
+        return cls._preset("pspo", overrides)
 
     @classmethod
     def dcpo(cls, **overrides: Any) -> PolicyLossConfig:
@@ -542,27 +491,21 @@ class PolicyLossConfig:
         bounds with eps_low 0.16 / eps_high 0.2 (the paper's table), upper bound capped at 10, dual clip
         10 for A < 0 (the released scripts), "only token mean" aggregation read as seq-mean-token-sum
         (the paper's OTM formula). Smooth advantage standardisation is on the advantage side."""
-        return cls(
-            loss_type="dcpo", clip_low=0.16, clip_high=0.2, dcpo_max_ratio=10.0, dual_clip=10.0, kl_coef=0.0,
-            loss_agg_mode="seq-mean-token-sum",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("dcpo", overrides)
 
     @classmethod
     def vespo(cls, **overrides: Any) -> PolicyLossConfig:
         """VESPO (Shen et al. 2026, arXiv 2602.10693; TRL 1.16 loss_type="vespo"): detached Gamma
         weight phi(W) of the sequence ratio, (k, lambda) = (2, 3) for A >= 0 and (3, 2) for A < 0,
         token-level mean, no KL."""
-        return cls(loss_type="vespo", kl_coef=0.0, loss_agg_mode="token-mean").replace(**overrides)
+        return cls._preset("vespo", overrides)
 
     @classmethod
     def tic_grpo(cls, **overrides: Any) -> PolicyLossConfig:
         """TIC-GRPO (Pang et al., arXiv 2508.02833): one trajectory-level ratio exp(sum_t log r_t)
         instead of token ratios, in the PPO clipped surrogate (eps 0.2; the paper's clipping details
         could not be verified here), GRPO aggregation, no KL."""
-        return cls(
-            loss_type="ppo_clip", ratio_level="sequence_sum", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-            loss_agg_mode="seq-mean-token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("tic_grpo", overrides)
 
     @classmethod
     def dppo(cls, **overrides: Any) -> PolicyLossConfig:
@@ -572,16 +515,17 @@ class PolicyLossConfig:
         defaults), the surrogate -r A on the tokens inside it; token-level mean, no KL. Both peers measure
         r and the mask against the sampler's log-probs when they have them: add ratio_anchor="rollout".
         prime-rl's default also adds the squared log-ratio penalty: ratio_kl_coef=2e-3 (its kl_tau 1e-3)."""
-        return cls(
-            loss_type="dppo", dppo_divergence="binary_tv", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-            loss_agg_mode="token-mean",
-        ).replace(**overrides)  # fmt: skip
+        return cls._preset("dppo", overrides)
 
-    PRESETS = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "gpg", "gmpo", "sapo", "olmo3", "pspo", "dcpo",
-               "vespo", "tic_grpo", "dppo")  # fmt: skip
+    # every variant's presets (variants/<loss_type>.py PRESETS); the classmethods above are their documented names
+    PRESETS = tuple(_variants.PRESETS)
+
+    @classmethod
+    def _preset(cls, name: str, overrides: dict) -> PolicyLossConfig:
+        return cls(**_variants.PRESETS[name][1]).replace(**overrides)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:
         if name not in cls.PRESETS:
             raise ValueError(f"unknown preset {name!r}; known: {cls.PRESETS}")
-        return getattr(cls, name)(**overrides)
+        return cls._preset(name, overrides)

@@ -485,3 +485,37 @@ def test_kernel_covers_every_config_value():
     assert set(kernel.KL_IDS) == set(config.KL_ESTIMATORS)
     assert set(kernel.AGG_IDS) == set(config.LOSS_AGG_MODES) | {"token-mean-local"}
     assert set(config.ENTROPY_AGG_MODES) - {None} <= set(kernel.AGG_IDS)
+
+
+def test_every_loss_variant_has_a_test_row():
+    """A loss variant is one file (grpo_kernels/ops/loss_head/variants/<loss_type>.py) plus one row of CONFIGS
+    above: every registered variant has a row here (so every property, packed-layout, fused and interpreter test
+    runs on it), its named constant in the kernel, an AOT compile case, and frozen params that the flat keywords
+    of PolicyLossConfig reach."""
+    import dataclasses
+
+    from grpo_kernels.ops.loss_head import triton as kernel
+    from grpo_kernels.ops.loss_head.variants import VARIANTS, LossId
+    from grpo_kernels.testing import loss_head_compile
+
+    tested = {cfg.loss_type for cfg in CONFIGS.values()}
+    compiled = {cfg.loss_type for cfg, _ in loss_head_compile.CASES.values()}
+    for name, variant in VARIANTS.items():
+        assert name in tested, f"loss variant {name!r} has no row in tests/test_loss_head.py CONFIGS"
+        assert name in compiled, f"loss variant {name!r} has no AOT compile case (its file's compile_cases)"
+        assert getattr(kernel, f"LOSS_{name.upper()}") == int(LossId[name.upper()]) == kernel.LOSS_IDS[name]
+        assert dataclasses.is_dataclass(variant.params) and variant.params.__dataclass_params__.frozen, name
+        assert set(variant.config_fields.values()) <= {f.name for f in dataclasses.fields(C)}, name
+        for preset, keywords in variant.presets.items():
+            assert C.from_preset(preset).loss_type == keywords["loss_type"] == name, preset
+    assert C.dppo(dppo_divergence="binary_kl").params.divergence == "binary_kl"
+    assert C.sapo(sapo_tau_neg=1.5).params.tau_neg == 1.5
+
+
+def test_variant_params_are_validated_and_refused_where_keywords_exist():
+    from grpo_kernels.ops.loss_head.variants import dppo, sapo
+
+    with pytest.raises(ValueError, match="sapo temperatures must be > 0"):
+        sapo.Params(tau_pos=-1.0)
+    with pytest.raises(ValueError, match="takes its params as the keywords dppo_divergence"):
+        C(loss_type="dppo", variant_params=dppo.Params("binary_kl"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import PolicyLossConfig as C
+from ..ops.loss_head.variants import VARIANTS
 from . import aot
 
 ARCHS = aot.ARCHS
@@ -39,18 +40,6 @@ CASES = {
     "gspo_token": (C.gspo(ratio_level="sequence_token"), ("old",)),
     "tic_grpo": (C.tic_grpo(), ("old",)),
     "prefix_trace": (C(ratio_level="prefix"), ("old",)),
-    "dual_clip_delta": (C(dual_clip=3.0, delta=2.0, loss_agg_mode="token-sum"), ("old",)),
-    "cispo_relative": (C.cispo(), ("old",)),
-    "cispo_absolute": (C.cispo(cispo_form="absolute", cispo_cap=5.0, clip_low=0.2, clip_high=0.2), ("old",)),
-    "gpg": (C.gpg(), ()),
-    "sapo": (C.sapo(), ("old",)),
-    "pspo": (C.pspo(), ("old",)),
-    "dcpo": (C.dcpo(), ("old",)),
-    "vespo_tis": (C.vespo(is_level="token"), ("old", "rollout")),
-    "clip_cov": (C(loss_type="clip_cov"), ("old",)),
-    "kl_cov": (C(loss_type="kl_cov"), ("old",)),
-    "gmpo_offpolicy": (C.gmpo(off_policy_mask_threshold=0.5), ("old", "rollout", "is_weights")),
-    "group_dpo": (C(loss_type="group_dpo", group_size=2), ("old", "ref")),
     "kl_k1_ratio_corrected": (C(kl_coef=0.1, kl_estimator="k1", kl_ratio_correction=True), ("old", "ref")),
     "kl_k2_own_agg": (C(kl_coef=0.1, kl_estimator="k2", kl_agg_mode="seq-mean-token-mean"), ("old", "ref")),
     "kl_low_var_st": (C(kl_coef=0.1, kl_estimator="low_var_kl", kl_straight_through=True), ("old", "ref")),
@@ -63,10 +52,7 @@ CASES = {
                                  ("old", "token_weights")),
     "seq_mean_token_sum": (C(loss_agg_mode="seq-mean-token-sum"), ("old",)),
     "lopti_low": (C(old_prob_threshold=0.5), ("old",)),
-    # the trust region, the rollout anchor, the squared log-ratio penalty, geometric IS and the sampler gates
-    "dppo_rollout_ratio_kl": (C.dppo(ratio_anchor="rollout", ratio_kl_coef=2e-3), ("rollout",)),  # prime-rl
-    "dppo_binary_kl": (C.dppo(dppo_divergence="binary_kl", clip_low=0.05, clip_high=0.05), ("old",)),
-    "rollout_is": (C(loss_type="cispo", cispo_form="mask", ratio_anchor="rollout"), ("old", "rollout")),
+    # the rollout anchor, the squared log-ratio penalty, geometric IS and the sampler gates
     "is_sequence_geometric": (C(is_level="sequence_geometric", is_mode="mask", is_min=0.5), ("old", "rollout")),
     "seq_mask_tis": (C(is_level="token", is_max=None, is_gate="ratio", is_gate_level="sequence", is_gate_min=0.99,
                        is_gate_max=1.01), ("old", "rollout")),
@@ -76,6 +62,19 @@ CASES = {
     # pieces of longer sequences (the one-pass schedule cuts them for token-local objectives)
     "grpo_cut_sequences": (C.grpo(entropy_coef=0.01), ALL + ("seq_lengths",)),
 }
+
+
+def _variant_case(keywords: dict) -> C:
+    keywords = dict(keywords)
+    preset = keywords.pop("preset", None)
+    return C(**keywords) if preset is None else C.from_preset(preset, **keywords)
+
+
+# each loss variant's own code paths (grpo_kernels/ops/loss_head/variants/<loss_type>.py COMPILE_CASES)
+for _variant in VARIANTS.values():
+    for _name, (_keywords, _present) in _variant.compile_cases.items():
+        assert _name not in CASES, f"compile case {_name!r} defined twice"
+        CASES[_name] = (_variant_case(_keywords), _present)
 
 
 def record_case(name: str, need_grad: bool = True):

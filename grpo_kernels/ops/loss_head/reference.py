@@ -21,6 +21,9 @@ from typing import NamedTuple
 import torch
 
 from ...config import PolicyLossConfig
+from . import variants
+from .variants._base import Context, binary_kl  # noqa: F401  (binary_kl: also read by the sampler gate)
+from .variants.group_dpo import group_dpo_loss  # noqa: F401  (the Triton head's finalize reads it here)
 
 
 class LossHeadOutput(NamedTuple):
@@ -106,79 +109,21 @@ def policy_loss_reference(
     metrics: dict[str, torch.Tensor] = {}
     lower, upper = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
 
-    # ---- per-token objective (loss to minimise) --------------------------------------------------
-    ratio_for_clip_metrics = ratio
-    if cfg.loss_type == "ppo_clip":
-        clipped = ratio.clamp(lower, upper)
-        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)  # TRL two-sided clip
-        objective = -torch.minimum(unclipped * adv, clipped * adv)
-        if cfg.dual_clip is not None:  # verl dual clip: for A < 0 the loss is at most -c A
-            dual_bound = -cfg.dual_clip * adv
-            metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
-            objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
-        ratio_for_clip_metrics = unclipped
-    elif cfg.loss_type == "cispo":
-        if cfg.cispo_form == "relative":  # verl, MiniMax-M1 paper: two-sided, relative to 1
-            weight = ratio.clamp(lower, upper)
-            outside = (ratio < lower) | (ratio > upper)
-        elif cfg.cispo_form == "mask":  # SkyRL rollout_is: the ratio inside the open range, a hard zero outside
-            inside = (ratio > lower) & (ratio < upper)
-            weight = torch.where(inside, ratio, torch.zeros_like(ratio))
-            outside = ~inside
-        else:  # TRL: one-sided absolute cap
-            weight = ratio.clamp(max=cfg.cispo_cap)
-            lower, upper = float("-inf"), cfg.cispo_cap
-            outside = ratio > upper
-        objective = -weight.detach() * adv * lp
-        metrics["clip_ratio/any_mean"] = level_mean(outside.float())
-    elif cfg.loss_type == "gpg":
-        objective = -adv * lp
-    elif cfg.loss_type == "sapo":
-        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-        gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
-        objective = -gate * adv
-    elif cfg.loss_type == "pspo":  # smoothing toward the old policy replaces clipping
-        objective = -((1.0 - cfg.pspo_alpha) * ratio + cfg.pspo_alpha) * adv
-    elif cfg.loss_type == "dcpo":  # PPO clip with bounds that depend on the old probability q
-        q = old.exp()
-        lower = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * cfg.clip_low / q, min=0.0))
-        upper = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * cfg.clip_high / q), max=cfg.dcpo_max_ratio)
-        objective = torch.maximum(-adv * ratio, -adv * torch.minimum(torch.maximum(ratio, lower), upper))
-        if cfg.dual_clip is not None:
-            dual_bound = -cfg.dual_clip * adv
-            metrics["clip_ratio/dual_mean"] = level_mean(((objective > dual_bound) & (adv < 0)).float())
-            objective = torch.where(adv < 0, torch.minimum(objective, dual_bound), objective)
-    elif cfg.loss_type == "vespo":  # TRL get_gamma_weights: detached Gamma weight of the sequence ratio
-        phi = _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout, scored)
-        objective = -phi * adv * lp
-        per_seq_phi = seq_sum(phi) / seq_len.clamp(min=1.0)
-        metrics["vespo/phi_seq_mean"] = (per_seq_phi * seq_nonempty).sum() / seq_nonempty.sum().clamp(min=1.0)
-    elif cfg.loss_type == "clip_cov":
-        clipped = ratio.clamp(lower, upper)
-        loss_unclipped, loss_clipped = -adv * ratio, -adv * clipped
-        keep = clip_cov_keep(cfg, adv, lp, m, valid, loss_clipped > loss_unclipped)
-        metrics["selection/cov_frac"] = ((1.0 - keep) * m).sum() / m.sum().clamp(min=1.0)
-        objective = torch.maximum(loss_unclipped, loss_clipped) * keep
-    elif cfg.loss_type == "kl_cov":
-        penalised = kl_cov_selected(cfg, adv, lp, valid)
-        metrics["selection/cov_frac"] = (penalised * m).sum() / m.sum().clamp(min=1.0)
-        # the mean |log r| the penalty acts on (verl logs it as actor/ppo_kl for kl_cov)
-        metrics["ppo_kl_abs"] = (log_ratio.abs() * m).sum() / m.sum().clamp(min=1.0)
-        objective = -adv * ratio + penalised * cfg.kl_cov_coef * log_ratio.abs()
-    elif cfg.loss_type == "dppo":  # PPO's clip replaced by a binary trust region on the probability change
-        dppo_low, dppo_high = dppo_out_of_region(cfg, lp.detach(), anchor, adv)
-        objective = -ratio * adv * (1.0 - (dppo_low | dppo_high).float())
-    elif cfg.loss_type in ("gmpo", "group_dpo"):
-        objective = None  # sequence-level objectives, below
-    else:  # pragma: no cover
-        raise AssertionError(cfg.loss_type)
+    # ---- per-token objective (loss to minimise): the variant's own formula, variants/<loss_type>.py ---------
+    variant = variants.get(cfg.loss_type)
 
-    if cfg.loss_type in CLIP_METRIC_LOSSES:
-        if cfg.loss_type == "dppo":  # the tokens the trust region drops, by the sign of A
-            low, high = dppo_low.float(), dppo_high.float()
-        else:
-            low = ((ratio < lower) & (adv < 0)).float()
-            high = ((ratio_for_clip_metrics > upper) & (adv > 0)).float()
+    def sampler_is_weights():
+        return _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index)
+
+    ctx = Context(cfg=cfg, params=variant.params_of(cfg), lp=lp, adv=adv, old=old, anchor=anchor, ref=ref,
+                  rollout=rollout, scored=scored, log_ratio=log_ratio, ratio=ratio, m=m, valid=valid,
+                  seq_index=seq_index, seq_len=seq_len, seq_nonempty=seq_nonempty, lower=lower, upper=upper,
+                  metrics=metrics, seq_sum=seq_sum, level_mean=level_mean,
+                  sampler_is_weights=sampler_is_weights)  # fmt: skip
+    result = variant.objective(ctx)
+    objective = result.objective
+    if variant.clip_metrics:  # TRL's clip statistics (for DPPO: the tokens its trust region drops)
+        low, high = result.low, result.high
         metrics["clip_ratio/low_mean"] = level_mean(low)
         metrics["clip_ratio/high_mean"] = level_mean(high)
         metrics["clip_ratio/region_mean"] = level_mean(torch.maximum(low, high))
@@ -231,15 +176,8 @@ def policy_loss_reference(
 
     # ---- aggregation --------------------------------------------------------------------------------
     normalizers = _Normalizers(m, seq_index, seq_len, num_tokens, num_sequences, dp_size, grad_accum_steps, cfg)
-    if cfg.loss_type == "gmpo":
-        policy_loss = _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights,
-                                 normalizers, metrics)  # fmt: skip
-    elif cfg.loss_type == "group_dpo":
-        if ref is None:
-            raise ValueError("group_dpo needs ref_logprobs")
-        seq_adv = seq_sum(adv * m) / seq_len.clamp(min=1.0)
-        policy_loss = group_dpo_loss(cfg, seq_sum(lp * m), seq_sum(ref * m), seq_adv, seq_len,
-                                     normalizers.grad_accum_steps, normalizers.dp_size, metrics)  # fmt: skip
+    if variant.sequence_loss is not None:  # gmpo, group_dpo: a sequence-level objective
+        policy_loss = variant.sequence_loss(ctx, selection, weights, normalizers)
     else:
         policy_loss = normalizers.aggregate(objective * selection * weights, cfg.loss_agg_mode)
     loss = policy_loss
@@ -334,7 +272,8 @@ class _Normalizers:
         raise AssertionError(mode)  # pragma: no cover
 
 
-CLIP_METRIC_LOSSES = ("ppo_clip", "cispo", "clip_cov", "dcpo", "dppo")
+# the variants that report TRL's clip statistics (LossVariant.clip_metrics)
+CLIP_METRIC_LOSSES = tuple(name for name, v in variants.VARIANTS.items() if v.clip_metrics)
 
 
 def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool) -> tuple[str, ...]:
@@ -342,23 +281,7 @@ def metric_names(cfg, *, has_ref: bool, has_entropy: bool, has_is_weights: bool)
     config alone, so a compiled graph knows the metrics' layout without running (grpo_kernels/_custom_ops.py;
     tests check it against every configuration's eager metrics)."""
     names = {"policy_loss", "ppo_kl", "ratio/mean", "ratio/min", "ratio/max"}
-    if cfg.loss_type in ("ppo_clip", "dcpo") and cfg.dual_clip is not None:
-        names.add("clip_ratio/dual_mean")
-    if cfg.loss_type == "cispo":
-        names.add("clip_ratio/any_mean")
-    if cfg.loss_type == "vespo":
-        names.add("vespo/phi_seq_mean")
-    if cfg.loss_type in ("clip_cov", "kl_cov"):
-        names.add("selection/cov_frac")
-    if cfg.loss_type == "kl_cov":
-        names.add("ppo_kl_abs")
-    if cfg.loss_type in CLIP_METRIC_LOSSES:
-        names |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-                  "clip_ratio/high_max"}  # fmt: skip
-    if cfg.loss_type == "gmpo":
-        names |= {"clip_ratio/low_mean", "clip_ratio/high_mean"}
-    if cfg.loss_type == "group_dpo":
-        names |= {"dpo/pairs", "dpo/reward_margin", "dpo/accuracy"}
+    names |= variants.get(cfg.loss_type).metric_names(cfg)  # the variant's own (variants/<loss_type>.py)
     if cfg.off_policy_mask_threshold is not None:
         names.add("selection/off_policy_dropped_frac")
     if cfg.top_entropy_quantile < 1.0:
@@ -497,33 +420,6 @@ def _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index):
     return rho * m
 
 
-def binary_kl(mu_lp, lp):
-    """KL(Bernoulli(mu) || Bernoulli(p)), mu = e^mu_lp, p = e^lp: the two policies' probabilities of the
-    sampled token against the rest of the vocabulary. The first term from the log-probs, 1e-8 inside the
-    second's logarithm (finite at mu = 1 or p = 1), as SkyRL's DPPO writes it. A log-prob rounded above 0
-    is read as 0 (a probability above 1 would make the logarithm's argument negative)."""
-    mu_lp, lp = mu_lp.clamp(max=0.0), lp.clamp(max=0.0)
-    mu, p = mu_lp.exp(), lp.exp()
-    return mu * (mu_lp - lp) + (1.0 - mu) * torch.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
-
-
-def dppo_out_of_region(cfg, lp, anchor, adv):
-    """DPPO's trust region (SkyRL dppo_policy_loss, prime-rl default_loss_fn): with p = e^lp, mu = e^anchor,
-    a token with A > 0 leaves it when p rose too far, one with A < 0 when p fell too far:
-      binary_tv: p - mu > clip_high (A > 0);  mu - p > clip_low (A < 0)
-      binary_kl: p > mu and KL_b(mu || p) > clip_high (A > 0);  p < mu and KL_b(mu || p) > clip_low (A < 0).
-    Returns the bool masks (dropped with A < 0, dropped with A > 0); no gradient flows through them."""
-    with torch.no_grad():
-        diff = lp.exp() - anchor.exp()
-        if cfg.dppo_divergence == "binary_tv":
-            out_high, out_low = diff > cfg.clip_high, -diff > cfg.clip_low
-        else:
-            divergence = binary_kl(anchor, lp)
-            out_high = (diff > 0) & (divergence > cfg.clip_high)
-            out_low = (diff < 0) & (divergence > cfg.clip_low)
-        return (adv < 0) & out_low, (adv > 0) & out_high
-
-
 def _sampler_gate(cfg, old, rollout, scored, m, seq_sum, seq_index):
     """OpenRLHF's train / rollout gating: 1 where the statistic between the sampler's and the old policy's
     probability of the sampled token lies in [is_gate_min, is_gate_max], else 0 (detached). Per token:
@@ -548,65 +444,6 @@ def _sampler_gate(cfg, old, rollout, scored, m, seq_sum, seq_index):
         lo = float("-inf") if cfg.is_gate_min is None else cfg.is_gate_min
         hi = float("inf") if cfg.is_gate_max is None else cfg.is_gate_max
         return ((stat >= lo) & (stat <= hi)).float() * m
-
-
-def _vespo_phi(cfg, log_ratio, adv, m, seq_sum, seq_index, old, rollout, scored):
-    """TRL 1.16 GRPOTrainer.get_gamma_weights: phi(w) = exp(lambda + k log w - lambda w), with
-    log w = clamp(sum_t clamp(lr_t, +-20) [+ sum_t clamp(log IS_t, log 1e-8, 20)], log 1e-8, 20),
-    k, lambda chosen by the sign of A (A >= 0: pos). Detached: it only scales A grad log pi."""
-    import math
-
-    lower = math.log(1e-8)
-    with torch.no_grad():
-        seq_log_ratio = seq_sum(log_ratio.detach().clamp(-20.0, 20.0) * m)
-        if cfg.is_level is not None:
-            if cfg.is_level != "token":
-                raise ValueError("vespo folds token-level IS weights only (is_level='token')")
-            is_w = _sampler_is_weights(cfg, old, rollout, scored, m, seq_sum, seq_index)
-            # masked tokens carry weight 1 in TRL (their log-diff is 0), i.e. log 1 = 0
-            log_is = torch.where(m > 0, torch.log(is_w).clamp(lower, 20.0), torch.zeros_like(is_w))
-            seq_log_ratio = seq_log_ratio + seq_sum(log_is)
-        log_w = seq_log_ratio.clamp(lower, 20.0)[seq_index]
-        nonneg = adv >= 0
-        k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
-        lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return phi * m
-
-
-def clip_cov_keep(cfg, adv, lp, m, valid, clipped_by_ppo):
-    """verl compute_policy_loss_clip_cov: among tokens not already clipped by PPO, those whose
-    centred covariance (A - mean A)(logp - mean logp) lies in (lb, ub) are candidates; a random
-    subset of max(1, int(ratio * n_valid)) of them is detached (keep = 0). torch.randperm on the
-    default generator, exactly as verl, so seeded runs select the same tokens."""
-    n_valid = m.sum()
-    with torch.no_grad():
-        mean_adv = (adv * m).sum() / (n_valid + 1e-8)
-        mean_lp = (lp.detach() * m).sum() / (n_valid + 1e-8)
-        cov = (adv - mean_adv) * (lp.detach() - mean_lp)
-        cov = torch.where(valid & ~clipped_by_ppo, cov, torch.full_like(cov, float("-inf")))
-        n_clip = max(int(cfg.clip_cov_ratio * n_valid.item()), 1)
-        candidates = torch.nonzero((cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid).squeeze(-1)
-        keep = torch.ones_like(m)
-        if candidates.numel() > 0:
-            chosen = candidates[torch.randperm(candidates.numel())[: min(n_clip, candidates.numel())]]
-            keep[chosen] = 0.0
-    return keep
-
-
-def kl_cov_selected(cfg, adv, lp, valid):
-    """verl compute_policy_loss_kl_cov: the top max(1, int(n_valid * ratio)) tokens by centred
-    covariance (A - mean A)(logp - mean logp) over the valid tokens get the |log r| penalty."""
-    selected = torch.zeros(adv.shape, dtype=torch.float32, device=adv.device)
-    idx = torch.nonzero(valid).squeeze(-1)
-    if idx.numel() == 0:
-        return selected
-    with torch.no_grad():
-        a, l = adv[idx].detach(), lp[idx].detach()
-        cov = (a - a.mean()) * (l - l.mean())
-        k = max(1, int(idx.numel() * cfg.kl_cov_ratio))
-        selected[idx[torch.topk(cov, k, largest=True).indices]] = 1.0
-    return selected
 
 
 def top_entropy_selection(ent, valid, quantile, group=None):
@@ -647,48 +484,4 @@ def _gather_variable(x, group):
     return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
 
-def group_dpo_loss(cfg, seq_logprob_sum, seq_ref_sum, seq_adv, seq_len, grad_accum_steps, dp_size, metrics):
-    """Group DPO: in each group of group_size consecutive completions, the one with the largest
-    advantage is preferred over the one with the smallest (DPO, Rafailov et al. 2023, on summed
-    log-probs against the reference):
-      l_g = -log sigmoid( beta [ (S_w - S^ref_w) - (S_l - S^ref_l) ] ),  S = sum_t log pi(o_t),
-    averaged over groups that have a preference (max A > min A); ties contribute nothing."""
-    g = cfg.group_size
-    n_groups = seq_len.shape[0] // g
-    seq_adv = seq_adv.reshape(n_groups, g)
-    nonempty = (seq_len > 0).reshape(n_groups, g)
-    policy_minus_ref = (seq_logprob_sum - seq_ref_sum).reshape(n_groups, g)
-    inf = torch.tensor(float("inf"), device=seq_len.device)
-    best = torch.where(nonempty, seq_adv, -inf).argmax(-1, keepdim=True)
-    worst = torch.where(nonempty, seq_adv, inf).argmin(-1, keepdim=True)
-    has_pair = (seq_adv.gather(-1, best) > seq_adv.gather(-1, worst)).squeeze(-1) & (nonempty.sum(-1) >= 2)
-    margin = (policy_minus_ref.gather(-1, best) - policy_minus_ref.gather(-1, worst)).squeeze(-1)
-    pair = has_pair.float()
-    n_pairs = pair.sum().clamp(min=1.0)
-    metrics["dpo/pairs"] = pair.sum()
-    metrics["dpo/reward_margin"] = (cfg.dpo_beta * margin * pair).detach().sum() / n_pairs
-    metrics["dpo/accuracy"] = ((margin > 0).float() * pair).sum() / n_pairs
-    losses = -torch.nn.functional.logsigmoid(cfg.dpo_beta * margin) * pair
-    return losses.sum() / (n_pairs * grad_accum_steps) * dp_size
 
-
-def _gmpo_loss(cfg, log_ratio, adv, m, seq_sum, seq_len, seq_index, selection, weights, normalizers, metrics):
-    """GMPO (verl compute_policy_loss_geo_mean): sign-aware clip of the token log-ratio to
-    [-clip_low, clip_high], geometric mean over the sequence, times the sequence-mean advantage:
-      l_i = -Abar_i exp( sum_t sgn(A_t) min(sgn(A_t) lr_t, sgn(A_t) clip(lr_t)) m_t / |o_i| ),
-    averaged over sequences (ignores loss_agg_mode, as the paper and verl). Token IS weights enter as
-    their geometric mean per sequence (verl)."""
-    sgn = torch.sign(adv)
-    clipped = log_ratio.clamp(-cfg.clip_low, cfg.clip_high)
-    lr_min = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)
-    length = seq_len.clamp(min=1.0)
-    seq_ratio = torch.exp(seq_sum(lr_min * m) / length)
-    seq_adv = seq_sum(adv * m) / length
-    seq_objective = -seq_adv * seq_ratio
-    is_geo = torch.exp(seq_sum(torch.log(weights + 1e-10) * m) / length)  # 1 when no IS weights
-    seq_keep = (seq_sum(selection) > 0).float()  # off-policy masking drops whole sequences
-    was_clipped = (log_ratio != clipped).float()
-    metrics["clip_ratio/high_mean"] = (was_clipped * (adv > 0) * m).sum() / m.sum().clamp(min=1.0)
-    metrics["clip_ratio/low_mean"] = (was_clipped * (adv < 0) * m).sum() / m.sum().clamp(min=1.0)
-    total = (seq_objective * is_geo * seq_keep * (seq_len > 0)).sum()
-    return total / normalizers.sequence_count() * normalizers.dp_size

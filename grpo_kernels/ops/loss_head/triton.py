@@ -1,6 +1,8 @@
 """The loss head (B of docs/design.md §1) as one Triton kernel: per-token loss terms, aggregation weights,
 metric partial sums and the per-token gradients dL/dlogp, dL/dentropy, for every variant of
-reference.py (the oracle it is tested against, formula by formula).
+reference.py (the oracle it is tested against, formula by formula). Each loss variant's per-token objective
+and its gradient is a Triton piece of its file, variants/<loss_type>.py, inlined here and selected by its
+constant LOSS_<NAME> (the registry's LossId enum).
 
 One program per sequence (grid = S). A program walks its tokens in blocks, up to three times:
   pass A (when the variant needs sequence statistics): lengths, sum of log-ratios, sequence IS,
@@ -27,10 +29,34 @@ import triton
 import triton.language as tl
 
 from ...config import PolicyLossConfig
+from . import variants
+from .variants import (LossId, _base, cispo, clip_cov, dcpo, dppo, gmpo, gpg, group_dpo, kl_cov, ppo_clip, pspo, sapo,
+                       vespo)  # fmt: skip
+
+
+def _bind_variant_pieces():
+    """Jit every Triton piece of the variant files (variants/_base.py `triton_piece`) and bind their `tl`: done
+    here, when the kernel module loads, so the variants import without Triton (config.py reads them)."""
+    modules = [_base, *variants.MODULES.values()]
+    jitted = {}
+    for module in modules:
+        module.tl = tl
+        for value in list(vars(module).values()):
+            if getattr(value, "__loss_head_triton_piece__", False) and id(value) not in jitted:
+                jitted[id(value)] = triton.jit(value)
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if getattr(value, "__loss_head_triton_piece__", False):
+                setattr(module, name, jitted[id(value)])
+
+
+_bind_variant_pieces()
 
 # ---- code-path ids (constexpr) -------------------------------------------------------------------
-LOSS_IDS = {"ppo_clip": 0, "cispo": 1, "gpg": 2, "sapo": 3, "pspo": 4, "dcpo": 5, "vespo": 6, "clip_cov": 7,
-            "kl_cov": 8, "gmpo": 9, "group_dpo": 10, "dppo": 11}  # fmt: skip
+# LOSS: one named constant per loss variant, from the registry's enum (variants/__init__.py LossId)
+LOSS_IDS = {name: int(LossId[name.upper()]) for name in variants.LOSS_TYPES}
+(LOSS_PPO_CLIP, LOSS_CISPO, LOSS_GPG, LOSS_SAPO, LOSS_PSPO, LOSS_DCPO, LOSS_VESPO, LOSS_CLIP_COV, LOSS_KL_COV, LOSS_GMPO,
+ LOSS_GROUP_DPO, LOSS_DPPO) = (tl.constexpr(int(i)) for i in LossId)  # in LossId order (tests check each name)
 LEVEL_IDS = {"token": 0, "sequence": 1, "sequence_token": 2, "sequence_sum": 3, "prefix": 4}
 KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3, "abs": 4}
 IS_LEVEL_IDS = {None: 0, "token": 1, "sequence": 2, "sequence_geometric": 3}
@@ -44,6 +70,9 @@ AGG_IDS = {"token-mean": 0, "token-sum": 1, "seq-mean-token-sum": 2, "seq-mean-t
  P_OLDPROB_KEPT, P_COV, P_GMPO_HIGH, P_GMPO_LOW, P_SUM_LP, P_SUM_REF, P_SUM_ADV, P_ABS_LR, P_PHI, P_RATIO_KL,
  P_LOSS_RATIO_KL, P_GATED) = range(33)  # fmt: skip
 NUM_PARTIALS = 36
+# the columns a variant's finalize reads by name (variants/_base.py Partials)
+_SLOTS = {"dual": P_DUAL, "any": P_ANY, "cov": P_COV, "abs_lr": P_ABS_LR, "phi": P_PHI, "gmpo_high": P_GMPO_HIGH,
+          "gmpo_low": P_GMPO_LOW, "sum_lp": P_SUM_LP, "sum_ref": P_SUM_REF, "sum_adv": P_SUM_ADV}  # fmt: skip
 PARTIALS_PER_SEQ = tl.constexpr(NUM_PARTIALS)
 # normalizer slots (a small device tensor, so no host sync is needed to build it)
 N_TOKENS, N_SEQUENCES, N_LENGTH_POW, N_ENT_LOCAL = range(4)
@@ -77,15 +106,7 @@ def _agg_weight(AGG: tl.constexpr, length, norms_ptr, dp_size, max_len, length_p
     return w
 
 
-@triton.jit
-def _binary_kl(mu_lp, lp):
-    """KL(Bernoulli(mu) || Bernoulli(p)) of one token's probabilities mu = e^mu_lp, p = e^lp (reference.binary_kl:
-    the same operations in the same order; log-probs above 0 read as 0)."""
-    mu_lp = tl.minimum(mu_lp, 0.0)
-    lp = tl.minimum(lp, 0.0)
-    mu = tl.exp(mu_lp)
-    p = tl.exp(lp)
-    return mu * (mu_lp - lp) + (1.0 - mu) * tl.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
+_binary_kl = _base.binary_kl_piece  # KL(Bernoulli(mu) || Bernoulli(p)), the sampler gate's and DPPO's
 
 
 @triton.jit
@@ -102,15 +123,30 @@ def _gate_statistic(GATE: tl.constexpr, old, rollout, scored, mf, log_clamp):
 
 
 @triton.jit
-def _min_weight(a, b):
-    """d min(a, b) / da, as torch computes it: 1 if a < b, 0 if a > b, 1/2 on a tie."""
-    return tl.where(a < b, 1.0, tl.where(a > b, 0.0, 0.5))
-
-
-@triton.jit
-def _max_weight(a, b):
-    """d max(a, b) / da: 1 if a > b, 0 if a < b, 1/2 on a tie."""
-    return tl.where(a > b, 1.0, tl.where(a < b, 0.0, 0.5))
+def _kl_estimator(x, KL_EST: tl.constexpr, KL_ST: tl.constexpr):
+    """(KL estimate, its derivative in lp) of x = ref - lp for the estimator KL_IDS names (reference._kl)."""
+    if KL_EST == 0:
+        kl = -x
+        d_kl = 1.0 + 0.0 * x
+    elif KL_EST == 1:
+        kl = 0.5 * x * x
+        d_kl = -x
+    elif KL_EST == 2:
+        kl = tl.exp(x) - x - 1.0
+        d_kl = 1.0 - tl.exp(x)
+    elif KL_EST == 3:
+        xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
+        raw = tl.exp(xc) - xc - 1.0
+        kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
+        d_kl = (1.0 - tl.exp(xc)) * tl.where((x >= -20.0) & (x <= 20.0), 1.0, 0.0) * tl.where(
+            (raw >= -10.0) & (raw <= 10.0), 1.0, 0.0
+        )
+    else:
+        kl = tl.abs(x)
+        d_kl = -tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    if KL_ST:
+        d_kl = -x
+    return kl, d_kl
 
 
 @triton.jit
@@ -137,13 +173,13 @@ def loss_head_fwd_bwd_kernel(
     # ratio_level: 0 token, 1 sequence, 2 sequence_token, 3 sequence_sum, 4 prefix
     SEQ_RATIO: tl.constexpr = LEVEL == 1 or LEVEL == 2 or LEVEL == 3
     NEED_LEN: tl.constexpr = (AGG >= 4 or ENT_AGG == 4 or ENT_AGG == 5 or KL_AGG >= 4 or LEVEL == 1 or LEVEL == 2
-                              or LOSS == 9)  # fmt: skip
+                              or LOSS == LOSS_GMPO)  # fmt: skip
     # HAS_SEQ_LEN: this program holds a segment of a longer sequence (the one-pass schedule cut it across
     # chunks; only token-local objectives) and the sequence's whole valid length is given, not counted
     PASS_A: tl.constexpr = ((NEED_LEN and not HAS_SEQ_LEN) or SEQ_RATIO or IS_LEVEL == 2 or IS_LEVEL == 3 or OFFPOL
-                            or LOSS == 6 or LOSS == 9 or LOSS == 10 or GATE_SEQ)  # fmt: skip
+                            or LOSS == LOSS_VESPO or LOSS == LOSS_GMPO or LOSS == LOSS_GROUP_DPO or GATE_SEQ)  # fmt: skip
     # pass B reads the sampler's log-probs for token IS weights, the rollout anchor and a token gate
-    ROLLOUT_B: tl.constexpr = HAS_ROLLOUT and ((IS_LEVEL == 1 and LOSS != 6) or ANCHOR_ROLLOUT
+    ROLLOUT_B: tl.constexpr = HAS_ROLLOUT and ((IS_LEVEL == 1 and LOSS != LOSS_VESPO) or ANCHOR_ROLLOUT
                                                or (GATE != 0 and not GATE_SEQ))  # fmt: skip
 
     # ---------------- pass A: sequence statistics ----------------
@@ -193,30 +229,17 @@ def loss_head_fwd_bwd_kernel(
                     sum_beh += tl.sum(tl.where(scored, (rollout - lp) * mf, 0.0))
             elif OFFPOL:
                 sum_beh += tl.sum((old - lp) * mf)
-            if LOSS == 6:  # VESPO: sequence log-ratio with TRL's +-20 token clamp
-                sum_vespo += tl.sum(tl.minimum(tl.maximum(lr, -20.0), 20.0) * mf)
+            if LOSS == LOSS_VESPO:  # the sequence log-ratio W (with the token IS weights TRL folds in)
+                sum_vespo += vespo.block_log_ratio(lr, mf)
                 if IS_LEVEL == 1:
-                    d = tl.minimum(tl.maximum(tl.where(scored, (old - rollout) * mf, 0.0), -log_clamp), log_clamp)
-                    rho = tl.exp(d)
-                    lo = is_min
-                    if IS_MASK:
-                        rho = tl.where((rho >= lo) & (rho <= is_max), rho, 0.0)
-                    else:
-                        rho = tl.minimum(tl.maximum(rho, lo), is_max)
-                    log_is = tl.minimum(tl.maximum(tl.log(rho * mf), LOG_1E8), 20.0)
-                    sum_log_is += tl.sum(tl.where(m, log_is, 0.0))
-            if LOSS == 9:  # GMPO: sign-aware clipped log-ratio
-                sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
-                clipped = tl.minimum(tl.maximum(lr, -clip_low), clip_high)
-                lr_min = sgn * tl.minimum(sgn * lr, sgn * clipped)
-                sum_gmpo += tl.sum(lr_min * mf)
+                    sum_log_is += vespo.block_log_is(old, rollout, scored, m, mf, log_clamp, is_min, is_max, IS_MASK,
+                                                     LOG_1E8)  # fmt: skip
+            if LOSS == LOSS_GMPO:  # the sign-aware clipped log-ratios (and the IS weights' geometric mean)
+                sum_gmpo += gmpo.block_log_ratio(lr, adv, mf, clip_low, clip_high)
                 if HAS_ISW:
-                    w_is = tl.where(m, tl.load(isw_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-                    sum_log_isw += tl.sum(tl.log(w_is + 1e-10) * mf)
-            if LOSS == 10:
-                ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
-                sum_lp += tl.sum(lp * mf)
-                sum_ref += tl.sum(ref * mf)
+                    sum_log_isw += gmpo.block_log_is(isw_ptr, idx, inb, m, mf)
+            if LOSS == LOSS_GROUP_DPO:  # the summed log-probs its pairing compares
+                sum_lp, sum_ref = group_dpo.block_sums(lp, m, mf, ref_ptr, idx, inb, sum_lp, sum_ref)
     if HAS_SEQ_LEN:
         length = tl.load(seqlen_ptr + seq).to(tl.float32)
     len1 = tl.maximum(length, 1.0)
@@ -252,19 +275,9 @@ def loss_head_fwd_bwd_kernel(
     # GMPO: the whole sequence is one objective term
     gmpo_coef = 0.0
     loss_pg = 0.0
-    if LOSS == 9:
-        seq_ratio = tl.exp(sum_gmpo / len1)
-        seq_adv = sum_adv / len1
-        is_geo = 1.0
-        if HAS_ISW:
-            is_geo = tl.exp(sum_log_isw / len1)
-        keep = tl.where(length > 0, 1.0, 0.0)
-        if OFFPOL:
-            keep = keep * tl.maximum(offpol_seq_ok, any_nonneg)
-        gmpo_scale = is_geo * keep * dp_size / tl.load(norms_ptr + 1)
-        loss_pg = -seq_adv * seq_ratio * gmpo_scale
-        # d loss / d lr_min_t = -Abar * ratio / |o| * gmpo_scale for every valid token
-        gmpo_coef = -seq_adv * seq_ratio / len1 * gmpo_scale
+    if LOSS == LOSS_GMPO:
+        loss_pg, gmpo_coef = gmpo.sequence_term(sum_gmpo, sum_adv, sum_log_isw, length, len1, offpol_seq_ok,
+                                                any_nonneg, norms_ptr, dp_size, HAS_ISW, OFFPOL)  # fmt: skip
 
     # ---------------- pass B: per token ----------------
     acc_loss_pg = tl.zeros([BLOCK], tl.float32)
@@ -341,102 +354,36 @@ def loss_head_fwd_bwd_kernel(
         low_bound = lower + 0.0 * lp
         high_bound = upper + 0.0 * lp
         metric_ratio = ratio
-        if LOSS == 0 or LOSS == 7:  # PPO clip (7: Clip-Cov, no delta / dual)
-            clipped = tl.minimum(tl.maximum(ratio, lower), upper)
-            d_clipped = tl.where((ratio >= lower) & (ratio <= upper), 1.0, 0.0)
-            unclipped = ratio
-            d_unclipped = 1.0 + 0.0 * lp
-            if LOSS == 0:
-                unclipped = tl.minimum(ratio, delta)
-                d_unclipped = tl.where(ratio <= delta, 1.0, 0.0)
-                metric_ratio = unclipped
-            w_u = _min_weight(unclipped * adv, clipped * adv)
-            objective = -tl.minimum(unclipped * adv, clipped * adv)
-            g_r = -adv * (w_u * d_unclipped + (1.0 - w_u) * d_clipped)
-        elif LOSS == 5:  # DCPO: bounds from the old probability q
-            q = tl.exp(old)
-            low_bound = 0.5 + 0.5 * tl.sqrt(tl.maximum(1.0 - 4.0 * clip_low / q, 0.0))
-            high_bound = tl.minimum(0.5 + 0.5 * tl.sqrt(1.0 + 4.0 * clip_high / q), dcpo_max)
-            inner = tl.maximum(ratio, low_bound)
-            clipped = tl.minimum(inner, high_bound)
-            d_clipped = _max_weight(ratio, low_bound) * _min_weight(inner, high_bound)
-            a = -adv * ratio
-            b = -adv * clipped
-            w_a = _max_weight(a, b)
-            objective = tl.maximum(a, b)
-            g_r = w_a * (-adv) + (1.0 - w_a) * (-adv * d_clipped)
-        elif LOSS == 1:  # CISPO: detached clipped weight times A logp
-            if CISPO_ABS:
-                weight = tl.minimum(ratio, cispo_cap)
-                low_bound = float("-inf") + 0.0 * lp
-                high_bound = cispo_cap + 0.0 * lp
-                acc_any += tl.where(m & (ratio > high_bound), 1.0, 0.0)
-            elif CISPO_MASK:  # a hard zero outside the open range (SkyRL rollout_is)
-                inside = (ratio > lower) & (ratio < upper)
-                weight = tl.where(inside, ratio, 0.0)
-                acc_any += tl.where(m & ~inside, 1.0, 0.0)
-            else:
-                weight = tl.minimum(tl.maximum(ratio, lower), upper)
-                acc_any += tl.where(m & ((ratio < low_bound) | (ratio > high_bound)), 1.0, 0.0)
-            objective = -weight * adv * lp
-            g_direct = -weight * adv
-        elif LOSS == 2:  # GPG
-            objective = -adv * lp
-            g_direct = -adv
-        elif LOSS == 3:  # SAPO soft gate
-            tau = tl.where(adv > 0, tau_pos, tau_neg)
-            s = tl.sigmoid(tau * (ratio - 1.0))
-            objective = -s * 4.0 / tau * adv
-            g_r = -adv * 4.0 * s * (1.0 - s)
-        elif LOSS == 4:  # PSPO smoothing
-            objective = -((1.0 - pspo_alpha) * ratio + pspo_alpha) * adv
-            g_r = -(1.0 - pspo_alpha) * adv
-        elif LOSS == 6:  # VESPO
-            nonneg = adv >= 0
-            k = tl.where(nonneg, vk_pos, vk_neg)
-            lam = tl.maximum(tl.where(nonneg, vl_pos, vl_neg), 1e-4)
-            phi = tl.exp(lam + k * log_w_vespo - lam * tl.exp(log_w_vespo))
-            phi = tl.where(phi == phi, phi, 0.0)  # nan -> 0
-            phi = tl.where((phi < float("inf")) & (phi > float("-inf")), phi, 0.0) * mf
-            objective = -phi * adv * lp
-            g_direct = -phi * adv
-            acc_phi += phi
-        elif LOSS == 11:  # DPPO: -r A on the tokens inside the trust region of the probability change
-            diff = tl.exp(lp) - tl.exp(base)
-            if DPPO_KL:
-                div = _binary_kl(base, lp)
-                out_high = (diff > 0) & (div > clip_high)
-                out_low = (diff < 0) & (div > clip_low)
-            else:
-                out_high = diff > clip_high
-                out_low = -diff > clip_low
-            drop_low = m & (adv < 0) & out_low
-            drop_high = m & (adv > 0) & out_high
-            keep = tl.where(drop_low | drop_high, 0.0, 1.0)
-            objective = -ratio * adv * keep
-            g_r = -adv * keep
-            acc_low += tl.where(drop_low, 1.0, 0.0)
-            acc_high += tl.where(drop_high, 1.0, 0.0)
-            acc_region += tl.where(drop_low | drop_high, 1.0, 0.0)
-        elif LOSS == 8:  # KL-Cov: unclipped PG plus |log r| on the selected tokens
-            pen = tl.load(cov_ptr + idx, mask=inb, other=0.0).to(tl.float32) * mf
-            objective = -adv * ratio + pen * kl_cov_coef * tl.abs(lr)
-            g_r = -adv + 0.0 * lp
-            g_direct = pen * kl_cov_coef * tl.where(lr > 0, 1.0, tl.where(lr < 0, -1.0, 0.0))
-            acc_cov += pen
-            acc_abs_lr += tl.abs(lr)
-        if LOSS == 7:
-            keep = tl.load(cov_ptr + idx, mask=inb, other=1.0).to(tl.float32)
-            objective = objective * keep
-            g_r = g_r * keep
-            acc_cov += (1.0 - keep) * mf
-        if LOSS == 0 or LOSS == 5:  # dual clip: for A < 0 the loss is at most -c A
-            dual_bound = -tl.minimum(dual_c, 3.0e38) * adv  # c = inf (off) stays finite: no inf * 0
-            neg = adv < 0
-            acc_dual += tl.where(m & neg & (objective > dual_bound), 1.0, 0.0)
-            g_r = tl.where(neg, g_r * _min_weight(objective, dual_bound), g_r)
-            objective = tl.where(neg, tl.minimum(objective, dual_bound), objective)
-        if LOSS == 0 or LOSS == 1 or LOSS == 5 or LOSS == 7:
+        # each variant's piece: variants/<loss_type>.py token_objective
+        if LOSS == LOSS_PPO_CLIP or LOSS == LOSS_CLIP_COV:  # Clip-Cov: the plain clip (no delta / dual)
+            objective, g_r, metric_ratio = ppo_clip.token_objective(ratio, adv, lp, lower, upper, delta,
+                                                                    LOSS == LOSS_PPO_CLIP)  # fmt: skip
+        elif LOSS == LOSS_DCPO:
+            objective, g_r, low_bound, high_bound = dcpo.token_objective(ratio, adv, old, clip_low, clip_high,
+                                                                         dcpo_max)  # fmt: skip
+        elif LOSS == LOSS_CISPO:
+            objective, g_direct, low_bound, high_bound, acc_any = cispo.token_objective(
+                ratio, adv, lp, m, lower, upper, low_bound, high_bound, cispo_cap, acc_any, CISPO_ABS, CISPO_MASK)
+        elif LOSS == LOSS_GPG:
+            objective, g_direct = gpg.token_objective(adv, lp)
+        elif LOSS == LOSS_SAPO:
+            objective, g_r = sapo.token_objective(ratio, adv, tau_pos, tau_neg)
+        elif LOSS == LOSS_PSPO:
+            objective, g_r = pspo.token_objective(ratio, adv, pspo_alpha)
+        elif LOSS == LOSS_VESPO:
+            objective, g_direct, acc_phi = vespo.token_objective(adv, lp, mf, log_w_vespo, vk_pos, vl_pos, vk_neg,
+                                                                 vl_neg, acc_phi)  # fmt: skip
+        elif LOSS == LOSS_DPPO:
+            objective, g_r, acc_low, acc_high, acc_region = dppo.token_objective(
+                lp, base, adv, ratio, m, clip_low, clip_high, acc_low, acc_high, acc_region, DPPO_KL)
+        elif LOSS == LOSS_KL_COV:
+            objective, g_r, g_direct, acc_cov, acc_abs_lr = kl_cov.token_objective(
+                ratio, adv, lp, lr, mf, cov_ptr, idx, inb, kl_cov_coef, acc_cov, acc_abs_lr)
+        if LOSS == LOSS_CLIP_COV:
+            objective, g_r, acc_cov = clip_cov.apply_keep(objective, g_r, cov_ptr, idx, inb, mf, acc_cov)
+        if LOSS == LOSS_PPO_CLIP or LOSS == LOSS_DCPO:  # dual clip: for A < 0 the loss is at most -c A
+            objective, g_r, acc_dual = ppo_clip.dual_clip(objective, g_r, adv, m, dual_c, acc_dual)
+        if LOSS == LOSS_PPO_CLIP or LOSS == LOSS_CISPO or LOSS == LOSS_DCPO or LOSS == LOSS_CLIP_COV:
             low = tl.where(m & (ratio < low_bound) & (adv < 0), 1.0, 0.0)
             high = tl.where(m & (metric_ratio > high_bound) & (adv > 0), 1.0, 0.0)
             acc_low += low
@@ -463,7 +410,7 @@ def loss_head_fwd_bwd_kernel(
             acc_oldprob += keep_p * mf
             selection = selection * keep_p
         weights = 1.0 + 0.0 * lp
-        if IS_LEVEL == 1 and LOSS != 6:
+        if IS_LEVEL == 1 and LOSS != LOSS_VESPO:
             d = tl.where(scored, (old - rollout) * mf, 0.0)
             d = tl.minimum(tl.maximum(d, -log_clamp), log_clamp)
             rho = tl.exp(d)
@@ -472,7 +419,7 @@ def loss_head_fwd_bwd_kernel(
             else:
                 rho = tl.minimum(tl.maximum(rho, is_min), is_max)
             weights = rho * mf
-        if (IS_LEVEL == 2 or IS_LEVEL == 3) and LOSS != 6:
+        if (IS_LEVEL == 2 or IS_LEVEL == 3) and LOSS != LOSS_VESPO:
             weights = seq_is * mf
         if GATE != 0:  # 0 where the old / sampler statistic leaves [gate_min, gate_max]
             if GATE_SEQ:
@@ -500,44 +447,19 @@ def loss_head_fwd_bwd_kernel(
         scale = selection * weights * w_seq
         g_logw = tl.zeros([BLOCK], tl.float32)
         g_lp = tl.zeros([BLOCK], tl.float32)
-        if LOSS != 9 and LOSS != 10:
+        if LOSS != LOSS_GMPO and LOSS != LOSS_GROUP_DPO:
             acc_loss_pg += objective * scale
             g_logw = g_r * scale * ratio * clamp_pass
             g_lp = g_direct * scale
-        if LOSS == 9:  # GMPO: through the sign-aware clipped log-ratio of each token
-            sgn = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
-            inside = (lr >= -clip_low) & (lr <= clip_high)
-            passes = tl.where(inside, 1.0, tl.where(sgn * lr < sgn * tl.minimum(tl.maximum(lr, -clip_low), clip_high), 1.0, 0.0))
-            g_lp = gmpo_coef * sgn * sgn * passes * mf
-            was_clipped = tl.where(m & ~inside, 1.0, 0.0)
-            acc_gmpo_hi += was_clipped * tl.where(adv > 0, 1.0, 0.0)
-            acc_gmpo_lo += was_clipped * tl.where(adv < 0, 1.0, 0.0)
+        if LOSS == LOSS_GMPO:  # GMPO: through the sign-aware clipped log-ratio of each token
+            g_lp, acc_gmpo_hi, acc_gmpo_lo = gmpo.token_gradient(lr, adv, m, mf, clip_low, clip_high, gmpo_coef,
+                                                                 acc_gmpo_hi, acc_gmpo_lo)  # fmt: skip
 
         # KL to the reference
         if HAS_REF:
             ref = tl.where(m, tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32), 0.0)
             x = ref - lp
-            if KL_EST == 0:
-                kl = -x
-                d_kl = 1.0 + 0.0 * x
-            elif KL_EST == 1:
-                kl = 0.5 * x * x
-                d_kl = -x
-            elif KL_EST == 2:
-                kl = tl.exp(x) - x - 1.0
-                d_kl = 1.0 - tl.exp(x)
-            elif KL_EST == 3:
-                xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
-                raw = tl.exp(xc) - xc - 1.0
-                kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
-                d_kl = (1.0 - tl.exp(xc)) * tl.where((x >= -20.0) & (x <= 20.0), 1.0, 0.0) * tl.where(
-                    (raw >= -10.0) & (raw <= 10.0), 1.0, 0.0
-                )
-            else:
-                kl = tl.abs(x)
-                d_kl = -tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
-            if KL_ST:
-                d_kl = -x
+            kl, d_kl = _kl_estimator(x, KL_EST, KL_ST)
             kl = kl * mf
             if KL_RATIO:
                 acc_kl += kl * ratio
@@ -731,7 +653,7 @@ def loss_head_triton(
     (token-local objectives only, PolicyLossConfig.token_local; their partials are merged by
     `merge_segment_partials`). `entropy_group`: the top-entropy quantile over these processes' tokens.
     """
-    from .reference import clip_cov_keep, kl_cov_selected, top_entropy_selection
+    from .reference import top_entropy_selection
 
     device = logprobs.device
     n = logprobs.shape[0]
@@ -743,19 +665,10 @@ def loss_head_triton(
     entropy_selected = None
     if cfg.top_entropy_quantile < 1.0:
         entropy_selected = top_entropy_selection(entropy, valid, cfg.top_entropy_quantile, entropy_group)
-    cov = None
+    cov = None  # the host-chosen tokens of Clip-Cov (kept) / KL-Cov (penalised)
     if cfg.loss_type in ("clip_cov", "kl_cov"):
-        lp_c = torch.where(valid, logprobs.float(), 0.0)
-        adv_c = torch.where(valid, advantages.float(), 0.0)
-        if cfg.loss_type == "kl_cov":
-            cov = kl_cov_selected(cfg, adv_c, lp_c, valid)
-        else:
-            old_c = torch.where(valid, old_logprobs.float(), 0.0) if old_logprobs is not None else lp_c
-            lr = (lp_c - old_c) * m
-            c = cfg.log_ratio_clamp
-            ratio = torch.exp(lr if c is None else lr.clamp(-c, c)) * m
-            clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-            cov = clip_cov_keep(cfg, adv_c, lp_c, m, valid, -adv_c * clipped > -adv_c * ratio)
+        cov = variants.MODULES[cfg.loss_type].host_selection(cfg, cfg.params, logprobs, advantages, old_logprobs,
+                                                             valid)  # fmt: skip
     if norms is None:
         norms = normalizer_tensor(valid, seq_len, cfg, num_tokens, num_sequences, grad_accum_steps, entropy_selected)
 
@@ -844,7 +757,7 @@ def finalize_partials(partials, seq_len, cfg, *, dp_size, grad_accum_steps, has_
 def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_grad, has_ent, has_ref, has_isw):
     """Reduce the per-sequence partials into the loss and the metrics of reference.py (same keys,
     same definitions). Returns (loss, per-sequence gradient of the summed log-probs or None)."""
-    from .reference import CLIP_METRIC_LOSSES, group_dpo_loss
+    from .reference import CLIP_METRIC_LOSSES
 
     p = partials
     nonempty = seq_len > 0
@@ -864,27 +777,15 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
 
     extra_grad = None
     policy_loss = p[:, P_LOSS_PG].sum()
-    if cfg.loss_type == "group_dpo":
-        seq_sum_lp = p[:, P_SUM_LP].clone().requires_grad_(need_grad)
-        seq_adv = p[:, P_SUM_ADV] / lengths
-        with torch.enable_grad():
-            dpo = group_dpo_loss(cfg, seq_sum_lp, p[:, P_SUM_REF], seq_adv, seq_len, grad_accum_steps, dp_size,
-                                 metrics)  # fmt: skip
-        if need_grad:
-            (extra_grad,) = torch.autograd.grad(dpo, seq_sum_lp)
-        policy_loss = dpo.detach()
-
-    if cfg.loss_type in ("ppo_clip", "dcpo") and cfg.dual_clip is not None:
-        metrics["clip_ratio/dual_mean"] = level_mean(P_DUAL)
-    if cfg.loss_type == "cispo":
-        metrics["clip_ratio/any_mean"] = level_mean(P_ANY)
-    if cfg.loss_type in ("clip_cov", "kl_cov"):
-        metrics["selection/cov_frac"] = token_mean(P_COV)
-    if cfg.loss_type == "kl_cov":
-        metrics["ppo_kl_abs"] = token_mean(P_ABS_LR)
-    if cfg.loss_type == "vespo":  # mean over non-empty sequences of the sequence's phi
-        per_seq = p[:, P_PHI] / lengths
-        metrics["vespo/phi_seq_mean"] = (per_seq * nonempty).sum() / nonempty.float().sum().clamp(min=1.0)
+    variant = variants.get(cfg.loss_type)
+    if variant.finalize is not None:  # the variant's own metrics (variants/<loss_type>.py finalize)
+        view = _base.Partials(columns=p, slots=_SLOTS, cfg=cfg, metrics=metrics, seq_len=seq_len,
+                              token_mean=lambda name: token_mean(_SLOTS[name]),
+                              level_mean=lambda name: level_mean(_SLOTS[name]), need_grad=need_grad,
+                              grad_accum_steps=grad_accum_steps, dp_size=dp_size)  # fmt: skip
+        result = variant.finalize(view)
+        if result is not None:  # a policy term formed from the partial sums (group DPO)
+            policy_loss, extra_grad = result
     if cfg.loss_type in CLIP_METRIC_LOSSES:
         metrics["clip_ratio/low_mean"] = level_mean(P_LOW)
         metrics["clip_ratio/high_mean"] = level_mean(P_HIGH)
@@ -905,9 +806,6 @@ def _finalize(partials, seq_len, cfg, metrics, dp_size, grad_accum_steps, need_g
         metrics["is_weight/max"] = _seq_max(p[:, P_IS_MAX], nonempty, 1.0)
         if cfg.is_mode == "mask" and cfg.is_level is not None:
             metrics["is_weight/masked_frac"] = token_mean(P_IS_ZERO)
-    if cfg.loss_type == "gmpo":
-        metrics["clip_ratio/high_mean"] = token_mean(P_GMPO_HIGH)
-        metrics["clip_ratio/low_mean"] = token_mean(P_GMPO_LOW)
     loss = policy_loss
     metrics["policy_loss"] = policy_loss
     if cfg.ratio_kl_coef > 0:
