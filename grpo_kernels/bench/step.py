@@ -172,7 +172,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-class TRLSide:
+class _Side:
+    """What every side shares: its optimizer's step and zero_grad (`self.optimizer`, set by the side)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class TRLSide(_Side):
     """A TRL 1.16 GRPOTrainer (stock, or GRPOKernelsTrainer in `mode`) around a model built here."""
 
     def __init__(self, side: str, model_name: str, shape: Shape, device, dtype, workdir: str):
@@ -237,15 +250,9 @@ class TRLSide:
         self.trainer.accelerator.backward(loss)
         return float(loss.detach())
 
-    def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
 
 
-class TrainerSide:
+class TrainerSide(_Side):
     """The reference trainer's passes and update; `torch_head`: the same update with a plain PyTorch head."""
 
     def __init__(self, side: str, model_name: str, shape: Shape, device, dtype, workdir: str):
@@ -317,12 +324,6 @@ class TrainerSide:
         loss.backward()
         return float(loss.detach())
 
-    def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _plain_logprobs(hidden, weight, targets, bias=None, temperature=1.0, *, mask=None, compute_entropy=True,
