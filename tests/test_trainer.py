@@ -479,9 +479,10 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
         ["--reward", "test_trainer:raising_reward", "--run-dir", str(run_dir)], 1, "the grader is down"
     )
     assert (run_dir / "config.json").is_file()
-    returns(["--run-dir", str(run_dir)], 2, "exists and is not empty")  # never overwrites a run
+    # never overwrites a run; a run that never reached a checkpoint is said to be one, on either command
+    returns(["--run-dir", str(run_dir)], 2, "holds a run that stopped before its first checkpoint was complete")
     returns(["--resume", str(run_dir), "--temperature", "0.5"], 2, "only --steps and --lr may be given")
-    returns(["--resume", str(run_dir)], 2, "has no checkpoint")
+    returns(["--resume", str(run_dir)], 2, "it stopped before its first checkpoint was complete (no step completed)")
 
 
 @pytest.mark.parametrize("num_prompts,per_step,rounds", [(40, 32, 2), (40, 32, 4), (20, 8, 3), (9, 8, 4)])

@@ -21,6 +21,23 @@ import time
 import torch
 
 STEP_PREFIX = "step_"
+TEST_PAUSE = "GRPO_KERNELS_TEST_PAUSE"  # tests only: "PHASE@STEP=SECONDS,..." (test_pause)
+
+
+def test_pause(phase: str, step: int) -> None:
+    """Tests only: with GRPO_KERNELS_TEST_PAUSE="sample@3=2,checkpoint@2=2", the run prints "test-pause: PHASE
+    step STEP" to stderr at that point and sleeps there (a test sends a signal to a real process at a known
+    point of a step: while sampling, between updates, in the middle of a checkpoint write). Unset: nothing."""
+    spec = os.environ.get(TEST_PAUSE)
+    if not spec:
+        return
+    import sys
+
+    for item in spec.split(","):
+        where, _, seconds = item.partition("=")
+        if where == f"{phase}@{step}":
+            print(f"test-pause: {phase} step {step}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds))
 
 
 def checkpoint_name(step: int) -> str:
@@ -37,6 +54,17 @@ def list_checkpoints(checkpoints_dir: str) -> list[str]:
         if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX) :].isdigit()
     ]
     return [os.path.join(checkpoints_dir, n) for n in sorted(names)]
+
+
+def has_checkpoint(checkpoints_dir: str) -> bool:
+    """A complete checkpoint folder, or one whose replacement was cut short (step_N.old, which
+    choose_checkpoint restores)."""
+    if list_checkpoints(checkpoints_dir):
+        return True
+    return os.path.isdir(checkpoints_dir) and any(
+        n.startswith(STEP_PREFIX) and n.endswith(".old") and n[len(STEP_PREFIX) : -4].isdigit()
+        for n in os.listdir(checkpoints_dir)
+    )
 
 
 def _optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -71,6 +99,77 @@ class DamagedCheckpoint(ValueError):
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
+
+
+class NoCheckpoint(ValueError):
+    """--resume of a run folder that holds no complete checkpoint (the message says why and what to do)."""
+
+
+class RunFolderNotEmpty(ValueError):
+    """A new run given a folder that already holds files (the message says what they are and what to do)."""
+
+
+def _metrics_steps(run_dir: str) -> int:
+    """The last step recorded in the run's metrics.jsonl (0: none, or unreadable)."""
+    last = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:
+        pass
+    return last
+
+
+def _never_checkpointed(run_dir: str) -> str:
+    """Why a run folder has no complete checkpoint: how far it got, and a write cut short."""
+    steps = _metrics_steps(run_dir)
+    done = f"{steps} step(s) recorded in metrics.jsonl, none checkpointed" if steps else "no step completed"
+    checkpoints_dir = os.path.join(run_dir, "checkpoints")
+    partial = sorted(n for n in os.listdir(checkpoints_dir) if n.endswith(".partial")) if os.path.isdir(
+        checkpoints_dir) else []  # fmt: skip
+    cut = f"; {partial[-1]} is a checkpoint write that was cut short" if partial else ""
+    return f"it stopped before its first checkpoint was complete ({done}{cut})"
+
+
+def no_checkpoint_message(run_dir: str) -> str:
+    import shlex
+
+    if not os.path.isfile(os.path.join(run_dir, "config.json")):
+        return f"cannot resume {run_dir!r}: it holds no run (no config.json there)"
+    return (f"cannot resume {run_dir!r}: {_never_checkpointed(run_dir)}, so there is nothing to continue from; "
+            f"start it again: remove the folder (rm -r {shlex.quote(run_dir)}) and run the command that started it "
+            "(or the same options with another --run-dir)")  # fmt: skip
+
+
+def check_new_run_folder(run_dir: str) -> None:
+    """A new run's folder is absent or empty (its lock file aside); RunFolderNotEmpty says what it holds: a
+    run to resume, a run that never reached a checkpoint, or other files."""
+    import shlex
+
+    from .runlock import LOCK_NAME
+
+    if not os.path.isdir(run_dir) or not [n for n in os.listdir(run_dir) if n != LOCK_NAME]:
+        return
+    quoted = shlex.quote(run_dir)
+    if os.path.isfile(os.path.join(run_dir, "config.json")):
+        found = list_checkpoints(os.path.join(run_dir, "checkpoints"))
+        if found:
+            step = int(os.path.basename(found[-1])[len(STEP_PREFIX):])
+            raise RunFolderNotEmpty(
+                f"run folder {run_dir!r} already holds a run, checkpointed at step {step}: continue it with: "
+                f"grpo-kernels train --resume {quoted} (with --steps N to go past its own --steps), or use another "
+                "--run-dir"
+            )
+        raise RunFolderNotEmpty(
+            f"run folder {run_dir!r} holds a run that {_never_checkpointed(run_dir).removeprefix('it ')}: nothing "
+            f"to resume; remove it (rm -r {quoted}) and run this command again, or use another --run-dir"
+        )
+    raise RunFolderNotEmpty(f"run folder {run_dir!r} exists and is not empty (it holds no run: no config.json); "
+                            "use another --run-dir")  # fmt: skip
 
 
 class CheckpointMismatch(ValueError):
@@ -131,6 +230,7 @@ def save_checkpoint(
     os.makedirs(partial)
     try:
         save_model(model, os.path.join(partial, "model.safetensors"))
+        test_pause("checkpoint", state["step"])  # tests only: a slow write, to signal the process in its middle
         if reference is not None:
             save_model(reference, os.path.join(partial, "reference.safetensors"))
         optimizer_tensors, optimizer_meta = _optimizer_to_flat(optimizer)
@@ -325,6 +425,22 @@ def fingerprint_differences(saved: dict, now: dict) -> list[str]:
             f"its tokenizer differs ({saved.get('tokenizer_size')} tokens then, {now.get('tokenizer_size')} now"
             + (", other tokens or ids" if saved.get("tokenizer_size") == now.get("tokenizer_size") else "") + ")"
         )
+    if "generation" in saved and "generation" in now:  # checkpoints written before these were recorded: unchecked
+        old_gen, new_gen = saved["generation"], now["generation"]
+        changed = sorted(k for k in set(old_gen) | set(new_gen) if old_gen.get(k) != new_gen.get(k))
+        if changed:
+            shown = ", ".join(f"{k} {old_gen.get(k)!r} -> {new_gen.get(k)!r}" for k in changed[:4])
+            differences.append(f"its generation config (generation_config.json) differs: {shown}"
+                               + (" ..." if len(changed) > 4 else ""))  # fmt: skip
+    if "input_template" in saved and "input_template" in now and saved["input_template"] != now["input_template"]:
+        old_t, new_t = saved["input_template"], now["input_template"]
+        text = next((t for t in sorted(set(old_t) | set(new_t)) if old_t.get(t) != new_t.get(t)), None)
+
+        def ids(entry):
+            return entry[0] if isinstance(entry, list) else entry
+
+        differences.append(f"its tokenizer's input template differs (special tokens such as a BOS added around a "
+                           f"prompt: {text!r} encoded to {ids(old_t.get(text))} then, {ids(new_t.get(text))} now)")  # fmt: skip
     return differences
 
 
@@ -333,8 +449,8 @@ def choose_checkpoint(checkpoints_dir: str, verify, log) -> tuple[str, dict]:
 
     A damaged one (DamagedCheckpoint) is named in a warning, renamed `<name>.damaged` (kept for a look, never
     listed again) and the next older one tried; CheckpointMismatch propagates (the model changed: no older
-    checkpoint of this run can match it either). FileNotFoundError when there is none, ValueError when every
-    one is damaged."""
+    checkpoint of this run can match it either). NoCheckpoint (a ValueError) when there is none, ValueError when
+    every one is damaged."""
     if os.path.isdir(checkpoints_dir):  # a kill between swap_in's two renames: the complete old folder is back
         for name in sorted(os.listdir(checkpoints_dir)):
             base = os.path.join(checkpoints_dir, name.removesuffix(".old"))
@@ -343,7 +459,7 @@ def choose_checkpoint(checkpoints_dir: str, verify, log) -> tuple[str, dict]:
                 log(f"note: {base} restored from {name} (a checkpoint write was interrupted while replacing it)")
     checkpoints = list_checkpoints(checkpoints_dir)
     if not checkpoints:
-        raise FileNotFoundError(f"cannot resume {os.path.dirname(checkpoints_dir)!r}: it has no checkpoint")
+        raise NoCheckpoint(no_checkpoint_message(os.path.dirname(checkpoints_dir)))
     damaged = []
     for folder in reversed(checkpoints):
         try:
@@ -376,6 +492,26 @@ def load_checkpoint(folder: str, *, model, reference, optimizer) -> tuple[dict, 
     return state, load_file(os.path.join(folder, "rng.safetensors"))
 
 
+def model_distance(folder: str, other: str | dict) -> tuple[float, float]:
+    """(||a - b||, ||b||), 2-norms over every tensor of `folder`/model.safetensors (a) and `other` (b): another
+    checkpoint folder or a {name: tensor} state dict. One tensor in memory at a time, in fp64."""
+    from safetensors import safe_open
+
+    def tensors(source):
+        if isinstance(source, dict):
+            return source
+        return safe_open(os.path.join(source, "model.safetensors"), framework="pt")
+
+    a, b = tensors(folder), tensors(other)
+    diff = norm = 0.0
+    for name in a.keys():
+        x = a.get_tensor(name).double()
+        y = (b[name] if isinstance(b, dict) else b.get_tensor(name)).detach().cpu().double()
+        diff += float(((x - y) ** 2).sum())
+        norm += float((y**2).sum())
+    return math.sqrt(diff), math.sqrt(norm)
+
+
 def prune_checkpoints(checkpoints_dir: str, keep: int) -> None:
     for folder in list_checkpoints(checkpoints_dir)[:-keep]:
         shutil.rmtree(folder)
@@ -405,21 +541,25 @@ def restore_rng(tensors: dict, python_state: list, prompt_generator, hook_genera
     random.setstate((version, tuple(internal), gauss))
 
 
-def open_run_folder(config, resume: bool, choose=None) -> tuple[str, int]:
+def open_run_folder(config, resume: bool, choose=None, lock=None) -> tuple[str, int]:
     """(run folder, last completed step). A new run gets a fresh folder (never an existing non-empty one)
     with config.json and an empty metrics.jsonl; a resumed run keeps its folder, its config.json takes the
     new settings, and metrics.jsonl is cut back to the checkpoint's step (later steps are re-run).
 
     `choose(checkpoints_dir) -> (folder, state)` picks the checkpoint to resume from (choose_checkpoint with
     the run's verification); by default the newest, unverified. Files are replaced whole (written aside,
-    then renamed), so a kill at any point leaves the previous version or the new one."""
+    then renamed), so a kill at any point leaves the previous version or the new one. `lock(run_dir)` takes
+    the run folder's lock (runlock.py) before anything in it is written (a new folder: right after it is made).
+    """
     if resume:
         run_dir = config.run_dir
+        if lock is not None:
+            lock(run_dir)
         checkpoints_dir = os.path.join(run_dir, "checkpoints")
         if choose is None:
             found = list_checkpoints(checkpoints_dir)
             if not found:
-                raise FileNotFoundError(f"cannot resume {run_dir!r}: it has no checkpoint")
+                raise NoCheckpoint(no_checkpoint_message(run_dir))
             folder = found[-1]
         else:
             folder, _ = choose(checkpoints_dir)
@@ -433,11 +573,11 @@ def open_run_folder(config, resume: bool, choose=None) -> tuple[str, int]:
     run_dir = config.run_dir
     if run_dir is None:  # runs/<timestamp>, with a suffix if two runs start in the same second
         run_dir = new_run_dir_name()
-    if os.path.isdir(run_dir) and os.listdir(run_dir):
-        raise FileExistsError(
-            f"run folder {run_dir!r} exists and is not empty; resume it or use another --run-dir"
-        )
+    check_new_run_folder(run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    if lock is not None:
+        lock(run_dir)
+        check_new_run_folder(run_dir)  # another process may have written there before the lock was ours
     _write_json(os.path.join(run_dir, "config.json"), {**config.to_json_dict(), "run_dir": run_dir})
     open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
     return run_dir, 0

@@ -2,8 +2,11 @@
 --preset, repeated KEY=VALUE options for the loss / advantage / hook, and --resume RUN_DIR.
 
 Exit status: 0 done, 2 bad input (unknown preset or option, missing model, bad config, a task or model
-the checks before the run refuse, no intact checkpoint to resume), 1 a failure during the run (a reward
-function that raises or returns NaN, a write that fails, a divergence), 130 interrupted.
+the checks before the run refuse, no intact checkpoint to resume, a run folder another process holds), 1 a
+failure during the run (a reward function that raises or returns NaN, a write that fails, a divergence),
+128 + the signal's number when stopped by one after writing what it keeps: 130 Ctrl-C (SIGINT), 143 SIGTERM,
+138 SIGUSR1 (the status a shell reports for a process killed by that signal, which schedulers read as
+"terminated by the signal": SLURM requeues a preempted job, Kubernetes restarts the container).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import inspect
 import json
 import os
 import re
+import shlex
+import signal
 import sys
 
 from .config import BACKENDS, DEVICES, DTYPES, HOOKS, PRESETS, ROLLOUT_ENGINES, VLLM_DTYPES, TrainConfig
@@ -73,10 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="grpo-kernels train",
         description="Train a causal LM with a GRPO-family method on a verifiable task. With no options: the "
         "embedded tiny Llama learns the built-in 'copy' task on CPU in a few minutes.",
+        epilog="On a shared cluster: one process per run folder (RUN_DIR/run.lock names the holder). SIGTERM or "
+        "SIGUSR1 stops the run: a step whose updates have not started is abandoned at once (resume redoes it), "
+        "else its updates finish; then a checkpoint is written, the --resume command printed, and the exit "
+        "status is 128 + the signal (143 SIGTERM, 138 SIGUSR1; 130 Ctrl-C). Give the scheduler a grace period "
+        "of one step's updates plus one checkpoint write (step_time_s in metrics.jsonl is a step's whole time, "
+        "an upper bound), e.g. SLURM #SBATCH --signal=TERM@120 --requeue, Kubernetes "
+        "terminationGracePeriodSeconds: 120. Exit status: 0 done, 1 failure during the run, 2 bad input.",
     )
     parser.add_argument(
-        "--preset", default="grpo", choices=sorted(PRESETS), help="algorithm preset (fills the fields below)"
-    )
+        "--preset", default=argparse.SUPPRESS, choices=sorted(PRESETS),
+        help="algorithm preset (fills the fields below; default: grpo)",
+    )  # fmt: skip
     parser.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -122,10 +135,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     given = {k: v for k, v in vars(args).items() if k not in ("preset", "resume", "no_progress")}
     if hasattr(args, "resume"):
         extra = sorted(set(given) - set(RESUME_OPTIONS))
-        if extra or args.preset != "grpo":
-            flags = ["--" + k.replace("_", "-") for k in extra] + (
-                ["--preset"] if args.preset != "grpo" else []
-            )
+        if extra or hasattr(args, "preset"):  # the run's preset is in its config.json, even --preset grpo
+            flags = ["--" + k.replace("_", "-") for k in extra] + (["--preset"] if hasattr(args, "preset") else [])
             raise ValueError(
                 f"--resume uses the run's own config.json; only --steps and --lr may be given (got {flags})"
             )
@@ -144,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
             ) from None
         config = TrainConfig.from_json_dict(data)
         return config.replace(run_dir=args.resume, **given), True
-    base = TrainConfig.from_preset(args.preset)
+    base = TrainConfig.from_preset(getattr(args, "preset", "grpo"))
     for name in OPTION_DICTS:
         if name in given:  # KEY=VALUE pairs extend the preset's own options
             given[name] = {**getattr(base, name), **dict(given[name])}
@@ -220,12 +231,17 @@ def main(argv: list[str]) -> int:
         print(f"grpo-kernels train: error: {exc}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
+        how = "interrupted" if stop.signal == signal.SIGINT else f"stopped by {signal.Signals(stop.signal).name}"
         if stop.step > 0:
-            where = f"checkpoint at step {stop.step}; continue with: grpo-kernels train --resume {stop.run_dir}"
+            where = (f"checkpoint at step {stop.step}; continue with: grpo-kernels train --resume "
+                     f"{shlex.quote(stop.run_dir)}")  # fmt: skip
+        elif stop.discarded or stop.run_dir is None or not os.path.isdir(stop.run_dir):
+            removed = f" (the run folder {stop.run_dir} was removed)" if stop.discarded else ""
+            where = f"no step completed, nothing to keep{removed}: run the same command again to start it"
         else:
-            where = f"no step completed, nothing to resume ({stop.run_dir} holds no checkpoint)"
-        print(f"\ninterrupted; {where}", file=sys.stderr)
-        return 130
+            where = f"no checkpoint was written, nothing to resume ({stop.run_dir} holds no checkpoint)"
+        print(f"\n{how}; {where}", file=sys.stderr)
+        return 128 + stop.signal
     except KeyboardInterrupt:  # before the run folder existed (model loading)
         print("\ninterrupted before the first step", file=sys.stderr)
         return 130

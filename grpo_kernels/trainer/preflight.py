@@ -233,10 +233,23 @@ def describe_dropout(model, keep: bool) -> str:
             "keeps it in the training forward)")  # fmt: skip
 
 
+# texts whose token ids show how the tokenizer frames a prompt (a BOS / EOS added around the text, a prefix
+# space): a change there changes every prompt the policy is sampled and scored on
+TEMPLATE_PROBES = ("0", "Hello world")
+# generation-config fields that change nothing sampled or scored (bookkeeping, outputs, caching)
+_GENERATION_BOOKKEEPING = ("transformers_version", "_from_model_config", "use_cache", "output_attentions",
+                           "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
+                           "cache_implementation", "cache_config", "compile_config", "disable_compile")  # fmt: skip
+
+
 def model_fingerprint(model, tokenizer) -> dict:
     """What a checkpoint records of the model it was written with, to refuse a resume on another: its class,
-    its config (minus the fields that name a file or a library version) and its tokenizer (a hash of the
-    vocabulary, the added and special tokens, and its size)."""
+    its config (minus the fields that name a file or a library version), its tokenizer (a hash of the
+    vocabulary, the added and special tokens, and its size), its generation config (generation_config.json:
+    the eos ids that end a completion, and any field the sampler reads; bookkeeping fields aside) and the
+    tokenizer's input template (the ids of TEMPLATE_PROBES with and without special tokens: a BOS / EOS the
+    tokenizer adds around a prompt). The chat template is not recorded: the trainer encodes prompts as they
+    are, without it."""
     config = model.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "architectures"):
         config.pop(key, None)
@@ -246,11 +259,23 @@ def model_fingerprint(model, tokenizer) -> dict:
         "class": type(tokenizer).__name__.removesuffix("Fast"),
     }
     digest = hashlib.sha256(json.dumps(tokens, sort_keys=True, default=str).encode()).hexdigest()
+    generation = getattr(model, "generation_config", None)
+    generation = {} if generation is None else generation.to_diff_dict()
+    for key in _GENERATION_BOOKKEEPING:
+        generation.pop(key, None)
+    template = {}
+    for text in TEMPLATE_PROBES:
+        try:
+            template[text] = [list(tokenizer(text)["input_ids"]), list(tokenizer(text, add_special_tokens=False)["input_ids"])]
+        except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot encode the probe: recorded as such
+            template[text] = f"{type(exc).__name__}"
     return {
         "class": type(model).__name__,
         "config": json.loads(json.dumps(config, sort_keys=True, default=str)),
         "tokenizer_sha256": digest,
         "tokenizer_size": len(tokenizer),
+        "generation": json.loads(json.dumps(generation, sort_keys=True, default=str)),
+        "input_template": template,
     }
 
 

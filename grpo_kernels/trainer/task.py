@@ -163,12 +163,48 @@ def _json_type(value) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: an object that gives a key twice is refused (json.loads keeps the last value,
+    silently: a line would be read one way here and another way by a tool that keeps the first)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _lone_surrogate(value, path: str = "") -> tuple[str, int, str] | None:
+    """(where in the line, character index, the surrogate) of the first lone surrogate in a parsed JSON value
+    ("\\ud83d" alone is valid JSON but no Unicode character: no tokenizer can encode it), or None."""
+    if isinstance(value, str):
+        for index, char in enumerate(value):
+            if "\ud800" <= char <= "\udfff":
+                return path, index, char
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(value, dict) and isinstance(key, str):
+            found = _lone_surrogate(key, path)  # a key itself
+            if found:
+                return found
+        found = _lone_surrogate(item, f"{path}.{key}" if path else f"{key}")
+        if found:
+            return found
+    return None
+
+
 def read_jsonl_examples(path: str) -> tuple[list[Example], list[str]]:
     """Every example of a .jsonl task file, typed: (examples, the other keys its lines hold, sorted).
 
     Each non-blank line must be a JSON object whose "prompt" is a non-empty string and whose "answer" is a
     string (possibly empty); anything else (a null answer, a list prompt, a number, bytes that are not
-    UTF-8, a line that is not JSON) is refused with the file and line, never converted with str()."""
+    UTF-8, a line that is not JSON, a key given twice, a lone surrogate escape such as "\\ud83d" that is no
+    Unicode character) is refused with the file and line, never converted with str() or read one way of two."""
     with open(path, "rb") as f:
         raw_lines = f.read().split(b"\n")
     examples, other_keys = [], set()
@@ -184,9 +220,20 @@ def read_jsonl_examples(path: str) -> tuple[list[Example], list[str]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as exc:
+            raise ValueError(f'{where}: the key "{exc}" is given twice in one object; give each key once (JSON '
+                             "readers differ on which value they keep)") from None  # fmt: skip
         except json.JSONDecodeError as exc:
             raise ValueError(f'{where}: not a JSON line ({exc}); expected {{"prompt": "...", "answer": "..."}}') from None
+        surrogate = _lone_surrogate(row)
+        if surrogate is not None:
+            field, index, char = surrogate
+            raise ValueError(
+                f'{where}: {f"the {field!r} value" if field else "the line"} holds a lone surrogate '
+                f"\\u{ord(char):04x} at character {index + 1}: half of a UTF-16 pair, not a Unicode character; "
+                "write the character itself (UTF-8) or both halves of its escape"
+            )
         if not isinstance(row, dict):
             raise ValueError(f'{where}: {_json_type(row)}, not a JSON object {{"prompt": "...", "answer": "..."}}')
         for key in ("prompt", "answer"):

@@ -22,7 +22,10 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -53,6 +56,7 @@ from .preflight import (
     prompt_limit,
 )
 from .rollout import HFSampler, PaddedBatch, Rollouts, VLLMSampler, import_vllm, sampler_mismatch
+from .runlock import RunLock
 from .task import REWARDS, check_rewards, resolve_reward, resolve_task
 
 
@@ -80,15 +84,20 @@ class _NonFinite(Exception):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run (a ``KeyboardInterrupt``).
+    """Ctrl-C, SIGTERM or SIGUSR1 during a run (a ``KeyboardInterrupt``); ``signal`` is its number (the CLI
+    exits with 128 + it: 130, 143, 138).
 
     After the first Ctrl-C the current step finishes and is checkpointed and plotted: ``step`` is that
     step and ``train(config, resume=True)`` on ``run_dir`` continues from it. After a second Ctrl-C the run
-    stops at once and ``step`` is the last checkpoint's (0: none was written)."""
+    stops at once and ``step`` is the last checkpoint's (0: none was written). SIGTERM / SIGUSR1 (a
+    scheduler's preemption or warning) abandon the current step if none of its updates was applied yet (its
+    sampling is redone on resume; the checkpoint of the step before is written if it was not), else finish
+    the step's updates and checkpoint it. ``discarded``: the run was new and no step completed, so its
+    folder was removed (the same command starts it again)."""
 
-    def __init__(self, run_dir: str, step: int):
+    def __init__(self, run_dir: str, step: int, signal: int = 2, discarded: bool = False):
         super().__init__(f"interrupted after step {step}")
-        self.run_dir, self.step = run_dir, step
+        self.run_dir, self.step, self.signal, self.discarded = run_dir, step, signal, discarded
 
 
 @dataclass
@@ -156,9 +165,22 @@ def train(
     if ctx is not None and not ctx.is_main:  # rank 0 speaks and writes; the others work quietly
         log, progress = (lambda *args, **kwargs: None), False
     engines = []  # a vLLM engine, shut down here whatever happens (before the process group, which it may use)
+    locks = []  # the run folder's lock (rank 0), released here whatever happens
+    # SIGTERM / SIGUSR1 from now on: before the first step nothing is kept, so they stop at once (one process;
+    # under torchrun the launcher's signal handling applies); Ctrl-C is watched from the first step on
+    stop = _StopAfterStep(enabled=ctx is None, log=log)
+    stop.install(TERMINATION_SIGNALS)
     try:
-        return _train(config, resume, progress, log, compute, ctx, engines)
+        return _train(config, resume, progress, log, compute, ctx, engines, locks, stop)
+    except _Abandon:  # a termination signal before the first step: nothing of the run is lost
+        if stop.opened is None:  # not even the run folder was made or changed
+            raise TrainingInterrupted(config.run_dir, 0, stop.signum) from None
+        run_dir, start_step, new_run = stop.opened
+        raise _interrupted(run_dir, start_step, stop.signum, new_run, locks) from None
     finally:
+        stop.restore()
+        for lock in locks:
+            lock.release()
         for engine in engines:
             engine.close()
         torch.set_num_threads(threads_before)
@@ -167,7 +189,7 @@ def train(
 
 
 def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | None,
-           engines: list) -> TrainResult:  # fmt: skip
+           engines: list, locks: list, stop) -> TrainResult:  # fmt: skip
     device = compute.device
     main = ctx is None or ctx.is_main
 
@@ -193,6 +215,26 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     backend_description = _describe_backend(config.backend, device)
     if main:
         check_writable(config.run_dir, resume)  # before the model loads: a read-only folder fails in a second
+
+    def take_lock(run_dir):  # rank 0: one process per run folder (runlock.py), before anything is written there
+        if not locks:
+            lock = RunLock(run_dir, shlex.join(sys.argv))
+            locks.append(lock)
+            if lock.note:
+                log(lock.note)
+
+    def check_folder():  # an existing folder: its lock, and what it holds, before the model loads
+        if config.run_dir is not None and os.path.isdir(config.run_dir):
+            take_lock(config.run_dir)
+            if resume and not ckpt.has_checkpoint(os.path.join(config.run_dir, "checkpoints")):
+                raise ckpt.NoCheckpoint(ckpt.no_checkpoint_message(config.run_dir))
+            if not resume:
+                ckpt.check_new_run_folder(config.run_dir)
+
+    if ctx is None:
+        check_folder()
+    else:  # every rank learns rank 0's outcome (a refusal is raised on each)
+        ctx.from_main(check_folder)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     policy, tokenizer, model_description = load_policy(config.model, config.seed)
@@ -238,7 +280,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
 
     def open_run_folder():
         try:
-            return ckpt.open_run_folder(config, resume, choose_checkpoint)
+            return ckpt.open_run_folder(config, resume, choose_checkpoint, lock=take_lock)
         except OSError as exc:  # the probe passed, yet the folder could not be written (disk full, a race)
             where = exc.filename or config.run_dir
             raise ValueError(f"cannot write the run folder: {where}: {exc.strerror or exc}") from None
@@ -247,6 +289,7 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         run_dir, start_step = open_run_folder()
     else:  # rank 0 makes (or reopens) the folder; every rank learns its path, or rank 0's error
         run_dir, start_step = ctx.from_main(open_run_folder)
+    stop.opened = (run_dir, start_step, not resume)  # where a termination signal from here on leaves the run
     estimator_state = SmoothAdvantageStandardizer() if config.advantage == "dcpo" else None
     prompt_generator = torch.Generator().manual_seed(config.seed)
     hook_generator = torch.Generator().manual_seed(config.seed + 1)
@@ -351,13 +394,15 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
     vocab = vocabulary.limit if vocabulary.padded else None  # a padded vocabulary: its first rows only
 
     def resume_hint(lr: float | None = None) -> str:
-        """Where the run can continue from: the last checkpoint and the command (with a learning rate)."""
+        """Where the run can continue from: the last checkpoint and the command (with a learning rate), quoted
+        for the shell so that it can be pasted whatever the folder's name."""
         lower = f" --lr {lr:g}" if lr is not None else ""
         if last_saved == 0:
-            return f"no checkpoint was written yet: start a new run{' with' + lower if lower else ''}"
+            return (f"no checkpoint was written yet: start a new run{' with' + lower if lower else ''} (remove this "
+                    f"folder first, rm -r {shlex.quote(run_dir)}, or give another --run-dir)")  # fmt: skip
         folder = os.path.join(checkpoints_dir, ckpt.checkpoint_name(last_saved))
-        return (f"the last checkpoint is step {last_saved} ({folder}); continue from it with: grpo-kernels train "
-                f"--resume {run_dir}{lower}")  # fmt: skip
+        return (f"the last checkpoint is step {last_saved} ({folder}); continue from it with: "
+                f"{resume_command(run_dir)}{lower}")  # fmt: skip
 
     def write_failed(what: str, exc: Exception) -> TrainingError:
         """A write to the run folder failed (permission, disk full): what was being written, where, why."""
@@ -365,15 +410,19 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return TrainingError(f"cannot write {what}{where}: {reason}; {resume_hint()}")
 
-    def save(step: int) -> None:  # every rank calls it (FSDP gathers); rank 0 writes
+    def save(step: int, snapshot=None) -> None:  # every rank calls it (FSDP gathers); rank 0 writes
+        """The checkpoint of `step`; `snapshot` (RNG, estimator state) taken at the start of step + 1 when that
+        step is abandoned before its first update (the weights and optimizer are still those of `step`)."""
         if fsdp is not None:
             fsdp.pull()  # every rank: the full model and optimizer state into the mirror
         if main:
-            rng_tensors, python_rng = ckpt.capture_rng(prompt_generator, hook_generator)
+            (rng_tensors, python_rng), estimator_dict = snapshot or (
+                ckpt.capture_rng(prompt_generator, hook_generator),
+                None if estimator_state is None else estimator_state.state_dict())  # fmt: skip
             state = {
                 "step": step,
                 "python_rng": python_rng,
-                "estimator_state": None if estimator_state is None else estimator_state.state_dict(),
+                "estimator_state": estimator_dict,
                 "config": config.to_json_dict(),
                 "model": fingerprint,  # a resume on another model, config or tokenizer is refused by name
             }
@@ -395,28 +444,52 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
         if ctx is not None:
             ctx.barrier()  # the checkpoint is on disk before any rank goes on (or resumes from it)
 
-    with _StopAfterStep(enabled=ctx is None, log=log) as stop:
+    # a termination signal before a step's first update abandons the step: nothing of it was applied
+    optimizer.register_step_pre_hook(lambda *args: setattr(stop, "abandonable", False))
+    with stop.watching_interrupts():
         for step in range(start_step + 1, config.steps + 1):
+            # what a checkpoint of step - 1 needs beyond the weights and optimizer (which only the updates change)
+            snapshot = (ckpt.capture_rng(prompt_generator, hook_generator),
+                        None if estimator_state is None else copy.deepcopy(estimator_state.state_dict()))  # fmt: skip
             try:
+                stop.abandonable = True
                 record = _train_step(
                     step, config, task, tokenizer, sampler, hook, hook_context, prompt_generator, policy,
                     reference, optimizer, updates, compute, ctx, loss_module, estimator_state, vocab=vocab,
                     encode_prompt=encode_prompt,
                 )  # fmt: skip
+                stop.abandonable = False
             except _NonFinite as exc:  # stop with what went non-finite, the rate, and where to resume from
+                stop.abandonable = False
                 bar.close()
                 lr = optimizer.param_groups[0]["lr"]
                 warmup = f" (rising to --lr {config.lr:g} over the warmup)" if lr != config.lr else ""
+                advice = None
+                if main and last_saved > 0:  # is the last checkpoint itself past the blow-up?
+                    advice = _blow_up_advice(config, checkpoints_dir, run_dir, last_saved, metrics_path)
                 raise TrainingDiverged(
                     f"training diverged at step {step}: {exc}, at learning rate {lr:g}{warmup}. The update that "
                     f"produced it was not applied and nothing of step {step} was saved; "
-                    f"{resume_hint(config.lr / 10)} (a lower learning rate, e.g. a tenth)", step
+                    + (advice or f"{resume_hint(config.lr / 10)} (a lower learning rate, e.g. a tenth)"), step
                 ) from None
+            except _Abandon:  # SIGTERM / SIGUSR1 before this step's first update: the state is that of step - 1
+                stop.abandonable = False
+                bar.close()
+                with stop.deferred():
+                    if last_saved < step - 1:
+                        save(step - 1, snapshot)
+                        last_saved = step - 1
+                log(f"stopped in step {step} by {signal.Signals(stop.signum).name} before its first update: the step "
+                    f"is abandoned (resume redoes it)" + (f"; checkpoint of step {last_saved} written"
+                                                          if last_saved == step - 1 and last_saved > start_step
+                                                          else ""))  # fmt: skip
+                raise _interrupted(run_dir, last_saved, stop.signum, not resume, locks) from None
             except KeyboardInterrupt:  # the second Ctrl-C: stop now, mid-step (nothing of it is kept)
+                stop.abandonable = False
                 bar.close()
                 if os.path.isfile(metrics_path) and main:
                     plot_metrics(metrics_path, plot_path, plot_info)
-                raise TrainingInterrupted(run_dir, last_saved) from None
+                raise _interrupted(run_dir, last_saved, stop.signum or signal.SIGINT, not resume, locks) from None
             if config.ref_reset_interval and step % config.ref_reset_interval == 0 and reference is not None:
                 if fsdp is not None:
                     fsdp.pull()
@@ -449,9 +522,9 @@ def _train(config, resume, progress, log, compute: Compute, ctx: DistContext | N
                 last_saved = step
             if stop.requested and step < config.steps:
                 bar.close()
-                log(f"stopped after step {step} (Ctrl-C); checkpoint and plot written")
-                raise TrainingInterrupted(run_dir, step)
-    bar.close()
+                log(f"stopped after step {step} ({stop.describe()}); checkpoint and plot written")
+                raise TrainingInterrupted(run_dir, step, stop.signum)
+        bar.close()
 
     final_dir = os.path.join(run_dir, "final_model")
     if main:
@@ -492,6 +565,7 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
     if isinstance(sampler, ShardedSampler):
         sampler.begin_step(step)
     sampler.sync_weights(policy)
+    ckpt.test_pause("sample", step)  # tests only (GRPO_KERNELS_TEST_PAUSE): a signal while the step samples
     try:
         rollouts, sampled_rewards, rollout_stats = _collect_rollouts(
             config, task, tokenizer, sampler, hook, hook_context, prompt_generator, encode_prompt=encode_prompt
@@ -588,8 +662,11 @@ def _train_step(step, config, task, tokenizer, sampler, hook, hook_context, prom
         record["skipped"] = 1
         record["skip_reason"] = _all_masked_reason(config, rollouts)
     else:
-        update_metrics = [_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module, vocab=vocab)
-                          for stage in updates]  # fmt: skip
+        update_metrics = []
+        for stage in updates:
+            update_metrics.append(_update(policy, optimizer, batch, stage, config, compute, ctx, loss_module,
+                                          vocab=vocab))  # fmt: skip
+            ckpt.test_pause("update", step)  # tests only: a signal between two updates of the step
         for key in update_metrics[0]:
             record[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
     record["step_time_s"] = time.time() - step_started
@@ -789,35 +866,74 @@ def _check_advantage_options(config: TrainConfig) -> None:
         raise ValueError(f"advantage {config.advantage!r} with {config.advantage_options}: {exc}") from None
 
 
+TERMINATION_SIGNALS = ("SIGTERM", "SIGUSR1")  # what schedulers send before a kill (SLURM, Kubernetes, systemd)
+
+
+class _Abandon(BaseException):
+    """Raised by the signal handler to abandon a step before its first update (a BaseException: no `except
+    Exception` in a reward function or sampler may swallow it)."""
+
+
 class _StopAfterStep:
-    """Ctrl-C finishes the current step, then the loop checkpoints and stops (a second Ctrl-C stops at
-    once). Only in one process, on the main thread (signal handlers live there)."""
+    """How a run stops on a signal. Only in one process, on the main thread (signal handlers live there).
+
+    Ctrl-C (SIGINT, watched from the first step on): the current step finishes, then the loop checkpoints and
+    stops; a second Ctrl-C stops at once. SIGTERM / SIGUSR1 (watched from the start of train()): while nothing
+    of the current step is applied (`abandonable`: sampling, scoring, log-probs, up to its first optimizer
+    step; and before the first step) the step is abandoned at once (_Abandon); once an update was applied,
+    the step's remaining updates finish and the loop checkpoints and stops. A signal during a checkpoint write
+    (`deferred`) waits for the write to end. `signum`: the signal that asked for the stop (a termination signal
+    takes precedence over Ctrl-C: the exit status follows the scheduler's signal)."""
 
     def __init__(self, enabled: bool, log):
         import threading
 
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested, self.log, self._defer = False, log, False
+        self.signum = None
+        self.abandonable = True  # no update of the current step applied (and none of this run before step 1)
+        self.opened = None  # (run folder, its start step, new run) once the folder is open
+        self._previous = {}
 
-    def __enter__(self):
-        import signal
+    def install(self, names) -> None:
+        if not self.enabled:
+            return
+        for name in names:
+            number = getattr(signal, name, None)
+            if number is not None and number not in self._previous:
+                self._previous[number] = signal.signal(number, self._handle)
 
-        if self.enabled:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
+    def restore(self, names=None) -> None:
+        for number in list(self._previous):
+            if names is None or number.name in names:
+                signal.signal(number, self._previous.pop(number))
 
-    def __exit__(self, *exc):
-        import signal
+    @contextlib.contextmanager
+    def watching_interrupts(self):
+        self.install(("SIGINT",))
+        try:
+            yield self
+        finally:
+            self.restore(("SIGINT",))
 
-        if self.enabled:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
+    def describe(self) -> str:
+        return "Ctrl-C" if self.signum in (None, signal.SIGINT) else signal.Signals(self.signum).name
 
     def _handle(self, signum, frame):
-        if self.requested and not self._defer:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.log("\nCtrl-C: finishing this step, then a checkpoint (Ctrl-C again to stop at once)")
+        if signum == signal.SIGINT:
+            if self.requested and not self._defer:
+                raise KeyboardInterrupt
+            self.requested = True
+            self.signum = self.signum or signum
+            self.log("\nCtrl-C: finishing this step, then a checkpoint (Ctrl-C again to stop at once)")
+            return
+        first = self.signum in (None, signal.SIGINT)
+        self.requested, self.signum = True, signum if first else self.signum
+        if self.abandonable and not self._defer:
+            raise _Abandon
+        if first:
+            what = "the checkpoint being written" if self._defer else "this step's updates, then a checkpoint"
+            self.log(f"\n{signal.Signals(signum).name}: finishing {what}, then stopping")
 
     @contextlib.contextmanager
     def deferred(self):
@@ -826,6 +942,77 @@ class _StopAfterStep:
             yield
         finally:
             self._defer = False
+
+
+def resume_command(run_dir: str) -> str:
+    """The command that continues `run_dir`, quoted for a POSIX shell."""
+    return f"grpo-kernels train --resume {shlex.quote(run_dir)}"
+
+
+def _interrupted(run_dir: str, step: int, signum: int, new_run: bool, locks: list) -> TrainingInterrupted:
+    """The TrainingInterrupted of a stop after `step` (the last checkpoint). A new run stopped before any step
+    was recorded keeps nothing: its folder (config.json, an empty metrics.jsonl, its lock) is removed, so the
+    command that started it starts it again (a scheduler's requeue runs the same command)."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    empty = not os.path.isfile(metrics) or os.path.getsize(metrics) == 0
+    if step > 0 or not new_run or not empty or ckpt.list_checkpoints(os.path.join(run_dir, "checkpoints")):
+        return TrainingInterrupted(run_dir, step, signum)
+    for lock in locks:
+        lock.release()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return TrainingInterrupted(run_dir, 0, signum, discarded=not os.path.exists(run_dir))
+
+
+# a step that moves the weights by more than this share of their norm is a blow-up, not learning: AdamW moves each
+# weight by about lr per update, a few percent of the norm per step for the embedded model at its default rate
+BLOW_UP_MOVE = 0.1
+
+
+def _blow_up_advice(config, checkpoints_dir: str, run_dir: str, last_saved: int, metrics_path: str) -> str | None:
+    """After a divergence: None when the checkpoints look sound (resume from the last one, with a lower rate);
+    else where to go instead. A checkpoint is past the blow-up when its weights moved more than BLOW_UP_MOVE of
+    their norm per step since the checkpoint before it (the first kept one: since the initial model); the advice
+    names the newest checkpoint before the first such one (the later ones are moved aside by the command), or,
+    when there is none, says to start over."""
+    folders = ckpt.list_checkpoints(checkpoints_dir)
+    if not folders:
+        return None
+    steps = [int(os.path.basename(f)[len(ckpt.STEP_PREFIX):]) for f in folders]
+    initial, _, _ = load_policy(config.model, config.seed)
+    previous, previous_step, moves = initial.state_dict(), 0, []
+    first_bad = None
+    for folder, step in zip(folders, steps):
+        distance, norm = ckpt.model_distance(folder, previous)
+        per_step = distance / max(norm, 1e-30) / max(step - previous_step, 1)
+        moves.append((step, distance, norm, previous_step, per_step))
+        if per_step > BLOW_UP_MOVE and first_bad is None:
+            first_bad = len(moves) - 1
+        previous, previous_step = folder, step
+    if first_bad is None:
+        return None
+    step, distance, norm, since, per_step = moves[first_bad]
+    records = [m for m in read_metrics(metrics_path) if since < m.get("step", 0) <= step]
+    logged = max((m["grad_norm"] for m in records if isinstance(m.get("grad_norm"), (int, float))), default=None)
+    # AdamW moves each weight by about lr per update whatever the gradient's size, so the move is about
+    # proportional to the rate: the rate that would have moved the weights 1% of their norm per step
+    rate = max((m["lr"] for m in records if isinstance(m.get("lr"), (int, float))), default=config.lr)
+    lower = f"--lr {float(f'{rate * (BLOW_UP_MOVE / 10) / per_step:.0e}'):g}"
+    origin = f"the checkpoint of step {since}" if since else "the initial model"
+    why = (f"the checkpoint of step {step} is itself past the blow-up: its weights are {distance:.3g} from {origin} "
+           f"(whose norm is {norm:.3g}), {per_step:.0%} of it per step, where a sound step moves them a few percent "
+           "at most" + (f"; the gradient norm logged up to it reached {logged:.3g}" if logged is not None else ""))
+    if first_bad == 0:
+        return (f"{why}, at learning rate {rate:g}; no kept checkpoint is before it: start over with a learning rate "
+                f"that moves them about 1% per step ({lower}) in a new run folder (or remove this one first: rm -r "
+                f"{shlex.quote(run_dir)})")  # fmt: skip
+    good, good_step = folders[first_bad - 1], steps[first_bad - 1]
+    later = " ".join(shlex.quote(f) for f in folders[first_bad:])
+    # the rate that reached the sound checkpoint (the highest logged up to it), unless a tenth of the run's is lower
+    sound = [m["lr"] for m in read_metrics(metrics_path) if m.get("step", 0) <= good_step and "lr" in m]
+    lower = f"--lr {min(config.lr / 10, max(sound, default=config.lr)):g}"
+    return (f"{why}, at learning rate {rate:g}; the last sound checkpoint is step {good_step} ({good}): move the "
+            f"later ones aside and continue from it at the rate that reached it (or a tenth of this run's, if lower): "
+            f"for c in {later}; do mv \"$c\" \"$c.diverged\"; done && {resume_command(run_dir)} {lower}")  # fmt: skip
 
 
 def _collect_rollouts(config, task, tokenizer, sampler, hook, hook_context, prompt_generator, encode_prompt=None):
