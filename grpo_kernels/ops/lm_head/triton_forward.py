@@ -24,6 +24,44 @@ from .triton_common import (
 )
 
 
+# The three partial kernels (GEMM by cp.async loads, GEMM by TMA, no GEMM: cuBLAS's logits) share everything
+# but where a [BM, BN] fp32 tile comes from: the program's tokens and split (_split_program, _split_tiles),
+# the running statistics (_fold_init, _fold_tile) and their store (_store_partials).
+
+
+@triton.jit
+def _split_program(n_tokens, num_splits, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's token tile pid_m (BLOCK_M rows offs_m, row_ok inside N) and its vocabulary split
+    pid_split, rasterised by _grouped_tile. (The targets are loaded by the kernel: where, changes its PTX.)"""
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
+    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_tokens
+    return pid_m, pid_split, offs_m, row_ok
+
+
+@triton.jit
+def _split_tiles(pid_split, tiles_per_split, vocab, BLOCK_N: tl.constexpr):
+    """First column of the split and its number of BLOCK_N vocabulary tiles (the last split may hold fewer)."""
+    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
+    first_tile = pid_split * tiles_per_split
+    split_lo = first_tile * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
+    return split_lo, n_tiles
+
+
+@triton.jit
+def _fold_init(BLOCK_M: tl.constexpr, MAX_INIT: tl.constexpr):
+    """Running (max, sum-exp, deviation sum, target logit) of BLOCK_M rows before their first tile; MAX_INIT
+    is finite, so (run_max - new_max) * 0 is 0."""
+    run_max = tl.full((BLOCK_M,), MAX_INIT, dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return run_max, run_sum, run_dev, target_z
+
+
 @triton.jit(do_not_specialize=["n_tokens", "tiles_per_split", "num_splits"])
 def lm_head_fwd_kernel_partial(
     hidden_ptr,  # [N, H], unit stride along H
@@ -58,26 +96,13 @@ def lm_head_fwd_kernel_partial(
     GROUP_M: tl.constexpr,
     ROW_INDEPENDENT_DOT: tl.constexpr = False,  # LMHeadTritonConfig.row_independent_dot (interpreter only)
 ):
-    pid = tl.program_id(0)
-    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
-    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n_tokens
+    pid_m, pid_split, offs_m, row_ok = _split_program(n_tokens, num_splits, BLOCK_M, GROUP_M)
     rows = tl.minimum(offs_m, n_tokens - 1).to(tl.int64)  # clamped: the K loop needs no row mask
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = hidden_ptr + rows[:, None] * stride_hidden + offs_k[None, :]  # [BM, BK]
     target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)  # V < 2^31
-
-    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
-    first_tile = pid_split * tiles_per_split
-    split_lo = first_tile * BLOCK_N
-    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
-
-    run_max = tl.full((BLOCK_M,), RUN_MAX_INIT, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    split_lo, n_tiles = _split_tiles(pid_split, tiles_per_split, vocab, BLOCK_N)
+    run_max, run_sum, run_dev, target_z = _fold_init(BLOCK_M, RUN_MAX_INIT)
     for t in range(0, n_tiles):
         n0 = split_lo + t * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -173,25 +198,12 @@ def lm_head_fwd_kernel_partial_tma(
     and the ragged last K slice load as zeros and the logits store is clipped to [N, V], so no index is
     clamped and no K tail is peeled. WARP_SPECIALIZE asks Triton to split the vocabulary-tile loop into
     producer and consumer warps (the compile report records whether the PTX changes; README §6)."""
-    pid = tl.program_id(0)
-    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
-    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
-
+    pid_m, pid_split, offs_m, row_ok = _split_program(n_tokens, num_splits, BLOCK_M, GROUP_M)
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n_tokens
     target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)  # V < 2^31
-
-    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
-    first_tile = pid_split * tiles_per_split
-    split_lo = first_tile * BLOCK_N
-    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
+    split_lo, n_tiles = _split_tiles(pid_split, tiles_per_split, vocab, BLOCK_N)
     k_tiles = tl.cdiv(hidden_size, BLOCK_K)
-
-    run_max = tl.full((BLOCK_M,), RUN_MAX_INIT, dtype=tl.float32)  # finite: (run_max - new_max) * 0 is 0
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    run_max, run_sum, run_dev, target_z = _fold_init(BLOCK_M, RUN_MAX_INIT)
     for t in tl.range(0, n_tiles, warp_specialize=WARP_SPECIALIZE):
         n0 = split_lo + t * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -282,21 +294,13 @@ def lm_head_fwd_kernel_stats_from_logits(
     and folds it into the same split partials (_fold_tile), merged by lm_head_fwd_kernel_merge. Where z
     differs from what the buffer holds (a bias or a soft-cap), z is written back in place (same tile, no
     other program reads it), so the backward reads z as from kernel A's stored logits."""
-    pid = tl.program_id(0)
-    num_m_tiles = tl.cdiv(n_tokens, BLOCK_M)
-    pid_m, pid_split = _grouped_tile(pid, num_m_tiles, num_splits, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n_tokens
+    pid_m, pid_split, offs_m, row_ok = _split_program(n_tokens, num_splits, BLOCK_M, GROUP_M)
     target = tl.load(targets_ptr + offs_m, mask=row_ok, other=-1).to(tl.int32)
     row_ptrs = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits
-    num_vocab_tiles = tl.cdiv(vocab, BLOCK_N)
-    first_tile = pid_split * tiles_per_split
-    split_lo = first_tile * BLOCK_N
-    n_tiles = tl.minimum(tiles_per_split, num_vocab_tiles - first_tile)
-    run_max = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    run_dev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    target_z = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    split_lo, n_tiles = _split_tiles(pid_split, tiles_per_split, vocab, BLOCK_N)
+    # -1e30, not RUN_MAX_INIT as kernel A: both lie below every logit (|z| <= 2^100) and PAD_LOGIT is never
+    # the max of a live row, so the statistics agree; kept so this kernel's code is unchanged
+    run_max, run_sum, run_dev, target_z = _fold_init(BLOCK_M, -1.0e30)
     for t in range(0, n_tiles):
         n0 = split_lo + t * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
