@@ -1,7 +1,7 @@
 """AOT-compile matrix of the LM-head Triton kernels (tier 3) and its register / spill / smem report.
 
-Every kernel of grpo_kernels/ops/lm_head/triton.py is compiled for each architecture of aot.ARCHS
-(sm_90, sm_80, sm_100a, sm_120). The configurations the dispatcher picks for an architecture
+Every kernel of grpo_kernels/ops/lm_head/triton_*.py (re-exported by triton.py) is compiled for each
+architecture of aot.ARCHS (sm_90, sm_80, sm_100a, sm_120). The configurations the dispatcher picks for an architecture
 (triton.arch_class: "sm90", "sm80", "sm100", "sm120", and "unaligned" everywhere) are compiled there in every
 code path (dtype and fp32 dot precision, bias, ragged H, which upstream / input gradients); on sm_90 and
 sm_80 the other one's configurations are compiled too, in their default path, for the report (not on the
