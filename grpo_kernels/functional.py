@@ -419,7 +419,7 @@ def _check_transform(softcap, logit_scale) -> None:
 
 
 # The largest logit magnitude the backends take: their sentinels (a forbidden token -2^102, a padding column
-# -2^104, ops/lm_head/triton.py) sit at least 2^101 below every logit and all their differences stay finite.
+# -2^104, ops/lm_head/triton_common.py) sit at least 2^101 below every logit and all their differences stay finite.
 LOGIT_LIMIT = 2.0**100
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 # logit_scale / temperature above which the logits' bound is computed (one pass over hidden and weight, a
