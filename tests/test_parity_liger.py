@@ -40,6 +40,7 @@ require_peer("liger-kernel", "liger_kernel")
 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
 import grpo_kernels as gk
+from grpo_kernels.hf import TRL_LOSS_AGG_MODE
 
 pytestmark = pytest.mark.parity
 
@@ -131,16 +132,8 @@ def run_liger(case: dict, x: dict):
     return loss.detach(), [m.detach() for m in metrics], h.grad, w.grad, b.grad
 
 
-AGG = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "luspo": "seq-mean-token-sum",
-}
+# TRL's loss types -> verl's aggregation names: the mapping every TRL-family adapter uses (grpo_kernels.hf)
+AGG = TRL_LOSS_AGG_MODE
 
 
 def our_config(case: dict) -> gk.PolicyLossConfig:

@@ -81,7 +81,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .plots import empty_panel, line_style, offset
+from .plots import empty_panel, line_style, offset, save_figure, sha_label
 from .session_worker import (
     FLOOR,
     HEADLINE_OPS,
@@ -1018,7 +1018,7 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
 def caption_lines(report: dict) -> str:
     """Two short lines (a one-line caption of every field is cut at both ends of the figure)."""
     v, git = report["versions"], report["git"]
-    sha = (git.get("sha") or "unknown")[:10] + ("+dirty" if git.get("dirty") else "")
+    sha = sha_label(git)
     device = report["device"]
     driver = f", driver {device['driver']}" if device.get("driver") else ""
     cpu = "" if device.get("type") == "cuda" else " | CPU: the flow, not the product's numbers"
@@ -1077,10 +1077,7 @@ def headline_plot(report: dict, path: Path, part: str = "headline") -> Path:
             ax.set_ylim(0, top * 1.25)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(caption_lines(report), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def sweep_plot(report: dict, path: Path) -> Path:
@@ -1120,10 +1117,7 @@ def sweep_plot(report: dict, path: Path) -> Path:
         if ax.lines:
             ax.legend(fontsize=8)
     fig.suptitle(caption_lines(report), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def kernels_plot(rows: list[dict], path: Path, environment: dict, source: dict | None = None) -> Path | None:
@@ -1161,15 +1155,12 @@ def kernels_plot(rows: list[dict], path: Path, environment: dict, source: dict |
         ax.text(55, len(micro) / 2, "no rates: not a GPU run (a rehearsal times the flow only)", ha="center",
                 fontsize=10, color="gray")  # fmt: skip
     gpu = environment.get("gpu") or "no GPU"
-    sha = ((source or {}).get("sha") or "unknown")[:10] + ("+dirty" if (source or {}).get("dirty") else "")
+    sha = sha_label(source)
     driver = f", driver {environment['driver']}" if environment.get("driver") else ""
     ax.set_title(f"per-kernel microbenchmarks | {gpu}{driver}\n"
                  f"torch {environment.get('torch')}, triton {environment.get('triton')} | grpo_kernels {sha}",
                  fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------

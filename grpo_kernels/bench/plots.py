@@ -18,6 +18,22 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 _DASHES = ("-", "--", "-.", ":")
 
 
+def sha_label(git: dict | None) -> str:
+    """The commit a figure or report is of: its first 10 hex digits, "+dirty" for a tree with changes."""
+    git = git or {}
+    return (git.get("sha") or "unknown")[:10] + ("+dirty" if git.get("dirty") else "")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write at the reports' resolution and close a figure (the plots of every report)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def line_style(index: int) -> dict:
     """The style of the index-th provider's line: colour, marker (hollow every other one) and dashes."""
     return {"marker": _MARKERS[index % len(_MARKERS)], "linestyle": _DASHES[index % len(_DASHES)],

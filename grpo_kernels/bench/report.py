@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from .ops import BENCH_LOSS_SUMMARY, OPS
+from .plots import sha_label
 from .runner import FLOOR, OURS
 
 README_START = "<!-- bench-table:start -->"
@@ -101,7 +102,7 @@ def op_table(report: dict, op: str) -> str:
 def console_report(report: dict) -> str:
     device = report["device"]
     v = report["versions"]
-    sha = (report["git"]["sha"] or "unknown")[:10] + ("+dirty" if report["git"].get("dirty") else "")
+    sha = sha_label(report["git"])
     lines = [
         f"Machine: {device['name']} ({device['type']}) | torch {v['torch']} | triton {v['triton']} | "
         f"grpo_kernels {v['grpo_kernels']} @ {sha} | {report['date']}",

@@ -66,6 +66,8 @@ from pathlib import Path
 
 import torch
 
+from .plots import save_figure, sha_label
+
 SCHEMA = "grpo_kernels.step/1"
 PLANTED_ENV = "GRPO_KERNELS_STEP_PLANTED_BYTES"
 BETA = 0.04
@@ -864,15 +866,12 @@ def plot(rep: dict, path: Path) -> Path:
     if not wl:
         ax_w.text(0.5, 0.5, "no memory-wall rows", ha="center", transform=ax_w.transAxes, color="gray")
     env, git = rep["environment"], rep.get("git") or {}
-    sha = (git.get("sha") or "unknown")[:10] + ("+dirty" if git.get("dirty") else "")
+    sha = sha_label(git)
     where = env.get("gpu") or "CPU: the flow, not the product's numbers (planted memory limit)"
     fig.suptitle(f"GRPO training step, stock vs grpo_kernels | {where}\ntorch {env.get('torch')}, transformers "
                  f"{env.get('transformers')}, trl {env.get('trl')}, peft {env.get('peft')} | grpo_kernels {sha}",
                  fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(rows: list[dict], out: Path, source: dict | None = None) -> dict:
