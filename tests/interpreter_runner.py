@@ -35,6 +35,20 @@ def selected_params(request, name: str) -> list | None:
     return values
 
 
+def compile_report_rows(request, tmp_path_factory, run_matrix, write_report) -> dict:
+    """A compile tier's rows by case id: `run_matrix(selected)` compiles the cases the selected tests read (the
+    quick tier, -k: only those; None: all), `write_report(rows, folder)` writes its report, into
+    benchmarks/results/ for a whole-module run with GRPO_KERNELS_WRITE_REPORTS=1, else a temporary folder."""
+    selected = selected_params(request, "case")
+    rows = run_matrix(selected)
+    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1" and selected is None:
+        out = HERE.parent / "benchmarks" / "results"
+    else:
+        out = tmp_path_factory.mktemp("compile_report")
+    write_report(rows, out)
+    return {r["id"]: r for r in rows}
+
+
 def selected_cases(request, params: tuple[str, ...] = ("case", "name")) -> list[str] | None:
     """The case keys the selected tests of the requesting module read: the value of its first parameter named
     in `params` (a dict case gives its "id"), for each selected test; None (every case) when the whole module

@@ -19,13 +19,12 @@ else to pytest's tmp dir; `python -m grpo_kernels.testing.lm_head_compile` regen
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from interpreter_runner import selected_params  # noqa: E402
+from interpreter_runner import compile_report_rows  # noqa: E402
 
 from grpo_kernels.testing import aot  # noqa: E402
 from grpo_kernels.testing import lm_head_compile as matrix  # noqa: E402
@@ -45,14 +44,8 @@ INT32_MAX = 2**31 - 1
 @pytest.fixture(scope="module")
 def rows(request, tmp_path_factory):
     # a selection of the compile tests (the quick tier, -k) compiles only the cases it reads
-    selected = selected_params(request, "case")
-    rows = matrix.run_matrix(selected=selected)
-    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1" and selected is None:
-        out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    else:
-        out = tmp_path_factory.mktemp("compile_report")
-    matrix.write_report(rows, out)
-    return {r["id"]: r for r in rows}
+    return compile_report_rows(request, tmp_path_factory, lambda selected: matrix.run_matrix(selected=selected),
+                               matrix.write_report)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[matrix.case_id(c) for c in CASES])

@@ -10,10 +10,9 @@ GRPO_KERNELS_WRITE_REPORTS=1, else to pytest's tmp dir."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
-from interpreter_runner import selected_params
+from interpreter_runner import compile_report_rows
 
 pytest.importorskip("triton")
 
@@ -28,14 +27,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def rows(request, tmp_path_factory):
     # a selection of the compile tests (the quick tier, -k) compiles only the cases it reads
-    selected = selected_params(request, "case")
-    rows = matrix.run_matrix(names=selected)
-    if os.environ.get("GRPO_KERNELS_WRITE_REPORTS") == "1" and selected is None:
-        out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    else:
-        out = tmp_path_factory.mktemp("compile_report")
-    matrix.write_report(rows, out)
-    return {r["id"]: r for r in rows}
+    return compile_report_rows(request, tmp_path_factory, lambda selected: matrix.run_matrix(names=selected),
+                               matrix.write_report)  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", matrix.ARCHS)
