@@ -67,9 +67,15 @@ def own_triton_cache():
                     os.environ[name] = value
 
 
+_SCOPE_LABEL_RE = re.compile(r"^\s*(\$L__tmp\d+):\s*$")
+
+
 def ptx_code(ptx: str) -> str:
     """The PTX without its debug information: no `.file` / `.loc` lines and no `.section .debug_*` blocks
-    (they name the source file's path, which Triton's cache key ignores: see the module docstring)."""
+    (they name the source file's path, which Triton's cache key ignores: see the module docstring), and no
+    `$L__tmpN:` label that only the debug sections refer to (LLVM marks the scope of each inlined call with
+    one: moving a `@triton.jit` helper into another function or file adds or renumbers them, the code
+    unchanged). A label the code itself branches to is kept."""
     kept, in_debug_section = [], False
     for line in ptx.splitlines():
         stripped = line.strip()
@@ -82,6 +88,10 @@ def ptx_code(ptx: str) -> str:
         if stripped.startswith((".file", ".loc")):
             continue
         kept.append(line)
+    labels = {m.group(1) for m in map(_SCOPE_LABEL_RE.match, kept) if m}
+    if labels:
+        used = {name for line in kept if not _SCOPE_LABEL_RE.match(line) for name in re.findall(r"\$L__tmp\d+", line)}
+        kept = [line for line in kept if not ((m := _SCOPE_LABEL_RE.match(line)) and m.group(1) not in used)]
     return "\n".join(kept)
 
 
