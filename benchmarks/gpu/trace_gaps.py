@@ -2,6 +2,8 @@
 kernels and what the host was doing meanwhile (one short GPU command, ~30 s).
 
     python benchmarks/gpu/trace_gaps.py --out DIR     # DIR/gaps.json, DIR/trace.json.gz; a table printed last
+    python benchmarks/gpu/trace_gaps.py --out F.json  # the record in F.json, the trace in a temporary folder
+                                                      # (the GPU session's "trace" part: session.json "trace")
 
 The first probe (benchmarks/results/gpu-2026-11-26-h100/probe.json) found the call's wall time 9.4 ms above
 the sum of its kernels' device times (110.9 against 101.5 ms). This records one call under torch.profiler
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,8 +40,13 @@ def main(argv=None) -> int:
     parser.add_argument("--min-gap-us", type=float, default=30.0)
     parser.add_argument("--max-extra-gib", type=float, default=None, help="max_extra_memory of the call")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out.endswith(".json"):  # one file: the record; the Chrome trace beside it in a temporary folder
+        record_path = Path(args.out)
+        out = Path(tempfile.mkdtemp(prefix="grpo_kernels_trace_"))
+    else:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record_path = out / "gaps.json"
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shape = PRESETS["qwen3-8b" if cuda else "tiny"][-1]
@@ -104,7 +112,8 @@ def main(argv=None) -> int:
                 "host_op": None if inner is None else inner.name[:80], "frames": frames,
             })  # fmt: skip
         record["gaps_total_us"] = sum(g["us"] for g in record["gaps"])
-    (out / "gaps.json").write_text(json.dumps(record, indent=1) + "\n")
+    record["chrome_trace"] = str(out / "trace.json.gz")
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"host issue {host_ms:.2f} ms, call {total_ms:.2f} ms, kernels {record.get('kernels_us', 0) / 1e3:.2f} ms "
           f"over a span of {record.get('span_us', 0) / 1e3:.2f} ms; host start to first kernel "
           f"{record.get('host_start_to_first_kernel_us', 0) / 1e3:.2f} ms; gaps >= {args.min_gap_us} us: "

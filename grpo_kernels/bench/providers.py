@@ -13,8 +13,10 @@ Peers are imported only inside their factories; `unavailable()` answers without 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import time
 import types
 from collections import defaultdict
 from collections.abc import Callable
@@ -462,7 +464,9 @@ def _trl_impl(device: torch.device) -> str:
 # ------------------------------------------------------------------------------------------------
 # Liger 0.8.5
 # ------------------------------------------------------------------------------------------------
-def _liger_chunked(inp, s):
+def _liger_grpo_fn(inp, chunk_size: int = 1, matmul_precision: str | None = None):
+    """One call of Liger's LigerFusedLinearGRPOLoss on the op's tensors (compiled on CUDA; `chunk_size`:
+    sequences per chunk, Liger's default 1; `matmul_precision`: torch's fp32 matmul precision inside the call)."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     cfg = inp.config
@@ -470,20 +474,85 @@ def _liger_chunked(inp, s):
     compiled = inp.device.type == "cuda"
     loss_module = LigerFusedLinearGRPOLoss(
         beta=cfg.kl_coef, compiled=compiled, use_ref_model=True, epsilon_low=cfg.clip_low,
-        epsilon_high=cfg.clip_high, loss_type="dapo", temperature=cfg.temperature,
+        epsilon_high=cfg.clip_high, loss_type="dapo", temperature=cfg.temperature, chunk_size=chunk_size,
     )  # fmt: skip
     mask = inp.mask.long()
     count = inp.mask.sum()
+    precision = _Float32MatmulPrecision(matmul_precision) if matmul_precision else contextlib.nullcontext()
 
     def fn():
-        loss, _ = loss_module(
-            inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), mask, inp.advantages,
-            ref_per_token_logps=inp.ref_logprobs, old_per_token_logps=inp.old_logprobs,
-            num_items_in_batch=count,
-        )  # fmt: skip
+        with precision:
+            loss, _ = loss_module(
+                inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), mask, inp.advantages,
+                ref_per_token_logps=inp.ref_logprobs, old_per_token_logps=inp.old_logprobs,
+                num_items_in_batch=count,
+            )  # fmt: skip
         return loss
 
-    return Forward(fn, f"compiled={compiled}" + ("" if compiled else " (no torch.compile off CUDA)"))
+    return fn
+
+
+def _liger_chunked(inp, s):
+    compiled = inp.device.type == "cuda"
+    return Forward(_liger_grpo_fn(inp), f"compiled={compiled}" + ("" if compiled else " (no torch.compile off CUDA)"))
+
+
+# The sequences per chunk LigerFusedLinearGRPOLoss may take (its `chunk_size`; its default is 1): the tuned
+# row tries each that divides the batch and keeps the fastest
+LIGER_CHUNK_SIZES = (1, 2, 4, 8)
+
+
+class _Float32MatmulPrecision:
+    """torch.set_float32_matmul_precision for the calls inside (restored after): "high" lets fp32 GEMMs run
+    on TF32 tensor cores, what a Liger user who asks for speed sets."""
+
+    def __init__(self, precision: str):
+        self.precision = precision
+
+    def __enter__(self):
+        self.before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.precision)
+
+    def __exit__(self, *exc):
+        torch.set_float32_matmul_precision(self.before)
+
+
+def _liger_chunked_tuned(inp, s):
+    """Liger's chunked GRPO loss as its fastest user would run it: TF32 allowed for its fp32 GEMMs, and the
+    chunk size (sequences per chunk) that is fastest here, chosen by one timed call of each candidate after
+    one untimed (compiling) call; a candidate that runs out of memory is dropped."""
+    b = inp.shape.batch
+    compiled = inp.device.type == "cuda"
+
+    def timed(fn) -> float:
+        for leaf in inp.leaves:
+            leaf.grad = None
+        if inp.device.type == "cuda":
+            torch.cuda.synchronize(inp.device)
+        t0 = time.perf_counter()
+        fn().backward()
+        if inp.device.type == "cuda":
+            torch.cuda.synchronize(inp.device)
+        return (time.perf_counter() - t0) * 1e3
+
+    tried: dict[int, float | str] = {}
+    for chunk_size in (c for c in LIGER_CHUNK_SIZES if b % c == 0):
+        fn = _liger_grpo_fn(inp, chunk_size, "high")
+        try:
+            timed(fn)  # compiles for this chunk shape
+            tried[chunk_size] = timed(fn)
+        except torch.cuda.OutOfMemoryError:
+            tried[chunk_size] = "out of memory"
+            torch.cuda.empty_cache()
+    for leaf in inp.leaves:
+        leaf.grad = None
+    times = {c: ms for c, ms in tried.items() if isinstance(ms, float)}
+    if not times:
+        raise ProviderSkip(f"every chunk size ran out of memory: {tried}")
+    best = min(times, key=times.get)
+    shown = ", ".join(f"{c}: {ms:.0f} ms" if isinstance(ms, float) else f"{c}: {ms}" for c, ms in tried.items())
+    return Forward(_liger_grpo_fn(inp, best, "high"),
+                   f"compiled={compiled}, TF32 allowed, chunk_size={best} (one call each: {shown})")  # fmt: skip
 
 
 def _liger_triton(inp, s):
@@ -587,6 +656,21 @@ def _verl_lm_head(kind: str, inp: BenchInputs):
 
     module = FusedLinearForPPO(chunk_size=VERL_TORCH_CHUNK_SIZE, impl_backend="torch")
     return lambda: module(inp.hidden, inp.weight, inp.targets, 1.0)
+
+
+def _verl_kernel_setups() -> dict:
+    """verl's Triton kernel alone, loaded without verl's package where it does not import (verl_kernel.py):
+    log-probs and entropy, as verl's actor calls it (reduction="none", temperature 1)."""
+
+    def logprobs(inp, s):
+        from . import verl_kernel
+
+        if inp.shape.hidden % 128:
+            raise ProviderSkip(f"verl's kernel needs H % 128 == 0, H = {inp.shape.hidden}")
+        return Forward(lambda: verl_kernel.linear_cross_entropy(inp.hidden, inp.weight, inp.targets, 1.0, "none"),
+                       f"linear_cross_entropy (Triton): {verl_kernel.HOW}")  # fmt: skip
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs}
 
 
 def _verl_setups(kind: str) -> dict:
@@ -793,6 +877,15 @@ REGISTRY.add(
 )
 REGISTRY.add(
     Provider(
+        "liger-chunked-tuned",
+        "Liger 0.8.5 LigerFusedLinearGRPOLoss with TF32 allowed and its fastest chunk_size here",
+        {"fused_grpo": _liger_chunked_tuned},
+        dist="liger-kernel",
+        imports=("liger_kernel.chunked_loss",),
+    )
+)
+REGISTRY.add(
+    Provider(
         "liger-triton",
         "Liger 0.8.5 triton_grpo_loss on materialised logits",
         {"fused_grpo": _liger_triton},
@@ -819,6 +912,17 @@ REGISTRY.add(
         imports=("verl.trainer.ppo.core_algos", "verl.utils.kernel.linear_cross_entropy"),
         needs_cuda="Triton kernel (asserts CUDA tensors)",
         cuda_ops=("logprobs", "logprobs_grad", "fused_grpo"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "verl-kernel",
+        "verl 0.9.1 linear_cross_entropy (Triton) alone: log-probs and entropy, loaded without verl's package "
+        "where it does not import",
+        _verl_kernel_setups(),
+        dist="verl",
+        imports=("grpo_kernels.bench.verl_kernel",),
+        needs_cuda="Triton kernel (asserts CUDA tensors)",
     )
 )
 REGISTRY.add(

@@ -4,6 +4,8 @@ Order per (op, shape): build the inputs; compute the fp32 truth and PyTorch's sa
 (oracle.py); time the floor (ops.make_floor); then per provider: set up, one call checked against
 the truth (a provider that fails is reported, never timed), `warmup` + `iters` timed calls, one call
 for peak memory. Ratios to the floor and to grpo_kernels are filled in at the end of each shape.
+Interleaved (`--interleave`, the GPU session's headline): the floor and every provider of a shape in one
+process, gated and warmed up, then timed in rotating turns (run_interleaved).
 """
 
 from __future__ import annotations
@@ -262,43 +264,117 @@ def run_provider(provider: Provider, ctx: ShapeContext, settings: RunSettings) -
     return row
 
 
-def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunSettings) -> list[dict]:
-    """Every provider gated first, then timed in turns (one call of each per round, `iters` rounds after
-    `warmup`), then its memory: on a shared machine whose load drifts, each provider sees the same drift."""
+@dataclass
+class _Turn:
+    """One participant of an interleaved run: its row, the call timed, the reset before each call."""
+
+    name: str
+    row: dict
+    call: object
+    reset: object
+    samples: list = field(default_factory=list)
+    warm_s: float = 0.0  # the last warm-up call's wall time (rounds are fitted to a deadline by it)
+
+
+def _timed_ms(call, reset, device: torch.device) -> float:
+    """One call's time (ms): CUDA events on the current stream bracketing it (the device time, host syncs
+    inside the call included), then a synchronize, so that a fault surfaces in this call and not the next
+    participant's; perf_counter elsewhere."""
+    reset()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        synchronize(device)
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+MIN_ROUNDS = 5  # a deadline cuts the rounds to what fits, never below this
+
+
+def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunSettings, *, floor: bool = False,
+                    announce=None, deadline: float | None = None) -> list[dict]:  # fmt: skip
+    """The floor (with `floor`) and every provider in one process, timed in turns: each gated first and
+    warmed up (`warmup` calls), then `iters` rounds of one call each, the order rotated by one every round
+    (no participant always follows the same one), then each one's memory. On a machine whose clocks or
+    load drift, every participant sees the same drift, and the floor is measured beside them, not before.
+
+    `announce(name, first)`: called before a participant's gate (`first`) and before each of its timed calls,
+    so that a supervising process knows whose call a crash or a hang belongs to (session_worker.py).
+    `deadline` (time.time() seconds): the rounds are cut to what fits before it by the warm-up calls' times,
+    keeping time for the memory calls (at least MIN_ROUNDS; each row's time says how many calls it has).
+    Returns the rows in the order given (the floor's first), each with its time, or its status and reason."""
     inp = ctx.inputs
-    gated = [(p, *_gated(p, ctx, settings)) for p in providers]
-    live = [(p, row, call) for p, row, call in gated if call is not None]
-    reset = functools.partial(reset_grads, inp)
-    samples: dict[str, list[float]] = {p.name: [] for p, _, _ in live}
-    failed: set[str] = set()
-    for round_ in range(settings.warmup + settings.iters):
-        for p, row, call in live:
-            if p.name in failed:
-                continue
+    announce = announce or (lambda name, first: None)
+    device = settings.device
+    turns: list[_Turn] = []
+    rows: list[dict] = []
+
+    def failed(turn: _Turn, exc: BaseException) -> None:
+        turn.row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
+        turns.remove(turn)
+        reset_grads(inp)
+        free_memory(device)
+
+    entrants: list = ([FLOOR] if floor else []) + list(providers)
+    for entrant in entrants:
+        name = FLOOR if entrant == FLOOR else entrant.name
+        announce(name, True)
+        if entrant == FLOOR:
+            row = _row(inp.op.name, inp.shape, FLOOR, impl=inp.op.floor_label)
             try:
-                reset()
-                synchronize(settings.device)
-                t0 = time.perf_counter()
-                call()
-                synchronize(settings.device)
-                if round_ >= settings.warmup:
-                    samples[p.name].append((time.perf_counter() - t0) * 1e3)
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
-                failed.add(p.name)
-                reset()
-                free_memory(settings.device)
-    for p, row, call in live:
-        if p.name in failed:
+                call = make_floor(inp)
+            except Exception as exc:  # noqa: BLE001 - reported in the results, the run goes on
+                row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc))
+                call = None
+            turn = _Turn(name, row, call, lambda: None)
+        else:
+            row, call = _gated(entrant, ctx, settings)
+            turn = _Turn(name, row, call, functools.partial(reset_grads, inp))
+        rows.append(row)
+        if turn.call is None:
             continue
-        row["time"] = stats_of(samples[p.name], settings.warmup, "perf_counter (interleaved)").as_dict()
+        turns.append(turn)
         try:
-            _measure_memory(row, call, ctx, settings)
+            for _ in range(settings.warmup):
+                t0 = time.perf_counter()
+                turn.reset()
+                turn.call()
+                synchronize(device)
+                turn.warm_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001
-            row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
-        reset()
-        free_memory(settings.device)
-    rows = [row for _, row, _ in gated]
+            failed(turn, exc)
+    rounds = settings.iters
+    if deadline is not None and turns:
+        per_round = sum(t.warm_s for t in turns)
+        fits = int((deadline - time.time() - 2 * per_round - 5.0) / max(per_round, 1e-6))
+        rounds = max(min(rounds, fits), min(rounds, MIN_ROUNDS))
+        if rounds < settings.iters:
+            _log(f"    {rounds} rounds of {settings.iters}: the deadline ({per_round:.2f} s per round)")
+    for round_ in range(rounds):
+        order = turns[round_ % len(turns):] + turns[: round_ % len(turns)] if turns else []
+        for turn in order:
+            announce(turn.name, False)
+            try:
+                turn.samples.append(_timed_ms(turn.call, turn.reset, device))
+            except Exception as exc:  # noqa: BLE001
+                failed(turn, exc)
+    timer = "cuda-events (interleaved)" if device.type == "cuda" else "perf_counter (interleaved)"
+    for turn in list(turns):  # a copy: a failure removes its turn
+        turn.row["time"] = stats_of(turn.samples, settings.warmup, timer).as_dict()
+        if turn.name == FLOOR:
+            continue
+        announce(turn.name, False)
+        try:
+            _measure_memory(turn.row, turn.call, ctx, settings)
+        except Exception as exc:  # noqa: BLE001
+            failed(turn, exc)
+        turn.reset()
+    free_memory(device)
     for r in rows:
         shown = f"{r['time']['median_ms']:.3f} ms" if r["time"] else f"{r['status']} {r['reason']}"
         _log(f"    {r['provider']:<28} {shown}")
@@ -357,10 +433,10 @@ def _run_ops(report: dict, ops: list[str], shapes: list[BenchShape], provider_na
                 continue
             _log(f"[{op}] {shape.label}")
             ctx = prepare_shape(op, shape, settings)
-            rows = [measure_floor(ctx, settings)]
             if settings.interleave:
-                rows += run_interleaved(providers, ctx, settings)
+                rows = run_interleaved(providers, ctx, settings, floor=True)
             else:
+                rows = [measure_floor(ctx, settings)]
                 for provider in providers:
                     rows.append(run_provider(provider, ctx, settings))
                     r = rows[-1]

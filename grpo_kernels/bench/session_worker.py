@@ -2,7 +2,8 @@
 
   python -m grpo_kernels.bench.session_worker JOB --jsonl FILE [--only KEY,...] [job options]
 
-Jobs: preflight, smoke, micro, bench (one provider), profile, profile-target (the call ncu / nsys wrap).
+Jobs: preflight, smoke, micro, bench (one provider), interleaved (the floor and several providers timed in
+turns), step, profile, profile-target (the call ncu / nsys wrap).
 Every job that measures rows announces each row on stdout before it starts (`@@start KEY`) and appends
 it to FILE, flushed and fsync'd, the moment it is measured (`@@end KEY`): the parent knows which row
 was in flight when a child crashes, hangs or runs out of time, records that one row as lost, and starts
@@ -11,7 +12,7 @@ the row (its context is poisoned: every later call would fail too).
 
 Test hook (the CPU rehearsal of the isolation, never set on a real run): GRPO_KERNELS_SESSION_FAULT =
 "crash:NAME,hang:NAME" makes the first row whose key has the `|`-separated field NAME (a provider, a
-case) abort its process (SIGABRT, as a fault would) or sleep forever when it starts; the fresh process
+case; or a run of fields, "fused_grpo|trl|256") abort its process (SIGABRT, as a fault would) or sleep forever when it starts; the fresh process
 that measures the rest passes it.
 """
 
@@ -59,16 +60,20 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+def _hits(name: str, key: str) -> bool:
+    """A fault's target: a field of the key (a provider, a case), or a run of fields ("fused_grpo|trl|256")."""
+    return name in key if "|" in name else name in key.split("|")
+
+
 def _fault(key: str, first: bool) -> None:
     """The test hook: acts on the first row (of the job's full list) whose key has the field NAME, so the
     fresh process that measures the rest after it passes."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or not first:
         return
-    fields = key.split("|")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         action, _, name = item.partition(":")
-        if name in fields:
+        if _hits(name, key):
             print(f"test hook {FAULT_ENV}: {action} in row {key}", flush=True)
             if action == "crash":
                 os.abort()
@@ -82,9 +87,7 @@ def _start(key: str, keys: list[str]) -> None:
     print(f"@@start {key}", flush=True)
     spec = os.environ.get(FAULT_ENV, "")
     names = {item.partition(":")[2] for item in spec.split(",") if item.strip()}
-    first = any(
-        name in key.split("|") and key == next(k for k in keys if name in k.split("|")) for name in names
-    )
+    first = any(_hits(name, key) and key == next(k for k in keys if _hits(name, k)) for name in names)
     _fault(key, first)
 
 
@@ -164,6 +167,20 @@ def bench_keys(part: str, provider: str, ops: tuple[str, ...], preset: str) -> l
             limit = OPS[op].max_tokens
             if limit is None or shape.tokens <= limit:
                 keys.append((f"{part}|{op}|{provider}|{shape.tokens}", op, shape))
+    return keys
+
+
+def interleaved_keys(part: str, providers: tuple[str, ...], ops: tuple[str, ...],
+                     preset: str) -> list[tuple[str, str, object]]:  # fmt: skip
+    """(key, op, shape) of an interleaved job: per op and shape, every provider's row (the keys bench_keys
+    gives each provider alone, so a row is the same row whichever way it was measured)."""
+    from .shapes import PRESETS
+
+    each = {p: {(op, shape.tokens): key for key, op, shape in bench_keys(part, p, ops, preset)} for p in providers}
+    keys = []
+    for op in ops:
+        for shape in PRESETS[preset]:
+            keys += [(each[p][(op, shape.tokens)], op, shape) for p in providers if (op, shape.tokens) in each[p]]
     return keys
 
 
@@ -431,6 +448,71 @@ def job_bench(args) -> int:
     return 0
 
 
+def job_interleaved(args) -> int:
+    """The floor and the providers of each (op, shape) in this one process, timed in rotating turns
+    (runner.run_interleaved): the headline's rows, each provider beside the floor it is divided by.
+    Every gate and every timed call is announced (`@@start KEY`), so a crash or a hang costs the row of the
+    provider whose call it was; a fresh process measures the rest of that shape without it (`--only`)."""
+    from .._backend import BackendFallbackWarning
+    from . import environment
+    from .providers import REGISTRY
+    from .runner import _row, add_ratios, prepare_shape, run_interleaved
+
+    names = tuple(args.providers.split(","))
+    settings = _settings(args)
+    only = set(args.only.split(",")) if args.only else None
+    ops = tuple(args.ops.split(","))
+    meta = environment.describe(settings, list(ops), [n for n in names if n != FLOOR], [args.shapes])
+    append(args.jsonl, {"kind": "meta", "part": args.part, "key": f"{args.part}|meta|interleaved", "report": meta})
+    warnings.simplefilter("ignore", BackendFallbackWarning)
+    every = interleaved_keys(args.part, names, ops, args.shapes)
+    all_keys = [k for k, _, _ in every]
+    groups: dict = {}
+    for key, op, shape in every:
+        if only is None or key in only:
+            groups.setdefault((op, shape.tokens), (op, shape, []))[2].append(key)
+    for op, shape, keys in groups.values():
+        key_of = {key.split("|")[2]: key for key in keys}
+        done: list[dict] = []
+        providers = []
+        for name in key_of:
+            if name == FLOOR:
+                continue
+            p = REGISTRY.providers[name]
+            reason = p.unavailable(settings, op)
+            if reason:
+                done.append(_row(op, shape, name, status="skipped", reason=reason))
+            else:
+                providers.append(p)
+
+        def announce(name, first, key_of=key_of):
+            if first:
+                _start(key_of[name], all_keys)  # the test hook acts here, on a gate
+            else:
+                print(f"@@start {key_of[name]}", flush=True)
+
+        try:
+            ctx = prepare_shape(op, shape, settings)
+            rows = run_interleaved(providers, ctx, settings, floor=FLOOR in key_of, announce=announce,
+                                   deadline=args.deadline)  # fmt: skip
+            add_ratios(rows, ctx.inputs)
+            del ctx
+        except Exception as exc:  # noqa: BLE001 - e.g. building the inputs ran out of memory
+            reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows = [_row(op, shape, p.name, status="error", reason=reason) for p in providers]
+            if FLOOR in key_of:
+                rows.insert(0, _row(op, shape, FLOOR, status="error", reason=reason))
+        for row in done + rows:
+            key = key_of[row["provider"]]
+            append(args.jsonl, {"kind": "bench", "part": args.part, "key": key, **row})
+            _end(key)
+            shown = f"{row['time']['median_ms']:.3f} ms" if row.get("time") else f"{row['status']} {row['reason']}"
+            print(f"  {op:<10} {shape.tokens:>6} {row['provider']:<28} {shown}", flush=True)
+        if any(_poisoned(r.get("reason", "")) for r in rows):
+            return RESTART
+    return 0
+
+
 def _profiled_call(args):
     """The fused loss in `auto` at the target shape (tiny in a rehearsal), ready to call."""
     from .providers import REGISTRY
@@ -599,7 +681,7 @@ def _tool_output(command: list[str], what: str, timeout: float) -> dict:
 
 
 JOBS = {"step": job_step, "preflight": job_preflight, "smoke": job_smoke, "micro": job_micro, "bench": job_bench,
-        "profile": job_profile, "profile-target": job_profile_target}  # fmt: skip
+        "interleaved": job_interleaved, "profile": job_profile, "profile-target": job_profile_target}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -618,11 +700,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=",".join(HEADLINE_OPS), help="bench: comma-separated ops")
     parser.add_argument("--shapes", default="qwen3-8b", help="bench: a shape preset")
     parser.add_argument("--schedules", default="", help="smoke: comma-separated schedules of the fused loss")
-    parser.add_argument("--providers", default="", help="preflight: the providers whose imports to check")
+    parser.add_argument("--providers", default="",
+                        help="preflight: the providers whose imports to check; interleaved: the floor and the "
+                             "providers timed in turns")  # fmt: skip
     parser.add_argument("--call-key", default="call1", help="preflight: the row's key suffix (one per call)")
     parser.add_argument("--import-timeout", type=float, default=50.0,
                         help="preflight: seconds the providers' imports may take (in parallel)")  # fmt: skip
     parser.add_argument("--opt-in", action="store_true", help="smoke / micro: the opt-in kernels")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="interleaved: the epoch second by which the job must be done (fewer rounds then)")  # fmt: skip
     parser.add_argument(
         "--tool-timeout", type=float, default=90.0, help="profile: seconds per ncu / nsys run"
     )

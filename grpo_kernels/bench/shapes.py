@@ -58,6 +58,7 @@ TINY_TOKENS = (64, 256)
 TINY_SEQ_LEN = 32
 SWEEP_TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
 SESSION_SWEEP_TOKENS = (4096, 8192, 16384, 32768, 65536)  # the GPU session's sweep (benchmarks/gpu/run.sh)
+TRL_SWEEP_TOKENS = (4096, 8192, 16384, 32768)  # the session's sweep against TRL, each size beside its floor
 # The loss head alone moves 17 bytes per token: below ~1M tokens it is launch-latency bound, so its
 # bandwidth is measured over larger batches too (LM-head ops skip shapes above their token range).
 LOSS_SWEEP_TOKENS = (65536, 262144, 1048576, 4194304)
@@ -75,6 +76,7 @@ PRESETS: dict[str, list[BenchShape]] = {
     "qwen3-8b": _model_shapes(QWEN3_8B, (16384,)),
     "sweep": _model_shapes(QWEN3_8B, SWEEP_TOKENS),
     "session-sweep": _model_shapes(QWEN3_8B, SESSION_SWEEP_TOKENS),
+    "trl-sweep": _model_shapes(QWEN3_8B, TRL_SWEEP_TOKENS),
     "loss-sweep": _model_shapes(QWEN3_8B, LOSS_SWEEP_TOKENS),
     "cpu": [BenchShape(*shape) for shape in CPU_SHAPES],
 }
@@ -87,6 +89,7 @@ PRESET_HELP = {
     "qwen3-8b": "Qwen3-8B head, H=4096 V=151936, N=16384 (docs/design.md §7 target)",
     "sweep": f"Qwen3-8B head, N in {SWEEP_TOKENS}: how time and memory grow with tokens",
     "session-sweep": f"Qwen3-8B head, N in {SESSION_SWEEP_TOKENS} (the GPU session's sweep)",
+    "trl-sweep": f"Qwen3-8B head, N in {TRL_SWEEP_TOKENS} (the GPU session's sweep against TRL, interleaved)",
     "loss-sweep": f"N in {LOSS_SWEEP_TOKENS}, for loss_head only (the LM-head ops stop at 65536 tokens)",
     "full": "qwen2.5-7b + llama3-8b + sweep + loss-sweep (the committed GPU run)",
     "cpu": "H=1024 V=32000 N=2048 and Qwen2.5-3B H=2048 V=151936 N=512: the PyTorch backend against TRL on a CPU "
