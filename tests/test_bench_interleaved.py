@@ -6,6 +6,7 @@ announcements a supervising process reads, the deadline's cut, and that each pee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def test_the_floor_and_the_providers_take_turns_the_order_rotating():
     assert calls.count("grpo_kernels") == calls.count("torch-eager") == 7
 
 
-def test_a_deadline_cuts_the_rounds_but_never_below_the_minimum():
+def test_a_deadline_cuts_the_rounds_but_never_below_the_minimum(monkeypatch):
+    monkeypatch.setattr(runner, "MIN_GATE_S", 0.1)  # a gate is allowed; then a second is too little for rounds
+    monkeypatch.setattr(runner, "ROUNDS_RESERVE_S", 0.1)
     ctx = runner.prepare_shape("logprobs", PRESETS["tiny"][0], _settings())
     rows = runner.run_interleaved([REGISTRY.providers["grpo_kernels"]], ctx, _settings(iters=50), floor=True,
                                   deadline=time.time() + 1.0)  # fmt: skip
@@ -74,6 +77,18 @@ def test_a_deadline_cuts_the_rounds_but_never_below_the_minimum():
     rows = runner.run_interleaved([REGISTRY.providers["grpo_kernels"]], ctx, _settings(iters=6), floor=True,
                                   deadline=time.time() + 600)  # fmt: skip
     assert [r["time"]["iters"] for r in rows] == [6, 6]  # room enough: every round asked for
+
+
+def test_with_little_time_left_a_provider_is_not_set_up_and_its_row_says_why():
+    """The providers' order is their priority: once what is left of the part would not hold MIN_ROUNDS rounds
+    of those already set up plus MIN_GATE_S for the next one, the rest are skipped, named, not started."""
+    ctx = runner.prepare_shape("logprobs", PRESETS["tiny"][0], _settings())
+    rows = runner.run_interleaved([REGISTRY.providers["grpo_kernels"], REGISTRY.providers["torch-eager"]], ctx,
+                                  _settings(), floor=True, deadline=time.time() + runner.MIN_GATE_S)  # fmt: skip
+    by = {r["provider"]: r for r in rows}
+    assert by["floor"]["status"] == "ok" and by["floor"]["time"]["iters"] == 4  # the floor needs no setup
+    for name in ("grpo_kernels", "torch-eager"):
+        assert by[name]["status"] == "skipped" and "left of the part" in by[name]["reason"], by[name]
 
 
 def test_a_provider_that_fails_leaves_the_others_timed():
@@ -141,6 +156,10 @@ def test_liger_tuned_picks_a_chunk_size_and_computes_ligers_loss():
     assert tried.count(" ms") == sum(1 for c in (1, 2, 4, 8) if inp.shape.batch % c == 0), tuned.impl
     before = torch.get_float32_matmul_precision()
     a, b = tuned.fn(), default.fn()
+    # a deadline already passed: the first candidate (Liger's default size) only, the others named as not tried
+    hurried = REGISTRY.providers["liger-chunked-tuned"].setups["fused_grpo"](
+        inp, dataclasses.replace(_settings(), deadline=time.time()))
+    assert "chunk_size=1 " in hurried.impl and "not tried (the part's time)" in hurried.impl, hurried.impl
     assert torch.get_float32_matmul_precision() == before  # restored after each call
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a, b)
 

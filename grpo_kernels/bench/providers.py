@@ -52,6 +52,9 @@ class RunSettings:
     explicit: frozenset = frozenset()  # provider names the user asked for by name
     seed: int = 0
     interleave: bool = False  # time the providers of a shape in turns (runner.run_interleaved)
+    # time.time() by which a provider's setup should be done (run_interleaved sets it from the part's deadline):
+    # a setup that tries several variants (liger-chunked-tuned) stops trying when the next would pass it
+    deadline: float | None = None
 
 
 @dataclass
@@ -536,14 +539,20 @@ def _liger_chunked_tuned(inp, s):
         return (time.perf_counter() - t0) * 1e3
 
     tried: dict[int, float | str] = {}
+    cost = 0.0  # seconds the last candidate took (its compile and two calls): what the next one may take
     for chunk_size in (c for c in LIGER_CHUNK_SIZES if b % c == 0):
+        if tried and s.deadline is not None and time.time() + cost > s.deadline:
+            tried[chunk_size] = "not tried (the part's time)"
+            continue
         fn = _liger_grpo_fn(inp, chunk_size, "high")
+        t0 = time.time()
         try:
             timed(fn)  # compiles for this chunk shape
             tried[chunk_size] = timed(fn)
         except torch.cuda.OutOfMemoryError:
             tried[chunk_size] = "out of memory"
             torch.cuda.empty_cache()
+        cost = time.time() - t0
     for leaf in inp.leaves:
         leaf.grad = None
     times = {c: ms for c, ms in tried.items() if isinstance(ms, float)}

@@ -11,6 +11,7 @@ process, gated and warmed up, then timed in rotating turns (run_interleaved).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -294,6 +295,8 @@ def _timed_ms(call, reset, device: torch.device) -> float:
 
 
 MIN_ROUNDS = 5  # a deadline cuts the rounds to what fits, never below this
+MIN_GATE_S = 15.0  # with a deadline: a provider is not set up with less time than this left for it
+ROUNDS_RESERVE_S = 10.0  # with a deadline: kept beyond MIN_ROUNDS rounds of the providers set up before
 
 
 def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunSettings, *, floor: bool = False,
@@ -305,8 +308,11 @@ def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunS
 
     `announce(name, first)`: called before a participant's gate (`first`) and before each of its timed calls,
     so that a supervising process knows whose call a crash or a hang belongs to (session_worker.py).
-    `deadline` (time.time() seconds): the rounds are cut to what fits before it by the warm-up calls' times,
-    keeping time for the memory calls (at least MIN_ROUNDS; each row's time says how many calls it has).
+    `deadline` (time.time() seconds): a provider is set up only if, after MIN_ROUNDS rounds of those set up
+    before it, MIN_GATE_S are left (else its row is skipped and says so), and its setup gets that time as
+    `settings.deadline`; the rounds are cut to what fits by the warm-up calls' times, keeping time for the
+    memory calls (at least MIN_ROUNDS; each row's time says how many calls it has). The order of `providers`
+    is thus their priority.
     Returns the rows in the order given (the floor's first), each with its time, or its status and reason."""
     inp = ctx.inputs
     announce = announce or (lambda name, first: None)
@@ -333,7 +339,17 @@ def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunS
                 call = None
             turn = _Turn(name, row, call, lambda: None)
         else:
-            row, call = _gated(entrant, ctx, settings)
+            gate_settings = settings
+            if deadline is not None:
+                reserve = MIN_ROUNDS * sum(t.warm_s for t in turns) + ROUNDS_RESERVE_S
+                left = deadline - time.time() - reserve
+                if left < MIN_GATE_S:
+                    rows.append(_row(inp.op.name, inp.shape, name, status="skipped",
+                                     reason=f"not set up: {deadline - time.time():.0f} s left of the part, kept for "
+                                            f"the rounds of the providers before it"))  # fmt: skip
+                    continue
+                gate_settings = dataclasses.replace(settings, deadline=time.time() + left)
+            row, call = _gated(entrant, ctx, gate_settings)
             turn = _Turn(name, row, call, functools.partial(reset_grads, inp))
         rows.append(row)
         if turn.call is None:
