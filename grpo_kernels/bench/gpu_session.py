@@ -1117,8 +1117,8 @@ def _pyplot():
 
 
 def headline_plot(report: dict, path: Path, part: str = "headline") -> Path:
-    """Per op: median time per provider as bars (lost / failed rows named in place of a bar), the GEMM
-    floor and the target as lines."""
+    """Per op: median time per provider as bars with p20-p80 whiskers (lost / failed rows named in place of a
+    bar), the GEMM floor and the target as lines."""
     plt = _pyplot()
     results = [r for r in report["results"] if r.get("part", part) == part]
     ops = [op for op in report["settings"]["ops"] if any(r["op"] == op for r in results)]
@@ -1131,11 +1131,14 @@ def headline_plot(report: dict, path: Path, part: str = "headline") -> Path:
         bars = [r for r in rows if r["provider"] != FLOOR]
         times = [r["time"]["median_ms"] if r.get("time") else 0.0 for r in bars]
         colors = ["tab:red" if r["provider"] == "grpo_kernels" else "tab:blue" for r in bars]
-        ax.bar(range(len(bars)), times, color=colors)
-        top = max(times + [floor["time"]["median_ms"] if floor else 0.0]) or 1.0
+        # whiskers: the 20th and 80th percentiles of the timed calls (the verdict gives them beside each median)
+        spread = [[t - r["time"]["p20_ms"] if r.get("time") else 0.0 for t, r in zip(times, bars)],
+                  [r["time"]["p80_ms"] - t if r.get("time") else 0.0 for t, r in zip(times, bars)]]  # fmt: skip
+        ax.bar(range(len(bars)), times, color=colors, yerr=spread, capsize=4, ecolor="black")
+        top = max([t + e for t, e in zip(times, spread[1])] + [floor["time"]["median_ms"] if floor else 0.0]) or 1.0
         for i, r in enumerate(bars):
             label = f"{r['x_floor']:.2f}x" if r.get("x_floor") else r["status"]
-            ax.text(i, times[i] + 0.01 * top, label, ha="center", va="bottom", fontsize=8,
+            ax.text(i, times[i] + spread[1][i] + 0.01 * top, label, ha="center", va="bottom", fontsize=8,
                     rotation=0 if r.get("x_floor") else 90)  # fmt: skip
         if floor:
             f_ms = floor["time"]["median_ms"]
