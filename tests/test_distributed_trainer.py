@@ -27,9 +27,11 @@ ARGS = ["--prompts-per-step", "4", "--group-size", "4", "--no-progress", "--seed
 def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "grpo_kernels.train", *args]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(CHECKOUT), OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that aborts (once in CI, at exit after a complete 3-rank run: "terminate called
+    # without an active exception") prints every thread's Python stack, so the failure shows where it was
+    env = dict(os.environ, PYTHONPATH=str(CHECKOUT), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
