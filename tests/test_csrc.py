@@ -243,3 +243,18 @@ def test_current_library_loads_on_a_cpu_machine(fresh_state):
         for dtype in cutlass.DTYPES.values():
             smem = lib.grpo_csrc_lm_head_fwd_smem_bytes(variant, dtype)
             assert 0 < smem <= 232448, f"variant {variant} dtype {dtype}: {smem} bytes of shared memory"
+
+
+def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
+    """GRPO_KERNELS_CSRC=1: the Triton backend's LM-head module is cutlass.py (csrc's kernel A where it applies,
+    Triton's own otherwise, both statistics-only calls of fused_linear_logprobs and of the fused loss's
+    two-pass / low-memory forward); unset or 0: Triton's module, and the library is never looked for."""
+    from grpo_kernels.ops import lm_head
+    from grpo_kernels.ops.lm_head import triton as triton_impl
+
+    monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
+    assert lm_head.get_impl("triton") is cutlass
+    for off in ("0", ""):
+        monkeypatch.setenv(cutlass.ENV_SWITCH, off)
+        assert lm_head.get_impl("triton") is triton_impl
+    assert lm_head.get_impl("torch").__name__.endswith("chunked")

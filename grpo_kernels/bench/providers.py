@@ -180,6 +180,37 @@ def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False, f
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
 
 
+def _ours_csrc() -> dict:
+    """fused_linear_logprobs with csrc/'s CUTLASS kernel A (GRPO_KERNELS_CSRC=1 around each call): log-probs
+    and entropy from the GEMM's epilogue partials, no logits written; with grad, Triton's backward. A library
+    that does not load, or a call it does not apply to, is a skipped row with the reason (never Triton's time
+    under csrc's name)."""
+    import grpo_kernels as gk
+    from ..ops.lm_head import cutlass
+
+    def logprobs(inp, s):
+        if not cutlass.applies(inp.hidden, inp.weight, None):
+            raise ProviderSkip("csrc's kernel A does not apply here (sm_90, bf16 / fp16, 16-byte aligned rows)")
+        if cutlass.load() is None:
+            raise ProviderSkip(f"csrc library: {cutlass.why_not()}")
+
+        def fn():
+            before = os.environ.get(cutlass.ENV_SWITCH)
+            os.environ[cutlass.ENV_SWITCH] = "1"
+            try:
+                out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend="triton")
+            finally:
+                if before is None:
+                    del os.environ[cutlass.ENV_SWITCH]
+                else:
+                    os.environ[cutlass.ENV_SWITCH] = before
+            return out.logprobs, out.entropy
+
+        return Forward(fn, f"csrc kernel A ({cutlass.library_path().name}), Triton backward")
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs}
+
+
 def _tp_group(device: torch.device):
     """(the process group the benchmark runs in, its size, this rank): torchrun's world, or a 1-rank group
     made here on a local file store."""
@@ -756,6 +787,14 @@ REGISTRY.add(
         "grpo_kernels fused loss with schedule='two_pass' (4 GEMM units, no stored logits): the other schedule",
         {"fused_grpo": _ours("auto", "two_pass")["fused_grpo"]},
         extra_check=_schedule_needs_triton("the PyTorch backend always takes two passes"),
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-csrc",
+        "grpo_kernels' log-probs with csrc/'s CUTLASS sm_90a kernel A (GRPO_KERNELS_CSRC=1; opt-in, not in auto)",
+        _ours_csrc(),
+        needs_cuda="csrc/'s sm_90a library",
     )
 )
 REGISTRY.add(

@@ -10,6 +10,10 @@ def get_impl(backend: str):
 
         return chunked
     if backend == "triton":
+        from . import cutlass
+
+        if cutlass.enabled():  # GRPO_KERNELS_CSRC=1: csrc/'s kernel A where it applies, Triton's elsewhere
+            return cutlass
         from . import triton as triton_impl
 
         return triton_impl

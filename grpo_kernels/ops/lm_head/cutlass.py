@@ -13,7 +13,8 @@ where it applies (switch on, CUDA device of capability 9.0, bf16 / fp16, 16-byte
 library is looked for and loaded on the first call with the switch on, and a missing, stale (its stamp differs
 from csrc/'s sources) or unloadable library gives exactly one warning and the Triton path from then on.
 
-Switch: GRPO_KERNELS_CSRC=1 (read per call). Not taken by backend="auto": csrc/README.md.
+Switch: GRPO_KERNELS_CSRC=1 (read per call; `get_impl("triton")` returns this module then). Not taken by
+backend="auto" on its own: csrc/README.md.
 
 It also holds the float64 / fp32 model of the epilogue's arithmetic (`tile_partials`, `merge_partials`), the
 spec that tests/test_csrc.py pins against the full-row float64 softmax and that the GPU check compares to.
