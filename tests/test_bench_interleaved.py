@@ -187,3 +187,32 @@ def test_verls_kernel_loads_without_verls_package():
     assert Path(got["file"]) == folder / "utils" / "kernel" / "linear_cross_entropy.py"
     assert Path(got["kernels"]) == folder / "utils" / "kernel" / "kernels.py"
     assert got["device"] == "module"  # torch.cuda, for the kernel's streams and events
+
+
+def test_a_fault_that_poisons_the_process_is_raised_not_recorded():
+    """A CUDA fault leaves every later call of the process wrong: run_interleaved raises it (the supervising
+    session charges it to the call announced last and measures the rest in a fresh process) instead of
+    recording an error row and going on with a poisoned context."""
+    ctx = runner.prepare_shape("logprobs", PRESETS["tiny"][0], _settings())
+    broken = REGISTRY.providers["torch-eager"]
+
+    def setup(inp, s):
+        forward = broken.setups["logprobs"](inp, s)
+        state = {"n": 0}
+        fn = forward.fn
+
+        def faults_in_round_one():
+            state["n"] += 1
+            if state["n"] == 3:  # gate, warm-up, then the first timed call
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return fn()
+
+        forward.fn = faults_in_round_one
+        return forward
+
+    planted = type(broken)(**{**broken.__dict__, "name": "planted", "setups": {"logprobs": setup}})
+    seen = []
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        runner.run_interleaved([REGISTRY.providers["grpo_kernels"], planted], ctx, _settings(), floor=True,
+                               announce=lambda n, f: seen.append(n), fatal=lambda text: "illegal memory" in text)  # fmt: skip
+    assert seen[-1] == "planted"  # the call the supervisor charges it to

@@ -300,7 +300,7 @@ ROUNDS_RESERVE_S = 10.0  # with a deadline: kept beyond MIN_ROUNDS rounds of the
 
 
 def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunSettings, *, floor: bool = False,
-                    announce=None, deadline: float | None = None) -> list[dict]:  # fmt: skip
+                    announce=None, deadline: float | None = None, fatal=None) -> list[dict]:  # fmt: skip
     """The floor (with `floor`) and every provider in one process, timed in turns: each gated first and
     warmed up (`warmup` calls), then `iters` rounds of one call each, the order rotated by one every round
     (no participant always follows the same one), then each one's memory. On a machine whose clocks or
@@ -312,7 +312,9 @@ def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunS
     before it, MIN_GATE_S are left (else its row is skipped and says so), and its setup gets that time as
     `settings.deadline`; the rounds are cut to what fits by the warm-up calls' times, keeping time for the
     memory calls (at least MIN_ROUNDS; each row's time says how many calls it has). The order of `providers`
-    is thus their priority.
+    is thus their priority. `fatal(text)`: whether an error's text says no later call in this process can be
+    trusted (a CUDA fault poisons the context): such an error is raised, not recorded, so the supervisor
+    charges it to the gate or call announced last and measures the rest in a fresh process.
     Returns the rows in the order given (the floor's first), each with its time, or its status and reason."""
     inp = ctx.inputs
     announce = announce or (lambda name, first: None)
@@ -321,6 +323,8 @@ def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunS
     rows: list[dict] = []
 
     def failed(turn: _Turn, exc: BaseException) -> None:
+        if fatal is not None and fatal(str(exc)):
+            raise exc
         turn.row.update(status="oom" if _is_oom(exc) else "error", reason=_error_text(exc), time=None)
         turns.remove(turn)
         reset_grads(inp)
@@ -350,6 +354,8 @@ def run_interleaved(providers: list[Provider], ctx: ShapeContext, settings: RunS
                     continue
                 gate_settings = dataclasses.replace(settings, deadline=time.time() + left)
             row, call = _gated(entrant, ctx, gate_settings)
+            if fatal is not None and row["status"] == "error" and fatal(row["reason"]):
+                raise RuntimeError(f"{name}'s gate: {row['reason']}")
             turn = _Turn(name, row, call, functools.partial(reset_grads, inp))
         rows.append(row)
         if turn.call is None:

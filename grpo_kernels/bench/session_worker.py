@@ -494,10 +494,12 @@ def job_interleaved(args) -> int:
         try:
             ctx = prepare_shape(op, shape, settings)
             rows = run_interleaved(providers, ctx, settings, floor=FLOOR in key_of, announce=announce,
-                                   deadline=args.deadline)  # fmt: skip
+                                   deadline=args.deadline, fatal=_poisoned)  # fmt: skip
             add_ratios(rows, ctx.inputs)
             del ctx
         except Exception as exc:  # noqa: BLE001 - e.g. building the inputs ran out of memory
+            if _poisoned(str(exc)):
+                raise  # the process is done: the call announced last is lost, a fresh process measures the rest
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows = [_row(op, shape, p.name, status="error", reason=reason) for p in providers]
             if FLOOR in key_of:
@@ -508,8 +510,6 @@ def job_interleaved(args) -> int:
             _end(key)
             shown = f"{row['time']['median_ms']:.3f} ms" if row.get("time") else f"{row['status']} {row['reason']}"
             print(f"  {op:<10} {shape.tokens:>6} {row['provider']:<28} {shown}", flush=True)
-        if any(_poisoned(r.get("reason", "")) for r in rows):
-            return RESTART
     return 0
 
 
