@@ -91,25 +91,31 @@ def test_with_little_time_left_a_provider_is_not_set_up_and_its_row_says_why():
         assert by[name]["status"] == "skipped" and "left of the part" in by[name]["reason"], by[name]
 
 
-def test_a_provider_that_fails_leaves_the_others_timed():
-    ctx = runner.prepare_shape("fused_grpo", PRESETS["tiny"][0], _settings())
+def _planted(op: str, fail_at: int, message: str):
+    """torch-eager's provider, renamed "planted", whose `fail_at`-th call of `op` raises RuntimeError(message)
+    (the gate's call is the first, each warm-up and timed call the next)."""
     broken = REGISTRY.providers["torch-eager"]
 
     def setup(inp, s):
-        forward = broken.setups["fused_grpo"](inp, s)
+        forward = broken.setups[op](inp, s)
         state = {"n": 0}
         fn = forward.fn
 
-        def fails_in_round_two():
+        def failing():
             state["n"] += 1
-            if state["n"] == 4:  # gate, warm-up, round 1: then a failure
-                raise RuntimeError("a planted failure")
+            if state["n"] == fail_at:
+                raise RuntimeError(message)
             return fn()
 
-        forward.fn = fails_in_round_two
+        forward.fn = failing
         return forward
 
-    planted = type(broken)(**{**broken.__dict__, "name": "planted", "setups": {"fused_grpo": setup}})
+    return type(broken)(**{**broken.__dict__, "name": "planted", "setups": {op: setup}})
+
+
+def test_a_provider_that_fails_leaves_the_others_timed():
+    ctx = runner.prepare_shape("fused_grpo", PRESETS["tiny"][0], _settings())
+    planted = _planted("fused_grpo", 4, "a planted failure")  # gate, warm-up, round 1: then a failure
     rows = runner.run_interleaved([planted, REGISTRY.providers["grpo_kernels"]], ctx, _settings(), floor=True)
     by = {r["provider"]: r for r in rows}
     assert by["planted"]["status"] == "error" and "a planted failure" in by["planted"]["reason"]
@@ -194,23 +200,8 @@ def test_a_fault_that_poisons_the_process_is_raised_not_recorded():
     session charges it to the call announced last and measures the rest in a fresh process) instead of
     recording an error row and going on with a poisoned context."""
     ctx = runner.prepare_shape("logprobs", PRESETS["tiny"][0], _settings())
-    broken = REGISTRY.providers["torch-eager"]
-
-    def setup(inp, s):
-        forward = broken.setups["logprobs"](inp, s)
-        state = {"n": 0}
-        fn = forward.fn
-
-        def faults_in_round_one():
-            state["n"] += 1
-            if state["n"] == 3:  # gate, warm-up, then the first timed call
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return fn()
-
-        forward.fn = faults_in_round_one
-        return forward
-
-    planted = type(broken)(**{**broken.__dict__, "name": "planted", "setups": {"logprobs": setup}})
+    # gate, warm-up, then the first timed call
+    planted = _planted("logprobs", 3, "CUDA error: an illegal memory access was encountered")
     seen = []
     with pytest.raises(RuntimeError, match="illegal memory access"):
         runner.run_interleaved([REGISTRY.providers["grpo_kernels"], planted], ctx, _settings(), floor=True,
