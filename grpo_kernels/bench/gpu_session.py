@@ -972,13 +972,10 @@ def verdict_of(report: dict | None, skipped_providers: dict | None = None) -> di
         rows = {r["provider"]: r for r in sorted(report["results"], key=lambda r: r["shape"]["tokens"])
                 if r["op"] == op and r.get("part", "headline") == "headline"}  # fmt: skip
         for name in sorted(judged & set(rows), key=lambda n: (n != FLOOR, n != "grpo_kernels", n)):
-            r, mem = rows[name], rows[name].get("memory") or {}
+            r, mem, timed = rows[name], rows[name].get("memory") or {}, rows[name].get("time") or {}
             result["rows"].append({
                 "op": op, "provider": name, "status": r["status"], "reason": (r.get("reason") or "")[:200],
-                "median_ms": r["time"]["median_ms"] if r.get("time") else None,
-                "p20_ms": r["time"]["p20_ms"] if r.get("time") else None,
-                "p80_ms": r["time"]["p80_ms"] if r.get("time") else None,
-                "iters": r["time"]["iters"] if r.get("time") else None, "timer": r["time"]["timer"] if r.get("time") else None,
+                **{k: timed.get(k) for k in ("median_ms", "p20_ms", "p80_ms", "iters", "timer")},
                 "x_floor": r.get("x_floor"), "ours_speedup": r.get("ours_speedup"),
                 "extra_gib": mem["beyond_grads_bytes"] / 2**30 if mem.get("beyond_grads_bytes") is not None else None,
                 "impl": r.get("impl") or None,

@@ -29,6 +29,7 @@ from ..testing.peers import AcceleratorStandIn
 
 from . import oracle
 from .ops import BenchInputs
+from .timing import synchronize
 
 # The peer versions this suite's adapters were written against (pyproject extras `parity`).
 PINS = {"trl": "1.16.0", "verl": "0.9.1", "liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
@@ -561,12 +562,10 @@ def _liger_chunked_tuned(inp, s):
     def timed(fn) -> float:
         for leaf in inp.leaves:
             leaf.grad = None
-        if inp.device.type == "cuda":
-            torch.cuda.synchronize(inp.device)
+        synchronize(inp.device)
         t0 = time.perf_counter()
         fn().backward()
-        if inp.device.type == "cuda":
-            torch.cuda.synchronize(inp.device)
+        synchronize(inp.device)
         return (time.perf_counter() - t0) * 1e3
 
     tried: dict[int, float | str] = {}
