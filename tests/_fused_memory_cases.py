@@ -18,21 +18,32 @@ fused.ONE_PASS_LOGITS_BYTES = 12 * 4 * V  # 12 valid tokens per chunk: 4 chunks 
 fused.ONE_PASS_CHUNK_TOKENS = 12  # the in-place schedules' chunks (sized by the goal, capped here) as well
 fused.LOW_MEMORY_SLAB_BYTES = 1024 * (40 * 4 + H * 4)  # 1024-column slabs: 5 of V = 4099
 out = {}
-for schedule in ("one_pass", "two_pass", "low_memory", "one_pass_inplace", "one_pass_cublas",
-                 "one_pass_cublas_inplace"):
-    x = hidden.clone().requires_grad_(); w = weight.clone().requires_grad_()
+# fp32 every schedule; bf16 the kernel-A one-pass schedules, whose chunk logits are then fp16 differences and
+# offsets (HalfLogits, ~2 bytes per logit: 2x the tokens of the same budget, capped at 12 here)
+RUNS = [(s, torch.float32) for s in ("one_pass", "two_pass", "low_memory", "one_pass_inplace", "one_pass_cublas",
+                                     "one_pass_cublas_inplace")] + [(s, torch.bfloat16) for s in ("one_pass",
+                                                                                                  "one_pass_inplace")]
+for schedule, dtype in RUNS:
+    x = hidden.to(dtype).requires_grad_(); w = weight.to(dtype).requires_grad_()
     def call():
         return gk.fused_linear_grpo_loss(x, w, targets, adv, mask, old, config=gk.PolicyLossConfig.dapo(),
                                          backend="triton", schedule=schedule)
     res, peak, end = peak_allocated_bytes(call)
-    model = schedule_memory(schedule, int(mask.sum()), H, V, 4, logits_bytes=fused.ONE_PASS_LOGITS_BYTES,
+    e = x.element_size()
+    model = schedule_memory(schedule, int(mask.sum()), H, V, e, logits_bytes=fused.ONE_PASS_LOGITS_BYTES,
                             n_tokens=B * T)
     # gradients allocated inside the call: grad_hidden always; grad_weight by low_memory (written per
     # block in its final dtype) and the in-place schedules (the gradient buffer summed into); the other
-    # schedules' fp32 accumulator IS the fp32 gradient here
-    grads = x.numel() * 4 + (w.numel() * 4 if schedule == "low_memory" or schedule.endswith("_inplace") else 0)
+    # schedules' fp32 accumulator is the fp32 gradient here, and in bf16 its cast is made after the logits
+    # buffer is freed (below the peak)
+    grads = x.numel() * e + (w.numel() * e if schedule == "low_memory" or schedule.endswith("_inplace") else 0)
     slab_dz = next((b for k, b in model.buffers.items() if k.startswith("slab dz")), 0)
-    out[schedule] = dict(peak=peak, model=model.peak_extra, grads=grads, tokens=B * T, slab_dz=slab_dz)
+    key = schedule if dtype == torch.float32 else f"{schedule}-bfloat16"
+    out[key] = dict(peak=peak, model=model.peak_extra, grads=grads, tokens=B * T, slab_dz=slab_dz)
+    if dtype != torch.float32:  # CPU torch has no bf16 GEMM with an fp32 output: the grad_weight GEMM's
+        # fallback makes an fp32 copy of the chunk's dz slab and an fp32 [V, H] product (triton.py
+        # _grad_weight_accumulate), which a GPU's out_dtype GEMM does not
+        out[key]["cpu_upcast"] = 4 * V * H + 4 * fused.ONE_PASS_CHUNK_TOKENS * V
 # validation alone (the checks fused_linear_grpo_loss makes on hidden and weight), against its model
 flat = hidden.reshape(-1, H)
 valid = mask.reshape(-1)

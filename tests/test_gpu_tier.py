@@ -328,3 +328,34 @@ def test_input_variants_at_the_target_head(variant):
             assert err <= FUSED_TOL * (1 + t.abs().max().item()), f"fp32 {name}: worst |diff| {err:.3g}"
         return
     check_against_truth(variant, d, cfg, truth, ours, kwargs.get("softcap"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_logits_keep_the_fp32_stores_accuracy_at_the_target_head(dtype):
+    """Kernel A's fp16 stored logits (HalfLogits) against the fp32 store at the Qwen3-8B head, 256 tokens, on
+    the hardware: the interpreter test's bar (tests/test_half_logits_interpreter.py) with float64 truth:
+    forward statistics bitwise equal, gradients' normwise error at most 2x the fp32 store's, through the dz
+    slab and through dz_in_gemm."""
+    from _half_logits_cases import float64_truth, normwise
+
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    h, v = HEADS["qwen3-8b"]
+    n, dt = 256, getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(n, h, device="cuda", generator=g).to(dt)
+    w = (torch.randn(v, h, device="cuda", generator=g) * (3.0 / h**0.5)).to(dt)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp, g_h = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    fp32_store, half_store = torch.empty(n, v, device="cuda"), tri.HalfLogits.empty(n, v, "cuda")
+    stats = tri.lm_head_forward(x, w, None, y, 1.0, logits_out=fp32_store)
+    stats16 = tri.lm_head_forward(x, w, None, y, 1.0, logits_out=half_store)
+    assert all(torch.equal(a, b) for a, b in zip(stats, stats16)), "the statistics changed with the store's format"
+    args = (x, w, None, y, 1.0, stats.lse, stats.expected_logit, g_lp, g_h)
+    truth = float64_truth(x, w, None, y, 1.0, None, g_lp, g_h)
+    reference = tri.lm_head_backward(*args, stored_logits=fp32_store, need_grad_bias=False)
+    for dz_in_gemm in (False, True):
+        got = tri.lm_head_backward(*args, stored_logits=half_store, need_grad_bias=False, dz_in_gemm=dz_in_gemm)
+        for name, a, r, t in zip(("grad_hidden", "grad_weight"), got, reference, truth):
+            half, fp32 = normwise(a, t), normwise(r, t)
+            assert half <= 2 * fp32, f"{dtype} dz_in_gemm={dz_in_gemm} {name}: {half:.3g} > 2 x {fp32:.3g}"

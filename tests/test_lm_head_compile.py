@@ -140,7 +140,7 @@ def test_tma_kernel_a_moves_operands_by_tma_and_fits_two_ctas_per_sm(case, rows)
     tcgen05.mma, its accumulator in tensor memory (counted in CTAs per SM)."""
     r = _compiled(rows, case)
     assert r["tma"], f"{r['id']}: no cp.async.bulk.tensor in the PTX"
-    assert r["tma_store"] == case["stored"], f"{r['id']}: TMA store {r['tma_store']}, stored logits {case['stored']}"
+    assert r["tma_store"] == bool(case["stored"]), f"{r['id']}: TMA store {r['tma_store']}, stored logits {case['stored']}"
     assert r["mma"] == MMA[case["arch"]] and r["global_stores"] > 0 and not r["spills"], r
     assert r["ctas_per_sm"] >= (1 if case["softcap"] and not case["stored"] else 2), (
         f"{r['id']}: {r['ctas_per_sm']} CTA(s) per SM at {r['registers']} registers x {r['num_warps']} warps, "
@@ -229,26 +229,29 @@ def test_lm_head_row_offsets_are_int64(kernel):
         assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"
 
 
+@pytest.mark.parametrize("stored", [True, "half"], ids=["fp32", "half"])
 @pytest.mark.parametrize("kernel", sorted(STORED_POINTERS))
-def test_stored_logits_offsets_are_int64(kernel):
-    """The one-pass schedule's fp32 logits buffer [N, V] is addressed with int64 offsets (N * V > 2^31)."""
+def test_stored_logits_offsets_are_int64(kernel, stored):
+    """The one-pass schedule's logits buffer [N, V] (fp32, or fp16 differences with their [N, V / 64] fp32
+    offsets) is addressed with int64 offsets (N * V > 2^31)."""
     from grpo_kernels.ops.lm_head import triton as tri
     from grpo_kernels.testing.aot import compile_launch
 
     launches = matrix.record_lm_head_launches(16384, 4096, 256000, "bfloat16", tri.CONFIGS[("sm90", "16bit")],
-                                              stored=True)  # fmt: skip
+                                              stored=stored)  # fmt: skip
     launch = next(la for la in launches if la.name == kernel)
     assert launch.args["STORE_LOGITS" if kernel.startswith("lm_head_fwd") else "FROM_STORED"] is True
+    assert launch.args["HALF_LOGITS"] is (stored == "half")
     widths = matrix.first_offset_widths(compile_launch(launch, 90).ttir)
-    for ptr in STORED_POINTERS[kernel]:
+    for ptr in STORED_POINTERS[kernel] | ({"offset_ptr"} if stored == "half" else set()):
         assert widths.get(ptr) == {"i64"}, f"{kernel}: {ptr} is first offset by {widths.get(ptr)}, needs i64"
 
 
 # dz inside the backward GEMMs (schedule="one_pass_dz"): the stored logits [n, V] and the 2-D operands are
 # addressed in 64 bits too, at the same huge shape
 DZ_WIDE_POINTERS = {
-    "lm_head_bwd_kernel_grad_hidden_dz": {"stored_ptr", "weight_ptr", "out_ptr"},
-    "lm_head_bwd_kernel_grad_weight_dz": {"stored_ptr", "hidden_ptr", "acc_ptr"},
+    "lm_head_bwd_kernel_grad_hidden_dz": {"stored_ptr", "offset_ptr", "weight_ptr", "out_ptr"},
+    "lm_head_bwd_kernel_grad_weight_dz": {"stored_ptr", "offset_ptr", "hidden_ptr", "acc_ptr"},
 }
 
 
@@ -258,7 +261,7 @@ def test_dz_in_gemm_row_offsets_are_int64(kernel):
     from grpo_kernels.testing.aot import compile_launch
 
     config = tri.CONFIGS[("sm90", "16bit")]
-    launches = matrix.record_lm_head_launches(65536, 8192, 256000, "bfloat16", config, bias=True, stored=True,
+    launches = matrix.record_lm_head_launches(65536, 8192, 256000, "bfloat16", config, bias=True, stored="half",
                                               dz_in_gemm=True)  # fmt: skip
     dlogits = [la for la in launches if la.name == "lm_head_bwd_kernel_dlogits"]
     assert dlogits and not any(la.args["STORE_DLOGITS"] for la in dlogits)  # only the bias sums: no dz slab

@@ -11,8 +11,9 @@ is split into the dlogits kernel and the cuBLAS GEMMs that way).
 
 Core cases (call 1): the two ceilings; cuBLAS at the same shapes (logits GEMM with bf16 and fp32
 output, the two backward GEMMs with fp32 output); kernel A (cp.async) with and without the stored
-logits; the backward with recomputed logits (the dlogits kernel's GEMM + epilogue, then cuBLAS) and
-from stored logits; the loss head over 1M tokens. Opt-in cases (after every core row): kernel A
+logits (fp32, and the fp16 differences the fused schedules store for bf16); the backward with recomputed
+logits (the dlogits kernel's GEMM + epilogue, then cuBLAS) and from stored logits (both formats); the loss
+head over 1M tokens. Opt-in cases (after every core row): kernel A
 by TMA, and the two dz-in-GEMM kernels of schedule="one_pass_dz".
 """
 
@@ -162,28 +163,41 @@ def _cublas_grad_weight(t: Tensors):
     )
 
 
-def _kernel_a(stored: bool, kernel: str):
+def _logits_store(stored, rows: int, vocab: int, device):
+    """(the buffer kernel A stores one chunk's logits in, its bytes): fp32 [rows, V] (stored True), the fp16
+    differences + fp32 offsets of 16-bit inputs (stored "half", what the fused schedules run), or none."""
+    from ..ops.lm_head import triton as tri
+
+    if stored == "half":
+        return tri.HalfLogits.empty(rows, vocab, device), tri.HalfLogits.nbytes(rows, vocab)
+    if stored:
+        return torch.empty(rows, vocab, dtype=torch.float32, device=device), 4 * rows * vocab
+    return None, 0
+
+
+def _kernel_a(stored, kernel: str):
     def setup(t: Tensors):
         from ..ops.lm_head import triton as tri
 
         rows = t.chunk if stored else t.head.tokens
         x, w, y = t.hidden[:rows], t.weight, t.targets[:rows]
-        logits = torch.empty(rows, w.shape[0], dtype=torch.float32, device=t.device) if stored else None
+        logits, logits_bytes = _logits_store(stored, rows, w.shape[0], t.device)
 
         def call():
             with tri.use_forward_kernel(kernel):
                 return tri.lm_head_forward(x, w, None, y, 1.0, logits_out=logits)
 
         flops = 2 * rows * x.shape[1] * w.shape[0]
-        moved = _b(x, w, 16 * rows) + (_b(logits) if stored else 0)
+        moved = _b(x, w, 16 * rows) + logits_bytes
         return call, flops, moved, {"lm_head_fwd_kernel_partial": (flops, moved)}
 
     return setup
 
 
-def _backward(stored: bool, dz_in_gemm: str | None = None):
+def _backward(stored, dz_in_gemm: str | None = None):
     """The LM-head backward for log-prob cotangents: recomputed (dlogits kernel with its GEMM, then
-    two cuBLAS GEMMs) or from one chunk's stored logits; dz_in_gemm: only that dz kernel."""
+    two cuBLAS GEMMs) or from one chunk's stored logits (fp32, or "half": fp16 differences + offsets);
+    dz_in_gemm: only that dz kernel."""
 
     def setup(t: Tensors):
         from ..ops.lm_head import triton as tri
@@ -192,9 +206,8 @@ def _backward(stored: bool, dz_in_gemm: str | None = None):
         rows = t.chunk if stored else t.head.tokens
         x, w, y = t.hidden[:rows], t.weight, t.targets[:rows]
         n, h, v = rows, x.shape[1], w.shape[0]
-        logits = None
+        logits, z_bytes = _logits_store(stored, rows, v, t.device)
         if stored:
-            logits = torch.empty(rows, v, dtype=torch.float32, device=t.device)
             tri.lm_head_forward(x, w, None, y, 1.0, logits_out=logits)
         acc = torch.zeros(w.shape, dtype=torch.float32, device=t.device)
         lse, mean_z, g = stats.lse[:rows], stats.expected_logit[:rows], t.grad_logprobs[:rows]
@@ -208,7 +221,6 @@ def _backward(stored: bool, dz_in_gemm: str | None = None):
 
         gemm = 2 * n * h * v
         dz_bytes = 2 * n * v  # the bf16 dz slab, written once
-        z_bytes = 4 * n * v if stored else 0
         kernels = {
             "lm_head_bwd_kernel_dlogits": (0 if stored else gemm, z_bytes + dz_bytes + (0 if stored else _b(x, w))),
             "lm_head_bwd_kernel_grad_hidden_dz": (gemm, z_bytes + _b(w) + 4 * n * h),
@@ -265,18 +277,24 @@ CASES: tuple[Case, ...] = (
          _kernel_a(False, "cp.async")),
     Case("kernel-a-cp.async-stored", "kernel A (cp.async) on one chunk, fp32 logits stored", TRITON, False,
          _kernel_a(True, "cp.async")),
+    Case("kernel-a-cp.async-stored-half", "kernel A (cp.async) on one chunk, fp16 logits - row max stored (what "
+         "the fused schedules run for bf16)", TRITON, False, _kernel_a("half", "cp.async")),
     Case("backward-recompute", "backward, logits recomputed: dlogits kernel (GEMM + dz) + 2 cuBLAS GEMMs", TRITON,
          False, _backward(False)),
     Case("backward-stored", "backward of one chunk from stored logits: dlogits kernel (stream) + 2 cuBLAS GEMMs",
          TRITON, False, _backward(True)),
+    Case("backward-stored-half", "backward of one chunk from stored fp16 logits - row max: dlogits kernel "
+         "(stream) + 2 cuBLAS GEMMs", TRITON, False, _backward("half")),
     Case("loss-head", "loss head (Triton) fwd + bwd over 1M tokens: compulsory bytes", TRITON, False, _loss_head),
     Case("kernel-a-tma", "kernel A by TMA (opt-in): statistics only", TRITON, True, _kernel_a(False, "tma")),
     Case("kernel-a-tma-stored", "kernel A by TMA (opt-in) on one chunk, fp32 logits stored", TRITON, True,
          _kernel_a(True, "tma")),
-    Case("dz-grad-hidden", "one_pass_dz's grad_hidden kernel (dz formed in the operand load), one chunk", TRITON,
-         True, _backward(True, "grad_hidden")),
-    Case("dz-grad-weight", "one_pass_dz's grad_weight kernel (dz formed in the operand load), one chunk", TRITON,
-         True, _backward(True, "grad_weight")),
+    Case("kernel-a-tma-stored-half", "kernel A by TMA (opt-in) on one chunk, fp16 logits - row max stored", TRITON,
+         True, _kernel_a("half", "tma")),
+    Case("dz-grad-hidden", "one_pass_dz's grad_hidden kernel (dz formed in the operand load from the fp16 "
+         "stored logits), one chunk", TRITON, True, _backward("half", "grad_hidden")),
+    Case("dz-grad-weight", "one_pass_dz's grad_weight kernel (dz formed in the operand load from the fp16 "
+         "stored logits), one chunk", TRITON, True, _backward("half", "grad_weight")),
 )  # fmt: skip
 
 

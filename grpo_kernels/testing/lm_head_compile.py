@@ -120,12 +120,15 @@ def cases() -> list[dict]:
             for grads in ("logprobs", "entropy"):
                 add("bwd", "bfloat16", None, grads=grads)
             add("bwd", "bfloat16", None, bias=True, needs="b")
-            # the fused one-pass schedule: the forward keeps the fp32 logits, the backward reads them
-            for bias in (False, True):
-                add("fwd", "bfloat16", None, bias=bias, stored=True)
-                add("bwd", "bfloat16", None, bias=bias, stored=True)
+            # the fused one-pass schedule: the forward keeps the logits (fp32, or for 16-bit inputs fp16
+            # differences from the running row max + fp32 offsets: stored="half"), the backward reads them
+            for stored in (True, "half"):
+                for bias in (False, True):
+                    add("fwd", "bfloat16", None, bias=bias, stored=stored)
+                    add("bwd", "bfloat16", None, bias=bias, stored=stored)
+            add("fwd", "float16", None, stored="half")
             # logit soft-capping (Gemma 2 / 3): tanh in the forward epilogue, its derivative in dz
-            for stored in (False, True):
+            for stored in (False, True, "half"):
                 add("fwd", "bfloat16", None, bias=True, stored=stored, softcap=True)
                 add("bwd", "bfloat16", None, bias=True, stored=stored, softcap=True)
             for dtype, precision in (("float16", None), ("float32", "tf32")):
@@ -133,10 +136,11 @@ def cases() -> list[dict]:
                 add("bwd", dtype, precision)
             add("merge", "float32", None)
             # dz inside the backward GEMMs (opt-in): each upstream-gradient combination, the soft-cap, fp32
-            for kernel in DZ_KERNELS:
+            for kernel in DZ_KERNELS:  # the fused schedule's store for 16-bit inputs: half; fp32 keeps fp32
                 for grads in ("both", "logprobs", "entropy"):
-                    add(kernel, "bfloat16", None, grads=grads, stored=True)
-                add(kernel, "bfloat16", None, bias=True, stored=True, softcap=True)
+                    add(kernel, "bfloat16", None, grads=grads, stored="half")
+                add(kernel, "bfloat16", None, bias=True, stored="half", softcap=True)
+                add(kernel, "bfloat16", None, stored=True)
                 add(kernel, "float32", "tf32x3", stored=True)
             # the cuBLAS-forward schedules' streaming statistics kernel: each of its code paths (bias added
             # and z written back, soft-cap), bf16 and fp32 buffers are the same (it reads fp32 logits)
@@ -148,7 +152,7 @@ def cases() -> list[dict]:
             # each path of the cp.async one that it replaces
             if tri.CONFIGS[(config_arch, "16bit")].forward_tma is not None:
                 for bias in (False, True):
-                    for stored in (False, True):
+                    for stored in (False, True, "half"):
                         add("fwd_tma", "bfloat16", None, bias=bias, stored=stored)
                 add("fwd_tma", "bfloat16", None, h=RAGGED_H)
                 for stored in (False, True):
@@ -171,7 +175,7 @@ def case_id(c: dict) -> str:
         if c["needs"] != "hwb":
             parts.append(f"needs-{c['needs']}")
     if c.get("stored"):
-        parts.append("stored-logits")
+        parts.append("stored-half-logits" if c["stored"] == "half" else "stored-logits")
     if c.get("softcap"):
         parts.append("softcap")
     return "/".join(parts)
@@ -205,7 +209,9 @@ def record_lm_head_launches(
     b = meta(v) if bias else None
     f32 = lambda: meta(n, dtype=torch.float32)  # noqa: E731
     extra = {} if workspace_bytes is None else dict(workspace_bytes=workspace_bytes)
-    logits = meta(n, v, dtype=torch.float32) if stored else None
+    # stored: True for fp32 logits, "half" for kernel A's fp16 differences and offsets (tri.HalfLogits)
+    logits = tri.HalfLogits.empty(n, v, "meta") if stored == "half" else meta(n, v, dtype=torch.float32) if stored \
+        else None  # fmt: skip
     if stored:
         extra["stored_logits"] = logits
     cap = (1.0 / 30.0, 30.0 / 0.7) if softcap else None  # Gemma 2's cap, temperature 0.7
@@ -328,7 +334,7 @@ def write_report(
             if r["needs"] != "hwb":
                 flags.append(f"needs={r['needs']}")
         if r.get("stored"):
-            flags.append("stored logits")
+            flags.append("stored fp16 logits" if r["stored"] == "half" else "stored logits")
         if r.get("softcap"):
             flags.append("softcap")
         if r["kernel"] == "fwd_tma_ws":

@@ -47,20 +47,34 @@ class ScheduleTime:
                 f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + {self.bytes_moved / 1e9:.1f} GB at {BANDWIDTH / 1e12:.1f} TB/s")  # fmt: skip
 
 
-def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool = False) -> dict[str, int]:
+# kernel A's stored logits for 16-bit inputs (ops/lm_head/triton.py HalfLogits): an fp16 difference per logit and
+# an fp32 offset per 64 of them, written once and read by each pass over the logits
+HALF_LOGIT_BYTES = {"": 2.0, " (fp32 row max per 64 logits)": 4.0 / 64}
+
+
+def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool = False) -> dict[str, float]:
     """The bytes each pass over the `[tokens, V]` logits moves per logit (per valid token and vocabulary entry),
     by pass: what schedule_time charges as N x V traffic. bf16 at the target head, `one_pass_cublas_inplace`
     (what auto runs there): 18 = 4 (cuBLAS writes the fp32 logits) + 4 (the statistics kernel reads them) + 4
     (C's dz pass reads them) + 2 (it writes the dz slab) + 2 + 2 (the grad_hidden and grad_weight GEMMs read
-    it); kernel A's one-pass schedules skip the statistics pass (14), the recomputing ones store no logits."""
+    it). Kernel A's one-pass schedules skip the statistics pass and, for 16-bit inputs, store the logits as
+    fp16 differences from the running row max with an fp32 offset per 64 (2 + 1/16 bytes per pass): 10.125
+    (was 14 with fp32 logits), one_pass_dz 6.1875 (was 12); the recomputing schedules store no logits."""
     e = element_size
     dz_slab = {"dz slab written": e, "dz slab read by grad_hidden GEMM": e, "dz slab read by grad_weight GEMM": e}
     if schedule in ("two_pass", "low_memory"):  # the logits are recomputed inside the dz kernel: never stored
         return dz_slab
+
+    def stored(what: str) -> dict[str, float]:  # kernel A's store, fp16 + offsets for 16-bit inputs
+        if e == 2:
+            return {f"{what}{part}": nbytes for part, nbytes in HALF_LOGIT_BYTES.items()}
+        return {what: 4}
+
     if schedule == "one_pass_dz":  # dz formed inside the two GEMMs' operand loads from the stored logits
-        return {"logits written (kernel A)": 4, "logits read by grad_hidden GEMM": 4, "logits read by grad_weight GEMM": 4}
+        return {**stored("logits written (kernel A)"), **stored("logits read by grad_hidden GEMM"),
+                **stored("logits read by grad_weight GEMM")}  # fmt: skip
     if schedule in ("one_pass", "one_pass_inplace"):
-        return {"logits written (kernel A)": 4, "logits read by dz pass": 4, **dz_slab}
+        return {**stored("logits written (kernel A)"), **stored("logits read by dz pass"), **dz_slab}
     if schedule in ("one_pass_cublas", "one_pass_cublas_inplace"):
         out = {"logits written (cuBLAS)": 4, "logits read by statistics pass": 4}
         if transform_writes:  # a bias or soft-cap: the statistics kernel writes z back for C
@@ -100,7 +114,7 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
     # per chunk: W read by A and by the grad_hidden GEMM, the accumulator read and written (fp32: 8 bytes per
     # element; in place: the gradient buffer in the weight's dtype)
     per_chunk = 2 * vh * e + vh * (2 * e if in_place else 8)
-    # logits stored and read back (fp32), dz slab written and read twice; the streaming statistics kernel
+    # logits stored and read back (logit_bytes: fp32, or fp16 + offsets), dz slab written and read twice; the streaming statistics kernel
     # reads the logits once more (and writes z back when a bias or soft-cap changes it): logit_bytes
     traffic = chunks * per_chunk + nv * sum(logit_bytes(schedule, e, transform_writes=transform_writes).values())
     cublas = 3 * unit if cublas_forward else 2 * unit

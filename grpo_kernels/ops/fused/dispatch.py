@@ -36,6 +36,7 @@ from .function import (
     fused_grpo_forward_one_pass,
     host_index,
     one_pass_capacity,
+    stored_logits_bytes,
     vocab_slab_columns,
 )
 
@@ -51,14 +52,19 @@ def _is_batch_invariant(lm_impl) -> bool:
 
 def resolve_auto(plan, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int, element_size: int, *, bias: bool,
                  masked: bool, goal: int, chunk_tokens: int, cublas_ok: bool = True, transform_writes: bool = False,
-                 base_reason: str = ""):  # fmt: skip
+                 base_reason: str = "", kernel_a_chunk_tokens: int | None = None):  # fmt: skip
     """"auto" with a weight gradient (module docstring): (schedule, chunks or None, reason). `plan(rows)`: the
-    one-pass chunks of at most `rows` valid tokens, or None where one pass is not valid for the call."""
+    one-pass chunks of at most `rows` valid tokens, or None where one pass is not valid for the call.
+    `kernel_a_chunk_tokens`: one_pass's chunk when it differs from `chunk_tokens` (the default budget holds
+    twice the tokens in kernel A's fp16 logits)."""
     base_chunks = plan(chunk_tokens)
     base = "one_pass" if base_chunks is not None else "two_pass"
     options = {}  # schedule -> (chunks, chunk rows)
     if base == "one_pass":
-        options["one_pass"] = (base_chunks, chunk_tokens)
+        kernel_a_rows = kernel_a_chunk_tokens or chunk_tokens
+        kernel_a_chunks = plan(kernel_a_rows) if kernel_a_rows != chunk_tokens else base_chunks
+        options["one_pass"] = (kernel_a_chunks, kernel_a_rows) if kernel_a_chunks is not None else (base_chunks,
+                                                                                                   chunk_tokens)  # fmt: skip
         if cublas_ok:
             options["one_pass_cublas"] = (base_chunks, chunk_tokens)
         limit = accuracy.max_inplace_chunks(dtype) if dtype != torch.float32 else None
@@ -77,9 +83,10 @@ def resolve_auto(plan, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int
     options["low_memory"] = (None, chunk_tokens)
 
     def peak(name: str, rows: int) -> int:
-        logits = 4 * rows * vocab
+        logits = stored_logits_bytes(name, rows, vocab, element_size) if name in ONE_PASS_VARIANTS else \
+            memory.ONE_PASS_LOGITS_BYTES  # fmt: skip
         return memory.schedule_memory(name, n_valid, hidden, vocab, element_size, bias=bias, masked=masked,
-                                      logits_bytes=logits if name in ONE_PASS_VARIANTS else memory.ONE_PASS_LOGITS_BYTES).peak_extra  # fmt: skip
+                                      logits_bytes=logits).peak_extra  # fmt: skip
 
     def seconds(name: str, rows: int) -> float:
         return cost.schedule_time(name, n_valid, hidden, vocab, element_size, chunk_rows=rows,
@@ -116,11 +123,17 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     # the batch's layout on the host: read by the functional layer with the value checks (the call's one host
     # read), else read here once
     host = getattr(batch, "host", None) or host_index(batch.cu_seqlens, batch.valid)
+    chosen_chunks = chunk_tokens is not None  # the caller's chunk size, for every schedule
     if schedule in IN_PLACE and chunk_tokens is None:  # chunks sized to fill the goal
         n_valid = host.n_valid
         rows = memory.inplace_chunk_rows(n_valid, weight.shape[1], vocab, element_size, goal, bias=bias_grad,
                                          schedule=schedule)  # fmt: skip
         chunk_tokens = rows if rows > 0 else one_pass_capacity(vocab)
+    # kernel A's one-pass chunk: the logits budget in its stored format (fp16 for 16-bit inputs: 2x the tokens)
+    kernel_a_tokens = None if chosen_chunks else one_pass_capacity(vocab, schedule="one_pass",
+                                                                    element_size=element_size)  # fmt: skip
+    if schedule in ("one_pass", "one_pass_dz") and not chosen_chunks:
+        chunk_tokens = kernel_a_tokens
     chunk_tokens = chunk_tokens or one_pass_capacity(vocab)
     chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens, host)
     if (schedule == "auto" and backend == "triton" and not hasattr(lm_impl, "planning_vocab")
@@ -135,7 +148,7 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
             plan, weight.dtype, n_valid, weight.shape[1], vocab, element_size, bias=bias_grad,
             masked=n_valid < batch.valid.shape[0], goal=goal, chunk_tokens=chunk_tokens,
             cublas_ok=not _is_batch_invariant(lm_impl), transform_writes=bias is not None or transform,
-            base_reason=reason,
+            base_reason=reason, kernel_a_chunk_tokens=kernel_a_tokens,
         )  # fmt: skip
     logits_store = None
     if backend == "torch" and chosen == "two_pass" and torch.is_grad_enabled() and any(
@@ -169,11 +182,12 @@ def auto_schedule_at(n_valid: int, hidden: int, vocab: int, dtype: torch.dtype =
     `n_valid` valid tokens of a head: (schedule, reason). For the README, the tests and the benchmarks."""
     element_size = torch.empty((), dtype=dtype).element_size()
     chunk_tokens = one_pass_capacity(vocab)
+    kernel_a_tokens = one_pass_capacity(vocab, schedule="one_pass", element_size=element_size)
 
     def plan(rows):
         return [None] * -(-n_valid // rows) if one_pass_valid and rows > 0 else None
 
     chosen, _, reason = resolve_auto(plan, dtype, n_valid, hidden, vocab, element_size, bias=bias, masked=masked,
                                      goal=memory.EXTRA_MEMORY_GOAL if goal is None else goal,
-                                     chunk_tokens=chunk_tokens)  # fmt: skip
+                                     chunk_tokens=chunk_tokens, kernel_a_chunk_tokens=kernel_a_tokens)  # fmt: skip
     return chosen, reason

@@ -66,10 +66,11 @@ class _Saved:
 # read-modify-write per chunk stay far below the chunk's GEMM time (perf-state-of-the-art.md §4.2:
 # C >= ~1024 on an H200), small enough that the per-chunk loss-head launch is cheap.
 ONE_PASS_CHUNK_TOKENS = 8192
-# The chunk's fp32 logits kept between A and C: 4 V bytes per token (V = 151936: 2 GiB for 3.5k tokens).
-# This budget, not ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 tokens at
-# V = 152k): longer completions are cut across chunks for token-local objectives, other objectives
-# take the two-pass schedule.
+# The chunk's logits kept between A and C: 4 V bytes per token in fp32 (V = 151936: 2 GiB for 3.5k tokens),
+# ~2 V where kernel A stores fp16 differences (16-bit inputs: half_logits). This budget, not
+# ONE_PASS_CHUNK_TOKENS, bounds the chunk at real vocabularies (~1290 fp32 / ~2560 fp16 tokens at V = 152k):
+# longer completions are cut across chunks for token-local objectives, other objectives take the two-pass
+# schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
 SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz", "one_pass_inplace", "one_pass_cublas",
              "one_pass_cublas_inplace")
@@ -99,10 +100,36 @@ def stored_logits_row_stride(vocab: int) -> int:
     return -(-vocab // 4) * 4
 
 
-def one_pass_capacity(vocab: int, logits_bytes: int | None = None) -> int:
-    """Valid tokens per one-pass chunk: the logits budget (default ONE_PASS_LOGITS_BYTES), in whole
-    64-token tiles, capped at ONE_PASS_CHUNK_TOKENS."""
-    rows = (ONE_PASS_LOGITS_BYTES if logits_bytes is None else logits_bytes) // (4 * vocab)
+def half_logits(dtype: torch.dtype) -> bool:
+    """Whether kernel A stores a one-pass chunk's logits as fp16 differences from the running row max
+    (ops/lm_head/triton.py HalfLogits, 2 bytes per logit) rather than fp32: for bf16 / fp16 inputs, whose
+    gradients keep their float64 error with it (the dz slab's rounding to the input dtype dominates;
+    tests/test_half_logits_interpreter.py); fp32 inputs keep fp32 logits (their gradients would not)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def stored_logits_bytes(schedule: str, rows: int, vocab: int, element_size: int) -> int:
+    """Bytes of a one-pass chunk's stored logits for `rows` tokens: cuBLAS writes fp32 [rows, V]; kernel A
+    fp32 rows padded to 16 bytes, or for 16-bit inputs fp16 differences (rows padded to 16 bytes) and an
+    fp32 offset per 64 columns (half_logits)."""
+    if ONE_PASS_VARIANTS[schedule][0] == "cublas":
+        return 4 * rows * vocab
+    if element_size == 2:
+        from ..lm_head.triton import HalfLogits
+
+        return HalfLogits.nbytes(rows, vocab)
+    return 4 * rows * stored_logits_row_stride(vocab)
+
+
+def one_pass_capacity(vocab: int, logits_bytes: int | None = None, schedule: str = "one_pass_cublas",
+                      element_size: int = 4) -> int:  # fmt: skip
+    """Valid tokens per one-pass chunk of `schedule`: the logits budget (default ONE_PASS_LOGITS_BYTES) over
+    the bytes of one token's stored logits (4 V for fp32, the default; kernel A with 16-bit inputs stores
+    2 V + 4 V / 64: twice the tokens), in whole 64-token tiles, capped at ONE_PASS_CHUNK_TOKENS."""
+    # unpadded (the buffers' rows are padded to 16 bytes, a budget sized for whole rows keeps its tokens)
+    half = ONE_PASS_VARIANTS[schedule][0] == "kernel_a" and element_size == 2
+    row_bytes = 2 * vocab + 4 * -(-vocab // 64) if half else 4 * vocab
+    rows = (ONE_PASS_LOGITS_BYTES if logits_bytes is None else logits_bytes) // row_bytes
     if rows >= 64:
         rows = rows // 64 * 64
     return max(0, min(ONE_PASS_CHUNK_TOKENS, rows))
@@ -146,8 +173,9 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
 
 def _is_triton(lm_impl) -> bool:
     """The Triton backend (the name of a wrapped backend (batch-invariant, logit transform, vocabulary-parallel)
-    starts with the backend module's)."""
-    return lm_impl.__name__.split(" ")[0].endswith(".triton")
+    starts with the backend module's), csrc's module included (GRPO_KERNELS_CSRC=1: its forward where it
+    applies, Triton's backward and everything else)."""
+    return lm_impl.__name__.split(" ")[0].endswith((".triton", ".cutlass"))
 
 
 def vocab_slab_columns(n_rows: int, hidden_size: int, element_size: int, vocab: int) -> int:
@@ -378,6 +406,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     `variant` (ONE_PASS_VARIANTS): A by kernel A or by cuBLAS + the streaming statistics kernel; grad_weight
     accumulated in fp32 (cast once) or in the weight's dtype in the gradient buffer itself; dz in the GEMMs."""
     forward_gemm, in_place, dz_in_gemm = ONE_PASS_VARIANTS[variant]
+    from ..lm_head.triton import HalfLogits
     from ..loss_head import triton as loss_head
 
     cut = cfg.token_local  # chunks from plan_token_chunks: sequences may be cut
@@ -419,13 +448,16 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
                   else torch.nonzero_static(valid, size=n_valid).squeeze(-1))  # [Nv] flat indices, ascending  # fmt: skip
     edges = [t0 for _, _, t0, _ in chunks] + ([chunks[-1][3]] if chunks else [])
     row_edges = [host.valid_before[e] for e in edges]
-    logits = None  # A's fp32 logits of the current chunk, read by C (only when gradients are needed)
+    logits = None  # A's logits of the current chunk, read by C (only when gradients are needed)
     if (needs_grad or forward_gemm == "cublas") and chunks:  # cuBLAS writes its GEMM output there in any case
         capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))
-        # kernel A: rows padded to 16 bytes (4 fp32), so the TMA kernel A can store into it at any V; cuBLAS
-        # writes [n, V] row-major (its ldc = V), so each chunk's rows are contiguous
-        stride = vocab if forward_gemm == "cublas" else stored_logits_row_stride(vocab)
-        logits = torch.empty((capacity, stride), dtype=torch.float32, device=device)[:, :vocab]
+        if forward_gemm == "cublas":  # fp32 [n, V] row-major (cuBLAS's ldc = V): each chunk's rows contiguous
+            logits = torch.empty((capacity, vocab), dtype=torch.float32, device=device)
+        elif half_logits(flat_hidden.dtype):  # kernel A, 16-bit inputs: fp16 differences from the running row
+            logits = HalfLogits.empty(capacity, vocab, device)  # max, 2 bytes per logit (lm_head README §5)
+        else:  # fp32 inputs keep fp32 logits; rows padded to 16 bytes for the TMA kernel A's store
+            logits = torch.empty((capacity, stored_logits_row_stride(vocab)), dtype=torch.float32,
+                                 device=device)[:, :vocab]  # fmt: skip
     for i, (s0, s1, t0, t1) in enumerate(chunks):
         chunk_valid = valid[t0:t1]
         rows = valid_rows[row_edges[i]:row_edges[i + 1]]  # the valid rows of this chunk, flat indices

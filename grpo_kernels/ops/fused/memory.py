@@ -20,7 +20,7 @@ from .function import (
     ONE_PASS_LOGITS_BYTES,
     ONE_PASS_VARIANTS,
     one_pass_capacity,
-    stored_logits_row_stride,
+    stored_logits_bytes,
     vocab_slab_columns,
 )
 
@@ -67,7 +67,8 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
     """The peak of the Triton backend's fused forward (which computes every gradient) for `n_valid`
     valid tokens (`n_tokens` in the batch, default n_valid: what validation reads). One-pass family:
     the fp32 grad_weight accumulator (none in the in-place variants: the gradient buffer itself is
-    summed into), the chunk's fp32 logits (`logits_bytes` of them), and per chunk the dz slab (input
+    summed into), the chunk's stored logits (as many tokens as `logits_bytes` holds: fp32, or for kernel A
+    with 16-bit inputs fp16 differences and offsets, function.stored_logits_bytes), and per chunk the dz slab (input
     dtype; none for one_pass_dz) and the chunk's fp32 grad_hidden and gathered hidden rows. two_pass:
     the accumulator, the gathered hidden rows of the whole batch, and per backward chunk the dz slab and
     its fp32 grad_hidden. The cast of the accumulator to the weight's dtype (the gradient) happens after
@@ -100,9 +101,9 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
     if bias:
         buffers["grad_bias accumulator, fp32 [V]"] = 4 * vocab
     if schedule in ONE_PASS_VARIANTS:
-        rows = min(n_valid, max(1, one_pass_capacity(vocab, logits_bytes)))
-        stride = vocab if forward_gemm == "cublas" else stored_logits_row_stride(vocab)
-        buffers["chunk logits, fp32 [chunk, V]"] = 4 * rows * stride
+        rows = min(n_valid, max(1, one_pass_capacity(vocab, logits_bytes, schedule, element_size)))
+        buffers["chunk logits [chunk, V] (fp32; kernel A, 16-bit: fp16 + offsets)"] = stored_logits_bytes(
+            schedule, rows, vocab, element_size)  # fmt: skip
         buffers["chunk hidden rows + chunk grad_hidden [chunk, H]"] = 2 * element_size * rows * hidden
         if forward_gemm == "cublas":  # the streaming statistics kernel's split partials (more splits than A)
             tile = STREAM_TILES["gpu"]
@@ -124,11 +125,9 @@ def inplace_chunk_rows(n_valid: int, hidden: int, vocab: int, element_size: int,
     """Valid tokens per chunk of an in-place schedule: the most (whole 64-token tiles, at most
     function.ONE_PASS_CHUNK_TOKENS) whose modelled peak fits `goal`; 0 where not even 64 do. Bigger chunks mean
     fewer roundings of grad_weight (accuracy.py) and fewer re-reads of W and the gradient buffer."""
-    stride = vocab if schedule == "one_pass_cublas_inplace" else stored_logits_row_stride(vocab)
-
     def fits(rows: int) -> bool:
         m = schedule_memory(schedule, max(n_valid, rows), hidden, vocab, element_size, bias=bias,
-                            logits_bytes=4 * rows * stride)  # fmt: skip
+                            logits_bytes=stored_logits_bytes(schedule, rows, vocab, element_size))  # fmt: skip
         return m.peak_extra <= goal
 
     cap = function.ONE_PASS_CHUNK_TOKENS  # read at call time (tests set tiny chunks)

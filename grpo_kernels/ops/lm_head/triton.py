@@ -41,12 +41,62 @@ from .triton_backward import (  # noqa: F401
     lm_head_bwd_kernel_grad_hidden_dz,
     lm_head_bwd_kernel_grad_weight_dz,
 )
+from .triton_common import STORED_GROUP as _STORED_GROUP
 from .triton_forward import (  # noqa: F401
     lm_head_fwd_kernel_merge,
     lm_head_fwd_kernel_partial,
     lm_head_fwd_kernel_partial_tma,
     lm_head_fwd_kernel_stats_from_logits,
 )
+
+# Kernel A's stored logits in fp16 (HalfLogits): the offsets' column group, the kernels' constant
+STORED_GROUP = int(_STORED_GROUP.value)
+
+
+@dataclass(frozen=True)
+class HalfLogits:
+    """Kernel A's stored logits in 2 bytes per logit instead of 4 (README.md §5, "Stored logits in fp16"):
+    `difference` fp16 [N, >= V] (unit stride along V) holds d = z - m, `offset` fp32 [N, >= cdiv(V,
+    STORED_GROUP)] the m of each group of STORED_GROUP columns (the row's running max after the tile that
+    holds the group). lm_head_forward(logits_out=) writes it (kernel A only: cuBLAS writes fp32),
+    lm_head_backward(stored_logits=) reads z = m + d. Sliced by rows like a tensor."""
+
+    difference: torch.Tensor
+    offset: torch.Tensor
+
+    @staticmethod
+    def row_stride(vocab: int) -> int:
+        """fp16 elements per row of `difference`: V rounded up to 16 bytes (the TMA store's row stride)."""
+        return -(-vocab // 8) * 8
+
+    @staticmethod
+    def nbytes(rows: int, vocab: int) -> int:
+        """Bytes of a buffer for `rows` tokens: 2 per logit (padded row) + 4 per group of STORED_GROUP."""
+        return rows * (2 * HalfLogits.row_stride(vocab) + 4 * -(-vocab // STORED_GROUP))
+
+    @staticmethod
+    def empty(rows: int, vocab: int, device) -> HalfLogits:
+        difference = torch.empty((rows, HalfLogits.row_stride(vocab)), dtype=torch.float16, device=device)
+        offset = torch.empty((rows, -(-vocab // STORED_GROUP)), dtype=torch.float32, device=device)
+        return HalfLogits(difference[:, :vocab], offset)
+
+    def __getitem__(self, rows: slice) -> HalfLogits:
+        return HalfLogits(self.difference[rows], self.offset[rows])
+
+
+def _check_half_logits(logits: HalfLogits, n_tokens: int, vocab: int, device, name: str) -> None:
+    d, m = logits.difference, logits.offset
+    groups = -(-vocab // STORED_GROUP)
+    _check(
+        d.dtype == torch.float16 and d.dim() == 2 and d.shape[0] == n_tokens and d.shape[1] >= vocab
+        and d.stride(1) == 1 and m.dtype == torch.float32 and m.dim() == 2 and m.shape[0] == n_tokens
+        and m.shape[1] >= groups and m.stride(1) == 1,
+        f"{name} (HalfLogits) must hold fp16 [{n_tokens}, >= {vocab}] differences and fp32 [{n_tokens}, >= {groups}] "
+        f"offsets with unit stride along V, got {d.dtype} {tuple(d.shape)} and {m.dtype} {tuple(m.shape)}",
+    )  # fmt: skip
+    _check_device(d, device, f"{name}.difference")
+    _check_device(m, device, f"{name}.offset")
+
 
 # Backward workspace budget (plan_backward): mostly the [token_chunk, V] dL/dlogit slab in the input dtype.
 # 1 GiB holds 3328 tokens at V = 151936, H = 4096 in bf16, enough that re-reading the fp32 grad_weight
@@ -605,7 +655,8 @@ def lm_head_forward(
     A target outside [0, V) gives a NaN logprob. `config` overrides the dispatcher, `num_sms` the SM count
     used to size the vocabulary splits, `tiles_per_split` fixes the split instead. `logits_out` (fp32 [N, >= V], unit stride along V): the fp32
     logits z are also written there, for a backward that reads them instead of recomputing them (the
-    fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace).
+    fused one-pass schedule: 3 GEMM units instead of 4, at 4 bytes per logit of workspace); a HalfLogits
+    instead: kernel A writes them as fp16 differences from the running row max (2 bytes per logit).
     `forward_gemm="cublas"` (with `logits_out`, row-major [N, V]): the GEMM by cuBLAS with its fp32 output
     straight into `logits_out`, then the statistics by lm_head_fwd_kernel_stats_from_logits streaming over it
     (one more read of the logits; where a bias or soft-cap changes them, z is written back in place).
@@ -623,14 +674,17 @@ def lm_head_forward(
     weight = _unit_stride_rows(weight)
     targets = targets.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    half = isinstance(logits_out, HalfLogits)
     if forward_gemm == "cublas":
+        _check(not half, "forward_gemm='cublas' writes fp32 logits (cuBLAS's GEMM output); HalfLogits is kernel A's")
         _check(tiles_per_split is None and config is None,
                "forward_gemm='cublas' has no fixed tiles or split (the batch-invariant mode needs kernel A)")  # fmt: skip
         return _forward_cublas(hidden, weight, bias, targets, temperature, logits_out, softcap, stats, num_sms)
     cfg = config or pick_config(device, hidden.dtype, is_aligned(hidden, weight))
     use_tma = False
     if forward_kernel() == "tma":
-        blocker = _tma_blocker(device, cfg, [hidden, weight] + ([logits_out] if logits_out is not None else []))
+        stored = logits_out.difference if half else logits_out
+        blocker = _tma_blocker(device, cfg, [hidden, weight] + ([stored] if stored is not None else []))
         if blocker is not None:
             _warn_tma_fallback(blocker)
         use_tma = blocker is None
@@ -651,7 +705,12 @@ def lm_head_forward(
         vocab_tiles = triton.cdiv(vocab, tile.block_n)
         tps = max(1, min(int(tiles_per_split), vocab_tiles))
         plan = ForwardPlan(triton.cdiv(n_tokens, tile.block_m), vocab_tiles, tps, triton.cdiv(vocab_tiles, tps))
-    if logits_out is not None:
+    if half:
+        _check_half_logits(logits_out, n_tokens, vocab, device, "logits_out")
+        _check(tile.block_n % STORED_GROUP == 0,
+               f"HalfLogits needs kernel A's vocabulary tile to be a multiple of {STORED_GROUP} columns, the "
+               f"{cfg.name} configuration's is {tile.block_n}")  # fmt: skip
+    elif logits_out is not None:
         _check(
             logits_out.dtype == torch.float32 and logits_out.dim() == 2 and logits_out.shape[0] == n_tokens
             and logits_out.shape[1] >= vocab and logits_out.stride(1) == 1,
@@ -680,11 +739,15 @@ def lm_head_forward(
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
         STORE_LOGITS=logits_out is not None,
+        HALF_LOGITS=half,
+        offset_ptr=logits_out.offset if half else None,
+        stride_offset=logits_out.offset.stride(0) if half else 0,
+        num_groups=-(-vocab // STORED_GROUP),
         ROW_INDEPENDENT_DOT=cfg.row_independent_dot,
     )
     with _device_ctx(device):
         launch_forward = _launch_forward_tma if use_tma else _launch_forward_cp_async
-        launch_forward(hidden, weight, logits_out, plan, tile, shared)
+        launch_forward(hidden, weight, logits_out.difference if half else logits_out, plan, tile, shared)
         _launch_merge(partials, target_logit, stats, n_tokens, plan.num_splits)
     return stats
 
@@ -965,7 +1028,10 @@ def lm_head_backward(
         )
         _check_device(grad_bias_acc, device, "grad_bias_acc")
     _check(workspace_bytes > 0, f"workspace_bytes must be positive, got {workspace_bytes}")
-    if stored_logits is not None:  # written by lm_head_forward(logits_out=...) for these rows
+    half = isinstance(stored_logits, HalfLogits)
+    if half:  # written by lm_head_forward(logits_out=HalfLogits) for these rows
+        _check_half_logits(stored_logits, n_tokens, vocab, device, "stored_logits")
+    elif stored_logits is not None:  # written by lm_head_forward(logits_out=...) for these rows
         _check(
             stored_logits.dtype == torch.float32 and stored_logits.dim() == 2
             and stored_logits.shape[0] == n_tokens and stored_logits.shape[1] >= vocab
@@ -1039,12 +1105,15 @@ def lm_head_backward(
     if scale_dz:
         factor = inv_t if softcap is None else float(softcap[0]) * float(softcap[1])
         scales = dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor)
+    # the stored logits as the kernels take them: fp32 z, or fp16 differences and their fp32 offsets
+    stored_z, offsets = (stored_logits.difference, stored_logits.offset) if half else (stored_logits, None)
     if dz_in_gemm:
         _check(stored_logits is not None, "dz_in_gemm needs the forward's stored logits (stored_logits=)")
         per_row = dict(
             targets_ptr=targets, lse_ptr=lse, expected_logit_ptr=expected_logit, grad_logprobs_ptr=grad_logprobs,
             grad_entropy_ptr=grad_entropy, n_rows=n_tokens, vocab=vocab, hidden_size=hidden_size,
-            stride_stored=stored_logits.stride(0), inv_temperature=inv_t if softcap is None else 1.0,
+            stride_stored=stored_z.stride(0), offset_ptr=offsets, stride_offset=offsets.stride(0) if half else 0,
+            HALF_LOGITS=half, inv_temperature=inv_t if softcap is None else 1.0,
             cap_in=1.0 if softcap is None else float(softcap[0]), cap_out=1.0 if softcap is None else float(softcap[1]),
             HAS_SOFTCAP=softcap is not None, HAS_GRAD_LOGPROBS=grad_logprobs is not None,
             HAS_GRAD_ENTROPY=grad_entropy is not None, dz_scale_ptr=scales, SCALE_DZ=scale_dz,
@@ -1058,7 +1127,7 @@ def lm_head_backward(
                     hidden.shape, dtype=torch.float32, device=device)  # fmt: skip
                 grid = (triton.cdiv(n_tokens, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_hidden_dz, grid,
-                        dict(stored_ptr=stored_logits, weight_ptr=weight, out_ptr=out, stride_weight=weight.stride(0),
+                        dict(stored_ptr=stored_z, weight_ptr=weight, out_ptr=out, stride_weight=weight.stride(0),
                              stride_out=out.stride(0), ACCUMULATE=grad_hidden_acc is not None, **per_row),
                         tile.num_warps, tile.num_stages)  # fmt: skip
                 if grad_hidden_acc is None:
@@ -1066,7 +1135,7 @@ def lm_head_backward(
             if need_grad_weight:
                 grid = (triton.cdiv(vocab, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_weight_dz, grid,
-                        dict(stored_ptr=stored_logits, hidden_ptr=hidden, acc_ptr=grad_weight_acc,
+                        dict(stored_ptr=stored_z, hidden_ptr=hidden, acc_ptr=grad_weight_acc,
                              stride_hidden=hidden.stride(0), stride_acc=grad_weight_acc.stride(0), **per_row),
                         tile.num_warps, tile.num_stages)  # fmt: skip
         if not need_grad_bias:  # else the loop below adds the bias sums (its kernel stores no slab here)
@@ -1098,7 +1167,8 @@ def lm_head_backward(
                     grad_entropy_ptr=grad_entropy[chunk] if grad_entropy is not None else None,
                     dlogits_ptr=workspace,
                     bias_grad_part_ptr=bias_part,
-                    stored_ptr=stored_logits[chunk] if stored_logits is not None else None,
+                    stored_ptr=stored_z[chunk] if stored_z is not None else None,
+                    offset_ptr=offsets[chunk] if half else None,
                     dz_scale_ptr=scales,
                     n_rows=n,
                     vocab=vocab,
@@ -1106,13 +1176,15 @@ def lm_head_backward(
                     stride_hidden=hidden.stride(0),
                     stride_weight=weight.stride(0),
                     stride_dlogits=plan.workspace_row_stride if store_dlogits else 0,
-                    stride_stored=stored_logits.stride(0) if stored_logits is not None else 0,
+                    stride_stored=stored_z.stride(0) if stored_z is not None else 0,
+                    stride_offset=offsets.stride(0) if half else 0,
                     inv_temperature=inv_t if softcap is None else 1.0,  # soft-capped: the factor is per element
                     cap_in=1.0 if softcap is None else float(softcap[0]),
                     cap_out=1.0 if softcap is None else float(softcap[1]),
                     HAS_BIAS=bias is not None,
                     HAS_SOFTCAP=softcap is not None,
                     FROM_STORED=stored_logits is not None,
+                    HALF_LOGITS=half,
                     HAS_GRAD_LOGPROBS=grad_logprobs is not None,
                     HAS_GRAD_ENTROPY=grad_entropy is not None,
                     STORE_DLOGITS=store_dlogits,

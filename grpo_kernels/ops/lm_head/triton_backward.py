@@ -13,8 +13,8 @@ import triton.language as tl
 from .triton_common import (
     DEAD_LSE,
     LOG2E,
-    PAD_LOGIT,
     _grouped_tile,
+    _load_stored_logits,
     _logits_tile_acc,
     _transform_logits,
 )
@@ -78,7 +78,8 @@ def lm_head_bwd_kernel_dlogits(
     grad_entropy_ptr,  # [n] fp32 or None
     dlogits_ptr,  # [n, V] (row stride stride_dlogits), input dtype: dL/d(hidden @ W.T + b)
     bias_grad_part_ptr,  # [cdiv(n, BM), V] fp32 column sums of dL/dlogit, or None
-    stored_ptr,  # [n, V] fp32 z stored by the forward (row stride stride_stored), or None: recompute
+    stored_ptr,  # [n, V] z stored by the forward (row stride stride_stored; fp32, or fp16 z - m), or None: recompute
+    offset_ptr,  # [n, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     dz_scale_ptr,  # [2] fp32 (S, 1 / S): the slab holds S dz (fp16: README.md, "dz precision"), or None
     n_rows,
     vocab,
@@ -87,12 +88,14 @@ def lm_head_bwd_kernel_dlogits(
     stride_weight,
     stride_dlogits,
     stride_stored,
+    stride_offset,
     inv_temperature,
     cap_in,
     cap_out,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     FROM_STORED: tl.constexpr,
+    HALF_LOGITS: tl.constexpr,
     HAS_GRAD_LOGPROBS: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     STORE_DLOGITS: tl.constexpr,
@@ -122,9 +125,9 @@ def lm_head_bwd_kernel_dlogits(
     any_live = tl.sum(live.to(tl.int32), axis=0) > 0  # a tile whose rows have no upstream gradient: no GEMM
 
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    if FROM_STORED:  # the forward kept the fp32 logits of these rows: no GEMM here (one-pass schedule)
-        z_in = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored + cols[None, :]
-        z = tl.load(z_in, mask=tile_ok, other=PAD_LOGIT)
+    if FROM_STORED:  # the forward kept the logits of these rows: no GEMM here (one-pass schedule)
+        z = _load_stored_logits(stored_ptr, offset_ptr, offs_m, row_ok, cols, pid_n * BLOCK_N, vocab, tile_ok,
+                                stride_stored, stride_offset, HALF_LOGITS)  # fmt: skip
     else:
         rows = tl.minimum(offs_m, n_rows - 1).to(tl.int64)
         w_rows = tl.minimum(cols, vocab - 1).to(tl.int64)
@@ -166,14 +169,15 @@ def lm_head_bwd_kernel_dlogits(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def lm_head_bwd_kernel_grad_hidden_dz(
-    stored_ptr,  # [n, V] fp32 logits stored by the forward (row stride stride_stored)
+    stored_ptr,  # [n, V] logits stored by the forward (row stride stride_stored; fp32, or fp16 z - m)
+    offset_ptr,  # [n, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     weight_ptr,  # [V, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
     out_ptr,  # [n, H] fp32: grad_hidden (added into when ACCUMULATE)
     dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ: the operand is S dz, the sum divided by S
-    n_rows, vocab, hidden_size, stride_stored, stride_weight, stride_out,
+    n_rows, vocab, hidden_size, stride_stored, stride_offset, stride_weight, stride_out,
     inv_temperature, cap_in, cap_out,
-    HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HALF_LOGITS: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     ACCUMULATE: tl.constexpr, SCALE_DZ: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -190,12 +194,12 @@ def lm_head_bwd_kernel_grad_hidden_dz(
         inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
     )  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    z_rows = stored_ptr + offs_m.to(tl.int64)[:, None] * stride_stored
     for k0 in range(0, vocab, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < vocab
         tile_ok = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(z_rows + cols[None, :], mask=tile_ok, other=PAD_LOGIT)
+        z = _load_stored_logits(stored_ptr, offset_ptr, offs_m, row_ok, cols, k0, vocab, tile_ok, stride_stored,
+                                stride_offset, HALF_LOGITS)  # fmt: skip
         dz = _dz_tile(z, cols, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
                       HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
         dz = tl.where(tile_ok, dz, 0.0)
@@ -219,14 +223,15 @@ def lm_head_bwd_kernel_grad_hidden_dz(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def lm_head_bwd_kernel_grad_weight_dz(
-    stored_ptr,  # [n, V] fp32 logits stored by the forward (row stride stride_stored)
+    stored_ptr,  # [n, V] logits stored by the forward (row stride stride_stored; fp32, or fp16 z - m)
+    offset_ptr,  # [n, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     hidden_ptr,  # [n, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
     acc_ptr,  # [V, H] fp32 grad_weight accumulator (read, added to, written)
     dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ
-    n_rows, vocab, hidden_size, stride_stored, stride_hidden, stride_acc,
+    n_rows, vocab, hidden_size, stride_stored, stride_offset, stride_hidden, stride_acc,
     inv_temperature, cap_in, cap_out,
-    HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HALF_LOGITS: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     SCALE_DZ: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -247,8 +252,8 @@ def lm_head_bwd_kernel_grad_weight_dz(
             inv_temperature, HAS_GRAD_LOGPROBS, HAS_GRAD_ENTROPY,
         )  # fmt: skip
         tile_ok = row_ok[:, None] & v_ok[None, :]
-        z = tl.load(stored_ptr + rows.to(tl.int64)[:, None] * stride_stored + offs_v[None, :], mask=tile_ok,
-                    other=PAD_LOGIT)  # fmt: skip  [BK rows, BM vocab]
+        z = _load_stored_logits(stored_ptr, offset_ptr, rows, row_ok, offs_v, pid_m * BLOCK_M, vocab, tile_ok,
+                                stride_stored, stride_offset, HALF_LOGITS)  # fmt: skip  [BK rows, BM vocab]
         dz = _dz_tile(z, offs_v, lse, c_lp, c_h, mean_z, target, cap_in, cap_out, HAS_GRAD_LOGPROBS,
                       HAS_GRAD_ENTROPY, HAS_SOFTCAP)  # fmt: skip
         dz = tl.where(tile_ok, dz, 0.0)

@@ -27,6 +27,57 @@ NEG_BIG: tl.constexpr = tl.constexpr(-(2.0**102))
 PAD_LOGIT: tl.constexpr = tl.constexpr(-(2.0**104))
 RUN_MAX_INIT: tl.constexpr = tl.constexpr(-(2.0**105))
 DEAD_LSE: tl.constexpr = tl.constexpr(2.0**105)
+# Kernel A's stored logits in half the bytes (README.md §5, "Stored logits in fp16"): each logit as the fp16
+# difference d = z - m from its row's running maximum m after the logit's tile, m kept in fp32 once per
+# STORED_GROUP columns (kernel A's tiles are multiples of it). d <= 0; d below fp16's most negative finite
+# value is clamped there (HALF_DIFF_MIN): such a logit lies more than 65504 below its row's max, so p = 0
+# with and without the clamp, and p (z - E[z]) stays 0, not 0 * inf.
+STORED_GROUP: tl.constexpr = tl.constexpr(64)
+HALF_DIFF_MIN: tl.constexpr = tl.constexpr(-65504.0)
+
+
+@triton.jit
+def _store_group_offsets(offset_ptr, run_max, offs_m, row_ok, n0, num_groups, stride_offset, BLOCK_N: tl.constexpr):
+    """The fp32 offsets of one stored [BM, BN] logits tile: the rows' running max, once per STORED_GROUP
+    columns (BN / STORED_GROUP copies of it: a consumer's tile need not match the forward's)."""
+    groups = n0 // STORED_GROUP + tl.arange(0, BLOCK_N // STORED_GROUP)
+    m = run_max[:, None] + tl.zeros((1, BLOCK_N // STORED_GROUP), dtype=tl.float32)
+    ok = row_ok[:, None] & (groups < num_groups)[None, :]
+    tl.store(offset_ptr + offs_m.to(tl.int64)[:, None] * stride_offset + groups[None, :], m, mask=ok)
+
+
+@triton.jit
+def _half_difference(z, run_max):
+    """fp16 z - m of a [BM, BN] tile (m: the rows' running max including this tile, so d <= 0), clamped."""
+    return tl.maximum(z - run_max[:, None], HALF_DIFF_MIN).to(tl.float16)
+
+
+@triton.jit
+def _load_stored_logits(stored_ptr, offset_ptr, rows, row_ok, cols, first_col, vocab, tile_ok, stride_stored,
+                        stride_offset, HALF_LOGITS: tl.constexpr):  # fmt: skip
+    """A [R, C] tile of the logits the forward stored (rows: [R] token indices, row_ok: those < n; cols =
+    first_col + arange(C), first_col a multiple of min(C, STORED_GROUP); tile_ok: row_ok and cols < V): fp32
+    z, or (HALF_LOGITS) z = m + d from the fp16 differences and the fp32 offset of each column's group,
+    loaded once per row and group ([R] where the tile lies in one group, else [R, C / STORED_GROUP]) and
+    broadcast over the group's columns; PAD_LOGIT where tile_ok is False."""
+    at = rows.to(tl.int64)
+    if HALF_LOGITS:
+        R: tl.constexpr = rows.shape[0]
+        C: tl.constexpr = cols.shape[0]
+        d = tl.load(stored_ptr + at[:, None] * stride_stored + cols[None, :], mask=tile_ok, other=0.0)
+        if C <= STORED_GROUP:  # first_col < V: the group exists for every row in range
+            m = tl.load(offset_ptr + at * stride_offset + first_col // STORED_GROUP, mask=row_ok, other=0.0)
+            z = m[:, None] + d.to(tl.float32)
+        else:
+            GROUPS: tl.constexpr = C // STORED_GROUP
+            groups = first_col // STORED_GROUP + tl.arange(0, GROUPS)
+            group_ok = row_ok[:, None] & (groups * STORED_GROUP < vocab)[None, :]
+            m = tl.load(offset_ptr + at[:, None] * stride_offset + groups[None, :], mask=group_ok, other=0.0)
+            m = tl.reshape(tl.broadcast_to(m[:, :, None], (R, GROUPS, STORED_GROUP)), (R, C))
+            z = m + d.to(tl.float32)
+        return tl.where(tile_ok, z, PAD_LOGIT)
+    else:
+        return tl.load(stored_ptr + at[:, None] * stride_stored + cols[None, :], mask=tile_ok, other=PAD_LOGIT)
 
 
 @triton.jit

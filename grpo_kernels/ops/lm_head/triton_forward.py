@@ -18,7 +18,9 @@ from .triton_common import (
     RUN_MAX_INIT,
     _column_term,
     _grouped_tile,
+    _half_difference,
     _logits_tile_acc,
+    _store_group_offsets,
     _tile_dot,
     _transform_logits,
 )
@@ -72,13 +74,16 @@ def lm_head_fwd_kernel_partial(
     part_sum_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m)
     part_dev_ptr,  # [num_splits, N] fp32: sum_j exp(z_j - m) * (z_j - m)
     target_logit_ptr,  # [N] fp32: z_y, written by the split that holds y
-    logits_ptr,  # [N, V] fp32 (row stride stride_logits): z kept for the one-pass backward, or None
+    logits_ptr,  # [N, V] (row stride stride_logits): z kept for the one-pass backward (fp32, or fp16 z - m), or None
+    offset_ptr,  # [N, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     n_tokens,
     vocab,
     hidden_size,
     stride_hidden,
     stride_weight,
     stride_logits,
+    stride_offset,
+    num_groups,
     tiles_per_split,
     num_splits,
     inv_temperature,
@@ -87,6 +92,7 @@ def lm_head_fwd_kernel_partial(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
+    HALF_LOGITS: tl.constexpr,  # with STORE_LOGITS: fp16 z - m and fp32 m per group (2 bytes per logit, not 4)
     EVEN_K: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -123,11 +129,15 @@ def lm_head_fwd_kernel_partial(
         )
         # z = acc / T + bias / T, one FMA (or soft-capped); PAD_LOGIT outside the vocabulary
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
-        if STORE_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
+        if STORE_LOGITS and not HALF_LOGITS:  # the fp32 tile itself, so the one-pass backward needs no second GEMM
             z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
             tl.store(z_out, z, mask=row_ok[:, None] & (cols < vocab)[None, :])
         run_max, run_sum, run_dev, target_z = _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z,
                                                          BLOCK_N)  # fmt: skip
+        if STORE_LOGITS and HALF_LOGITS:  # z - m against the running max just folded (the fold's own shift)
+            z_out = logits_ptr + offs_m.to(tl.int64)[:, None] * stride_logits + cols[None, :]
+            tl.store(z_out, _half_difference(z, run_max), mask=row_ok[:, None] & (cols < vocab)[None, :])
+            _store_group_offsets(offset_ptr, run_max, offs_m, row_ok, n0, num_groups, stride_offset, BLOCK_N)
     _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
                     row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N)  # fmt: skip
 
@@ -166,7 +176,8 @@ def _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, 
 def lm_head_fwd_kernel_partial_tma(
     hidden_desc,  # TMA descriptor over hidden [N, H], block [BLOCK_M, BLOCK_K]
     weight_desc,  # TMA descriptor over weight [V, H], block [BLOCK_N, BLOCK_K]
-    logits_desc,  # TMA descriptor over the fp32 logits [N, V] (row stride of the buffer), block [BM, BN]; or None
+    logits_desc,  # TMA descriptor over the logits [N, V] (fp32, or fp16 z - m; row stride of the buffer), block [BM, BN]; or None
+    offset_ptr,  # [N, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     bias_ptr,  # [V] or None
     targets_ptr,  # [N] int
     part_max_ptr,  # [num_splits, N] fp32, as lm_head_fwd_kernel_partial
@@ -176,6 +187,8 @@ def lm_head_fwd_kernel_partial_tma(
     n_tokens,
     vocab,
     hidden_size,
+    stride_offset,
+    num_groups,
     tiles_per_split,
     num_splits,
     inv_temperature,
@@ -184,6 +197,7 @@ def lm_head_fwd_kernel_partial_tma(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
+    HALF_LOGITS: tl.constexpr,
     UPCAST_OPERANDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -216,10 +230,13 @@ def lm_head_fwd_kernel_partial_tma(
                 w = w.to(tl.float32)
             acc = _tile_dot(x, w, acc, DOT_PRECISION, ROW_INDEPENDENT_DOT)
         z = _transform_logits(acc, bias_ptr, cols, vocab, inv_temperature, cap_in, cap_out, HAS_BIAS, HAS_SOFTCAP)
-        if STORE_LOGITS:  # the fp32 tile through shared memory, one bulk store clipped to [N, V]
+        if STORE_LOGITS and not HALF_LOGITS:  # the fp32 tile through shared memory, one bulk store clipped to [N, V]
             logits_desc.store([m0, n0], z)
         run_max, run_sum, run_dev, target_z = _fold_tile(z, cols, n0, target, run_max, run_sum, run_dev, target_z,
                                                          BLOCK_N)  # fmt: skip
+        if STORE_LOGITS and HALF_LOGITS:
+            logits_desc.store([m0, n0], _half_difference(z, run_max))
+            _store_group_offsets(offset_ptr, run_max, offs_m, row_ok, n0, num_groups, stride_offset, BLOCK_N)
     _store_partials(part_max_ptr, part_sum_ptr, part_dev_ptr, target_logit_ptr, pid_split, n_tokens, vocab, offs_m,
                     row_ok, target, split_lo, n_tiles, run_max, run_sum, run_dev, target_z, BLOCK_N)  # fmt: skip
 
