@@ -1,6 +1,6 @@
 // Kernel A on Hopper (sm_90a): the logits GEMM hidden [N, H] x weight [V, H]^T with the softmax statistics in
 // its epilogue, written as CUTLASS 3.x collectives (TMA loads, WGMMA, warp-specialized persistent schedule)
-// and a register-only epilogue; no [N, V] tensor is written.
+// and a register-only epilogue; no [N, V] tensor is written unless the caller asks for the fp16 store below.
 //
 // Per row and per vocabulary tile t of the CTA tile (BLOCK_N columns) the epilogue writes, in fp32,
 //     part_max[t, row] = m_t = max_j z_j
@@ -13,6 +13,12 @@
 //     soft cap:     z = cap_out tanh(cap_in (acc + b))               (README "Soft-capping"; unclamped bias)
 // and PAD_LOGIT for the columns of the last tile past V. exp is ex2.approx.f32 of x * log2 e, as tl.exp.
 //
+// Training (the fused one-pass schedules, 16-bit inputs): with `diff` given the epilogue also stores the chunk's
+// logits in the Triton kernels' HalfLogits form (grpo_kernels/ops/lm_head/README.md §5, "Stored logits in
+// fp16"): diff[row, col] = fp16(max(z - m_t, -65504)) and offset[row, g] = m_t for each 64-column group g of
+// the tile, m_t the row's max over its tile (any m with z <= m <= lse keeps the format's bound; the Triton
+// kernel A uses its running max). The backward reads z = offset + diff.
+//
 // Only a plain C ABI is exported (raw device pointers, sizes, strides, the stream as an integer): Python loads
 // the library with ctypes, no torch headers, no coupling to the GPU machine's torch build.
 
@@ -20,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -60,7 +67,14 @@ struct StatsArgs {
   float inv_temperature = 1.f;
   float cap_in = 0.f, cap_out = 0.f;
   int has_softcap = 0;
+  cutlass::half_t* diff = nullptr;  // [N, ld_diff] fp16 z - m_t, or null: statistics only
+  int64_t ld_diff = 0;
+  float* offset = nullptr;          // [N, ld_offset] fp32 m_t per 64-column group
+  int64_t ld_offset = 0;
 };
+
+constexpr int STORED_GROUP = 64;       // columns per offset (triton_common.py STORED_GROUP)
+constexpr float HALF_DIFF_MIN = -65504.f;  // fp16's most negative finite value
 
 CUTLASS_DEVICE float ex2_approx(float x) {  // what tl.exp2 lowers to
   float y;
@@ -120,7 +134,10 @@ class StatsEpilogue {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.part_max && args.part_sum && args.part_dev && args.target_logit && args.targets;
+    // the fp16 store writes column pairs as 4-byte words: 8-element aligned rows (HalfLogits pads to 16 bytes)
+    bool const store_ok = args.diff == nullptr || (args.offset != nullptr && args.ld_diff % 8 == 0 &&
+                                                   reinterpret_cast<uintptr_t>(args.diff) % 16 == 0);
+    return args.part_max && args.part_sum && args.part_dev && args.target_logit && args.targets && store_ok;
   }
 
   CUTLASS_HOST_DEVICE StatsEpilogue(Params const& params_, SharedStorage const& = SharedStorage()) : p(params_) {}
@@ -220,16 +237,29 @@ class StatsEpilogue {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         float s = 0.f, u = 0.f;
+        int const row = int(get<0>(tCcD(make_coord(make_coord(0, r, 0), mi, 0))));
+        bool const store = p.diff != nullptr && row < p.n_tokens;  // uniform over the call but the row test
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < MN; ++ni) {
           CUTLASS_PRAGMA_UNROLL
           for (int v2 = 0; v2 < V2; ++v2) {
+            float d2[V0];
             CUTLASS_PRAGMA_UNROLL
             for (int v0 = 0; v0 < V0; ++v0) {
               float const d = z(make_coord(make_coord(v0, r, v2), mi, ni)) - m;  // <= 0
               float const e = ex2_approx(d * LOG2E);
               s += e;
               u = fmaf(e, d, u);
+              d2[v0] = fmaxf(d, HALF_DIFF_MIN);
+            }
+            if (store) {  // the pair (v0 = 0, 1) is two adjacent columns, the first even: one 4-byte store
+              int const col = int(get<1>(tCcD(make_coord(make_coord(0, r, v2), mi, ni))));
+              cutlass::half_t* out = p.diff + int64_t(row) * p.ld_diff + col;
+              if (col + 1 < p.vocab) {
+                *reinterpret_cast<__half2*>(out) = __floats2half2_rn(d2[0], d2[1]);
+              } else if (col < p.vocab) {
+                *out = cutlass::half_t(d2[0]);
+              }
             }
           }
         }
@@ -237,12 +267,19 @@ class StatsEpilogue {
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         u += __shfl_xor_sync(0xffffffffu, u, 1);
         u += __shfl_xor_sync(0xffffffffu, u, 2);
-        int const row = int(get<0>(tCcD(make_coord(make_coord(0, r, 0), mi, 0))));
         if (row < p.n_tokens && (thread_idx % 4) == 0) {
           int64_t const at = int64_t(tile_n) * p.n_tokens + row;
           p.part_max[at] = m;
           p.part_sum[at] = s;
           p.part_dev[at] = u;
+          if (p.diff != nullptr) {  // the tile's max for each of its 64-column groups inside the vocabulary
+            constexpr int GROUPS = MN * V2 * V0 * 4 / STORED_GROUP;  // tile columns / 64 (4 lanes per row)
+            CUTLASS_PRAGMA_UNROLL
+            for (int g = 0; g < GROUPS; ++g) {
+              int const group = tile_n * GROUPS + g;
+              if (group * STORED_GROUP < p.vocab) p.offset[int64_t(row) * p.ld_offset + group] = m;
+            }
+          }
         }
       }
     }
@@ -349,7 +386,7 @@ using namespace grpo_csrc;
 extern "C" {
 
 // Incremented when an exported signature changes; the Python loader refuses other values.
-GRPO_API int grpo_csrc_abi_version() { return 1; }
+GRPO_API int grpo_csrc_abi_version() { return 2; }
 
 // sha256 of the csrc sources this library was built from (csrc/build.sh); the loader compares it.
 GRPO_API char const* grpo_csrc_build_stamp() { return GRPO_CSRC_STAMP; }
@@ -363,12 +400,15 @@ GRPO_API int grpo_csrc_lm_head_fwd_block_n(int variant) {
 }
 
 // Partials of kernel A. dtype: 1 bf16, 2 fp16 (hidden and weight alike). Pointers are device pointers; stream
-// is a cudaStream_t as an integer. Returns 0, or nonzero with grpo_csrc_last_error() set.
+// is a cudaStream_t as an integer. diff / offset (ABI 2): the chunk's logits in the HalfLogits form (fp16
+// [N, ld_diff], 16-byte aligned rows; fp32 [N, ld_offset]), or null. Returns 0, or nonzero with
+// grpo_csrc_last_error() set.
 GRPO_API int grpo_csrc_lm_head_fwd_partials(int variant, int dtype, void const* hidden, void const* weight, int64_t n_tokens,
                                    int64_t hidden_size, int64_t vocab, int64_t ld_hidden, int64_t ld_weight,
                                    void const* bias, int bias_dtype, int64_t const* targets, float inv_temperature,
                                    int has_softcap, float cap_in, float cap_out, float* part_max, float* part_sum,
-                                   float* part_dev, float* target_logit, int raster, int swizzle, void* workspace,
+                                   float* part_dev, float* target_logit, void* diff, int64_t ld_diff, float* offset,
+                                   int64_t ld_offset, int raster, int swizzle, void* workspace,
                                    size_t workspace_bytes, uint64_t stream) {
   if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
   if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
@@ -387,6 +427,10 @@ GRPO_API int grpo_csrc_lm_head_fwd_partials(int variant, int dtype, void const* 
   stats.has_softcap = has_softcap;
   stats.cap_in = cap_in;
   stats.cap_out = cap_out;
+  stats.diff = reinterpret_cast<cutlass::half_t*>(diff);  // null: statistics only (v1's behaviour)
+  stats.ld_diff = ld_diff;
+  stats.offset = offset;
+  stats.ld_offset = ld_offset;
   auto s = reinterpret_cast<cudaStream_t>(stream);
 #define GRPO_RUN(E, T, K)                                                                                     \
   return run_stats_gemm<StatsGemm<E, T, K>>(hidden, weight, n_tokens, hidden_size, vocab, ld_hidden, ld_weight, \

@@ -11,7 +11,8 @@
    L = block_n + num_tiles the longest summation path (a thread's columns, the quad shuffles, the tiles).
 2. The library's build: the committed csrc/bin/ matches the sources (stamp) and its ptxas report shows no spills
    and registers / shared memory within sm_90's limits; with the toolchain present (csrc/build.sh), its SASS
-   holds WGMMA (HGMMA) and TMA (UTMALDG) instructions (marker `compile`).
+   holds WGMMA (HGMMA), TMA (UTMALDG) and the training store's fp16 packs (F2FP) (marker `compile`); the
+   store's arithmetic (`tile_half_logits`, ABI 2) reconstructs float64 logits within the HalfLogits bound.
 3. The loader: importing grpo_kernels loads nothing; a missing or stale library falls back with one warning.
 """
 
@@ -100,6 +101,33 @@ def test_fp32_partials_and_merge_within_the_rounding_bound(n, vocab, block_n, sc
     assert (got.logprobs <= 0).all() and (got.entropy >= 0).all()  # the invariants of README §1
 
 
+@pytest.mark.parametrize("n,vocab,block_n,scale", CASES[:2])
+def test_the_epilogue_fp16_store_reconstructs_within_the_format_bound(n, vocab, block_n, scale):
+    """The training forward's store (ABI 2), as csrc's epilogue writes it (`tile_half_logits`: fp16 z - m_t with
+    m_t the row's max over its tile, once per 64 columns): m + d against float64 z within the HalfLogits bound
+    2^-11 (lse - z) (fp16's rounding of d; m_t <= lse) + 2^-24 (|z| + |m|) (fp32's of z - m and m + d), a
+    forbidden token (NEG_BIG) clamped to m_t - 65504 (p = 0 either way), the offsets the tiles' maxima."""
+    z64 = _logits(n, vocab, scale, seed=11)
+    z = z64.float()
+    difference, offset = cutlass.tile_half_logits(z, block_n)
+    assert difference.dtype == torch.float16 and difference.shape == (n, vocab)
+    assert offset.shape == (n, -(-vocab // 64))
+    m = offset.repeat_interleave(64, dim=1)[:, :vocab].double()
+    z16 = m + difference.double()
+    lse = torch.logsumexp(z64, -1)[:, None]
+    live = z64 > -1e30
+    bound = 2.0**-11 * (lse - z64) + 2.0**-24 * (z64.abs() + m.abs()) + 2.0**-24 * z64.abs()
+    ratio = torch.where(live, (z16 - z64).abs() / bound, torch.zeros_like(z64))
+    worst = int(ratio.argmax())
+    assert ratio.max() <= 1.0, f"logit {divmod(worst, vocab)}: ratio {ratio.max().item():.3f} to its bound"
+    assert (z16[~live] - lse.expand_as(z64)[~live]).max() < -60000  # the forbidden tokens of row 1
+    tiles = torch.full((n, -(-vocab // block_n) * block_n), cutlass.PAD_LOGIT, dtype=torch.float32)
+    tiles[:, :vocab] = z
+    tile_max = tiles.view(n, -1, block_n).amax(-1)
+    for col in range(0, vocab, 64):
+        assert torch.equal(offset[:, col // 64], tile_max[:, col // block_n]), f"group at column {col}"
+
+
 def test_the_bound_catches_a_wrong_fold():
     # the merge without re-centring the deviation sum ((m - m') s dropped) must break the bound: it can fail
     z = _logits(16, 3000, 4.0, seed=5)
@@ -151,6 +179,7 @@ def test_sass_has_wgmma_and_tma():
         head = f.split("\n", 1)[0][:80]
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
+        assert "F2FP" in f, f"{head}: no fp32 -> fp16 pack (F2FP): the training forward's fp16 store is missing"
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 
@@ -252,8 +281,19 @@ def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
     from grpo_kernels.ops import lm_head
     from grpo_kernels.ops.lm_head import triton as triton_impl
 
+    from grpo_kernels.ops.fused.function import _is_triton
+
     monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
     assert lm_head.get_impl("triton") is cutlass
+    # the fused loss treats it as the Triton backend: grad_output applied on the device (no host read), the
+    # low-memory schedule's sized dz workspace
+    assert _is_triton(cutlass)
+    # the training forward's store qualifies only as a HalfLogits (csrc writes no fp32 logits), and only on CUDA
+    from grpo_kernels.ops.lm_head.triton import HalfLogits
+
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    assert not cutlass.applies(x, w, None, torch.zeros(8, 128))
+    assert not cutlass.applies(x, w, None, HalfLogits.empty(8, 128, "cpu"))  # a CPU tensor
     for off in ("0", ""):
         monkeypatch.setenv(cutlass.ENV_SWITCH, off)
         assert lm_head.get_impl("triton") is triton_impl

@@ -8,10 +8,13 @@ Checks (each a row of "checks", ok true / false, with the worst element):
     (plain T = 0.7, bias with one -inf entry, soft cap 30 with bias) and both variants, against
     lm_head_stats_reference in fp32 on the same operands; tolerance: the Triton kernel's error on the same call
     (triton.lm_head_forward) times 4 plus 1e-5 (|lse|+1): csrc must be as accurate as today's path;
-  * the target head (N = 1024, H = 4096, V = 151936, bf16), the same comparison (the reference in chunks).
+  * the target head (N = 1024, H = 4096, V = 151936, bf16), the same comparison (the reference in chunks);
+  * the training forward (store_checks): the epilogue's fp16 store of the logits (HalfLogits) on the small heads
+    and at the target head (256 tokens), against Triton kernel A's fp32 logits of the same call.
 Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16; per repeat, in a shuffled order,
   csrc cooperative and ping-pong each at tile-scheduler swizzle 1 / 4 / 8, Triton kernel A (triton.lm_head_forward),
-  torch.mm (cuBLAS, bf16 out [N, V]), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
+  torch.mm (cuBLAS, bf16 out [N, V]), and the training forward storing fp16 logits (csrc cooperative, Triton
+  kernel A), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
   TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
 Expected duration on an H100 / H200: ~1 min (build-free: the library is loaded, no compile).
 """
@@ -92,6 +95,53 @@ def checks(lib, device):
     return rows
 
 
+def store_checks(lib, device):
+    """The training forward (ABI 2): the csrc epilogue's fp16 store (HalfLogits) on a small head in bf16 and fp16
+    (every transform) and at the target head, against Triton kernel A's fp32 logits of the same call. Per case:
+    the statistics equal to the statistics-only call's (the store must not touch them), and every
+    reconstructed logit m + d within the format's bound 2^-11 (lse - z) + 2^-23 (|z| + |m|) plus the two
+    GEMMs' summation-order difference, 2^-23 H (|x| |w|^T) (fp32 sums of exact products)."""
+    rows = []
+    g = torch.Generator(device=device).manual_seed(1)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        n, h, v = 300, 512, 5003
+        hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).to(dtype)
+        weight = (torch.randn(v, h, device=device, generator=g) * 0.2).to(dtype)
+        bias = torch.randn(v, device=device, generator=g).to(dtype)
+        bias[17] = float("-inf")
+        targets = torch.randint(0, v, (n,), device=device, generator=g)
+        for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 1.0, 30.0)):
+            cases.append((f"{dtype}-{label}", hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp)))
+    n, h, v = 256, 4096, 151936
+    hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
+    cases.append((f"target-head-N{n}", hidden, weight, None, torch.randint(0, v, (n,), device=device, generator=g),
+                  1.0, None))  # fmt: skip
+    for name, hidden, weight, b, targets, temp, sc in cases:
+        n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
+        z = torch.empty(n, v, device=device)
+        tri = triton_impl.lm_head_forward(hidden, weight, b, targets, temp, softcap=sc, logits_out=z)
+        spread = (hidden.float().abs() @ weight.float().abs().T) * (1.0 / temp if sc is None else sc[0] * sc[1])
+        for variant in cutlass.VARIANTS:
+            store = triton_impl.HalfLogits.empty(n, v, device)
+            plain = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
+            got = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant, logits_out=store)
+            torch.cuda.synchronize()
+            m = store.offset.repeat_interleave(triton_impl.STORED_GROUP, dim=1)[:, :v]
+            z16 = m + store.difference.float()
+            live = z > -1e30  # a forbidden token is clamped: p = 0 either way
+            bound = 2.0**-11 * (tri.lse[:, None] - z).clamp(min=0) + 2.0**-23 * (z.abs() + m.abs()) + 2.0**-23 * h * spread
+            ratio = torch.where(live, (z16 - z).abs() / bound, torch.zeros_like(z))
+            worst = int(ratio.argmax())
+            row = {"case": f"store-{name}-{variant}", "stats_equal": all(torch.equal(a, c) for a, c in zip(plain, got)),
+                   "worst_ratio": ratio.max().item(), "worst": [worst // v, worst % v],
+                   "forbidden_below": bool((~live).sum() == 0 or (z16[~live] - tri.lse[:, None].expand_as(z)[~live]).max() < -60000)}  # fmt: skip
+            row["ok"] = row["stats_equal"] and row["worst_ratio"] <= 1.0 and row["forbidden_below"]
+            rows.append(row)
+    return rows
+
+
 def timings(lib, device, n, repeats):
     h, v = 4096, 151936
     hidden = (torch.randn(n, h, device=device) * 0.5).bfloat16()
@@ -104,6 +154,12 @@ def timings(lib, device, n, repeats):
     fns = {f"csrc_{v}_swizzle{w}": csrc(v, w) for v in cutlass.VARIANTS for w in (1, 4, 8)}
     fns["triton_kernel_a"] = lambda: triton_impl.lm_head_forward(hidden, weight, None, targets, 1.0)
     fns["cublas_gemm_bf16_out"] = lambda: torch.mm(hidden, weight.t(), out=logits)
+    # the training forward: the logits stored as fp16 z - m (HalfLogits), csrc's epilogue against Triton's kernel A
+    store = triton_impl.HalfLogits.empty(n, v, device)
+    fns["csrc_cooperative_store_half"] = lambda: cutlass.forward_stats(lib, hidden, weight, None, targets, 1.0,
+                                                                       logits_out=store)  # fmt: skip
+    fns["triton_kernel_a_store_half"] = lambda: triton_impl.lm_head_forward(hidden, weight, None, targets, 1.0,
+                                                                            logits_out=store)  # fmt: skip
     for fn in fns.values():  # warm-up (autotuning, first-call setup)
         fn()
     torch.cuda.synchronize()
@@ -124,10 +180,12 @@ def timings(lib, device, n, repeats):
         q = statistics.quantiles(ts, n=10)
         med = statistics.median(ts)
         out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops / med / 1e9, "n": len(ts)}
-    best = min((k for k in out if k.startswith("csrc_")), key=lambda k: out[k]["median_ms"])
+    best = min((k for k in out if k.startswith("csrc_") and "store" not in k), key=lambda k: out[k]["median_ms"])
     floor = out["cublas_gemm_bf16_out"]["median_ms"]
     summary = {"best_csrc": best, "best_csrc_to_cublas": out[best]["median_ms"] / floor,
-               "triton_to_cublas": out["triton_kernel_a"]["median_ms"] / floor}  # fmt: skip
+               "triton_to_cublas": out["triton_kernel_a"]["median_ms"] / floor,
+               "csrc_store_half_to_cublas": out["csrc_cooperative_store_half"]["median_ms"] / floor,
+               "triton_store_half_to_cublas": out["triton_kernel_a_store_half"]["median_ms"] / floor}  # fmt: skip
     return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
 
 
@@ -154,7 +212,7 @@ def main():
     save("loaded")
     if lib is not None:
         try:
-            result["checks"] = checks(lib, device)
+            result["checks"] = checks(lib, device) + store_checks(lib, device)
             result["all_checks_ok"] = all(r["ok"] for r in result["checks"])
             save("checked")
             if result["all_checks_ok"]:

@@ -178,7 +178,8 @@ HEADLINE_PROVIDERS = (  # the verdict's rows, beside the floor in one process: o
     "liger-flsce",  # log-probs: Liger's Hopper fused linear CE
     "cce",  # log-probs
     "verl-kernel",  # log-probs: verl's Triton kernel
-    "grpo_kernels-csrc",  # log-probs: csrc/'s CUTLASS kernel A (opt-in; last: its gate checks it first)
+    "grpo_kernels-csrc",  # csrc/'s CUTLASS kernel A: log-probs, and the fused loss with its fp16 logits store (opt-in;
+    # last: its gate checks it first)
 )
 HEADLINE_ORDER = ("logprobs", "fused_grpo")  # the quick op first: a part cut short keeps it
 SWEEP_TRL_PROVIDERS = ("grpo_kernels", "trl")

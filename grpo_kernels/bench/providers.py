@@ -182,34 +182,57 @@ def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False, f
 
 
 def _ours_csrc() -> dict:
-    """fused_linear_logprobs with csrc/'s CUTLASS kernel A (GRPO_KERNELS_CSRC=1 around each call): log-probs
-    and entropy from the GEMM's epilogue partials, no logits written; with grad, Triton's backward. A library
-    that does not load, or a call it does not apply to, is a skipped row with the reason (never Triton's time
-    under csrc's name)."""
+    """grpo_kernels with csrc/'s CUTLASS kernel A (GRPO_KERNELS_CSRC=1 around each call). fused_linear_logprobs:
+    log-probs and entropy from the GEMM's epilogue partials, no logits written; with grad, Triton's backward.
+    fused_linear_grpo_loss (schedule "auto"): the kernel-A one-pass schedules' forward stores the chunk's fp16
+    logits from the same epilogue (csrc ABI 2), the rest is Triton's / cuBLAS's. A library that does not load,
+    or a call it does not apply to, is a skipped row with the reason (never Triton's time under csrc's name)."""
     import grpo_kernels as gk
     from ..ops.lm_head import cutlass
 
-    def logprobs(inp, s):
-        if not cutlass.applies(inp.hidden, inp.weight, None):
-            raise ProviderSkip("csrc's kernel A does not apply here (sm_90, bf16 / fp16, 16-byte aligned rows)")
-        if cutlass.load() is None:
-            raise ProviderSkip(f"csrc library: {cutlass.why_not()}")
-
+    def switched(call):
         def fn():
             before = os.environ.get(cutlass.ENV_SWITCH)
             os.environ[cutlass.ENV_SWITCH] = "1"
             try:
-                out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend="triton")
+                return call()
             finally:
                 if before is None:
                     del os.environ[cutlass.ENV_SWITCH]
                 else:
                     os.environ[cutlass.ENV_SWITCH] = before
+
+        return fn
+
+    def available(inp):
+        if not cutlass.applies(inp.hidden, inp.weight, None):
+            raise ProviderSkip("csrc's kernel A does not apply here (sm_90, bf16 / fp16, 16-byte aligned rows)")
+        if cutlass.load() is None:
+            raise ProviderSkip(f"csrc library: {cutlass.why_not()}")
+
+    def logprobs(inp, s):
+        available(inp)
+
+        def call():
+            out = gk.fused_linear_logprobs(inp.hidden, inp.weight, inp.targets, backend="triton")
             return out.logprobs, out.entropy
 
-        return Forward(fn, f"csrc kernel A ({cutlass.library_path().name}), Triton backward")
+        return Forward(switched(call), f"csrc kernel A ({cutlass.library_path().name}), Triton backward")
 
-    return {"logprobs": logprobs, "logprobs_grad": logprobs}
+    def fused(inp, s):
+        available(inp)
+        b, t = _bt(inp)
+
+        def call():  # the gradients are computed inside this forward: the switch covers all csrc can run
+            return gk.fused_linear_grpo_loss(
+                inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), inp.advantages, inp.mask,
+                inp.old_logprobs, inp.ref_logprobs, config=inp.config, backend="triton",
+            ).loss  # fmt: skip
+
+        return Forward(switched(call), f"csrc kernel A with the fp16 logits store ({cutlass.library_path().name}), "
+                                       "schedule=auto, Triton / cuBLAS backward")  # fmt: skip
+
+    return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
 
 
 def _tp_group(device: torch.device):
@@ -791,7 +814,8 @@ REGISTRY.add(
 REGISTRY.add(
     Provider(
         "grpo_kernels-csrc",
-        "grpo_kernels' log-probs with csrc/'s CUTLASS sm_90a kernel A (GRPO_KERNELS_CSRC=1; opt-in, not in auto)",
+        "grpo_kernels with csrc/'s CUTLASS sm_90a kernel A (GRPO_KERNELS_CSRC=1; opt-in, not in auto): log-probs, and "
+        "the fused loss whose one-pass forward stores fp16 logits from the GEMM's epilogue",
         _ours_csrc(),
         needs_cuda="csrc/'s sm_90a library",
     )

@@ -8,8 +8,8 @@ by the same merge (README.md beside this file, §1). It is built without a GPU b
 coupling to the GPU machine's torch).
 
 This module is an `impl` for LMHeadFunction (the interface of triton.py): `lm_head_forward` runs the csrc kernel
-where it applies (switch on, CUDA device of capability 9.0, bf16 / fp16, 16-byte aligned rows, no
-`logits_out`) and triton.py's otherwise; `lm_head_backward` is triton.py's. Nothing happens at import: the
+where it applies (switch on, CUDA device of capability 9.0, bf16 / fp16, 16-byte aligned rows, `logits_out`
+None or a HalfLogits: the fused one-pass schedules' training forward) and triton.py's otherwise; `lm_head_backward` is triton.py's. Nothing happens at import: the
 library is looked for and loaded on the first call with the switch on, and a missing, stale (its stamp differs
 from csrc/'s sources) or unloadable library gives exactly one warning and the Triton path from then on.
 
@@ -35,7 +35,7 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: the partials call takes the HalfLogits store (diff, ld_diff, offset, ld_offset)
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -102,7 +102,9 @@ def _declare(lib) -> None:
     lib.grpo_csrc_lm_head_fwd_partials.argtypes = [
         c_int, c_int, c_p, c_p, c_i64, c_i64, c_i64, c_i64, c_i64,  # variant dtype hidden weight N H V ldh ldw
         c_p, c_int, c_p, c_f, c_int, c_f, c_f,  # bias bias_dtype targets inv_T has_softcap cap_in cap_out
-        c_p, c_p, c_p, c_p, c_int, c_int, c_p, c_sz, c_u64,  # partials target raster swizzle workspace stream
+        c_p, c_p, c_p, c_p,  # part_max part_sum part_dev target_logit
+        c_p, c_i64, c_p, c_i64,  # the HalfLogits store: diff ld_diff offset ld_offset (null: statistics only)
+        c_int, c_int, c_p, c_sz, c_u64,  # raster swizzle workspace workspace_bytes stream
     ]
     lib.grpo_csrc_lm_head_fwd_partials.restype = c_int
     lib.grpo_csrc_lm_head_fwd_merge.argtypes = [c_p] * 8 + [c_i64, c_i64, c_u64]
@@ -129,8 +131,18 @@ def reset() -> None:
 
 
 def applies(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits_out=None) -> bool:
-    """Whether the csrc kernel can run this call (otherwise the Triton path does, silently: a shape question)."""
-    if logits_out is not None or hidden.device.type != "cuda" or hidden.dtype not in DTYPES:
+    """Whether the csrc kernel can run this call (otherwise the Triton path does, silently: a shape question).
+    `logits_out`: None (statistics only) or a HalfLogits with 16-byte aligned fp16 rows (the training forward
+    of the fused one-pass schedules); fp32 logits are Triton's or cuBLAS's."""
+    from .triton import HalfLogits
+
+    if logits_out is not None:
+        if not isinstance(logits_out, HalfLogits):
+            return False
+        d = logits_out.difference
+        if d.data_ptr() % 16 or (d.stride(0) * 2) % 16 or logits_out.offset.stride(1) != 1:
+            return False
+    if hidden.device.type != "cuda" or hidden.dtype not in DTYPES:
         return False
     if weight.dtype != hidden.dtype or torch.cuda.get_device_capability(hidden.device) != (9, 0):
         return False
@@ -149,8 +161,9 @@ def _call(lib, fn: str, *args) -> None:
 
 
 def forward_partials(lib, hidden, weight, bias, targets, temperature: float, softcap=None, *,
-                     variant: str = "cooperative", raster: int = 0, swizzle: int = 1):  # fmt: skip
-    """The csrc GEMM's partials: (part_max, part_sum, part_dev [num_tiles, N], target_logit [N]), fp32."""
+                     variant: str = "cooperative", raster: int = 0, swizzle: int = 1, logits_out=None):  # fmt: skip
+    """The csrc GEMM's partials: (part_max, part_sum, part_dev [num_tiles, N], target_logit [N]), fp32; with
+    `logits_out` (a HalfLogits) the epilogue also stores the logits there as fp16 z - m_t, m_t per 64 columns."""
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     v = VARIANTS[variant]
@@ -172,6 +185,8 @@ def forward_partials(lib, hidden, weight, bias, targets, temperature: float, sof
           bias_c.data_ptr() if bias_c is not None else None, BIAS_DTYPES[bias_c.dtype] if bias_c is not None else 0,
           targets.data_ptr(), 1.0 / temperature, has_softcap, cap_in, cap_out,
           parts[0].data_ptr(), parts[1].data_ptr(), parts[2].data_ptr(), target_logit.data_ptr(),
+          *((logits_out.difference.data_ptr(), logits_out.difference.stride(0), logits_out.offset.data_ptr(),
+             logits_out.offset.stride(0)) if logits_out is not None else (None, 0, None, 0)),
           raster, swizzle, ws.data_ptr(), ws_bytes, stream)  # fmt: skip
     return parts[0], parts[1], parts[2], target_logit
 
@@ -195,13 +210,16 @@ def lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs) -> LMH
     """triton.lm_head_forward's signature; the csrc kernel where it applies and the switch is on."""
     from . import triton as triton_impl
 
-    softcap = kwargs.get("softcap")
-    plain = set(kwargs) <= {"softcap"}  # config / tiles_per_split / logits_out ... are Triton requests
-    if enabled() and plain and hidden.shape[0] > 0 and applies(hidden, weight, bias):
+    softcap, logits_out = kwargs.get("softcap"), kwargs.get("logits_out")
+    plain = set(kwargs) <= {"softcap", "logits_out"}  # config / tiles_per_split / forward_gemm: Triton requests
+    if enabled() and plain and hidden.shape[0] > 0 and applies(hidden, weight, bias, logits_out):
         lib = load()
         if lib is not None:
             triton_impl._check_common(hidden, weight, bias, targets, temperature)
-            return forward_stats(lib, hidden, weight, bias, targets, temperature, softcap)
+            if logits_out is not None:
+                triton_impl._check_half_logits(logits_out, hidden.shape[0], weight.shape[0], hidden.device,
+                                               "logits_out")  # fmt: skip
+            return forward_stats(lib, hidden, weight, bias, targets, temperature, softcap, logits_out=logits_out)
     return triton_impl.lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs)
 
 
@@ -213,6 +231,21 @@ def lm_head_backward(*args, **kwargs):
 
 # ---------------------------------------------------------------------------------------------------------
 # The epilogue's arithmetic on the host: the spec of the partials and their merge.
+
+
+def tile_half_logits(z: torch.Tensor, block_n: int, group: int = 64):
+    """The epilogue's fp16 store of logits z [N, V] (fp32), tiles of block_n columns: (difference fp16 [N, V] =
+    max(z - m_t, -65504), offset fp32 [N, ceil(V / group)] = m_t of the group's tile), m_t the row's max over
+    its tile, as csrc's StatsEpilogue writes them (the HalfLogits format)."""
+    n, vocab = z.shape
+    num_tiles = -(-vocab // block_n)
+    padded = torch.full((n, num_tiles * block_n), PAD_LOGIT, dtype=z.dtype)
+    padded[:, :vocab] = z
+    m = padded.view(n, num_tiles, block_n).amax(-1)  # [N, T]
+    m_col = m.repeat_interleave(block_n, dim=1)[:, :vocab]
+    difference = (z - m_col).clamp(min=-65504.0).to(torch.float16)
+    offset = m.repeat_interleave(block_n // group, dim=1)[:, : -(-vocab // group)].contiguous()
+    return difference, offset
 
 
 def tile_partials(z: torch.Tensor, targets: torch.Tensor, block_n: int):
