@@ -114,10 +114,8 @@ def stored_logits_bytes(schedule: str, rows: int, vocab: int, element_size: int)
     fp32 offset per 64 columns (half_logits)."""
     if ONE_PASS_VARIANTS[schedule][0] == "cublas":
         return 4 * rows * vocab
-    if element_size == 2:
-        from ..lm_head.triton import HalfLogits
-
-        return HalfLogits.nbytes(rows, vocab)
+    if element_size == 2:  # HalfLogits.nbytes (ops/lm_head/triton.py), without importing Triton for a plan
+        return rows * (2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64))
     return 4 * rows * stored_logits_row_stride(vocab)
 
 
