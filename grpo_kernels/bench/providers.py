@@ -848,8 +848,9 @@ REGISTRY.add(
 REGISTRY.add(
     Provider(
         "grpo_kernels-one-pass-inplace",
-        "grpo_kernels fused loss with schedule='one_pass_inplace' (3 GEMM units, kernel A, grad_weight summed "
-        "in the weight's dtype in the gradient buffer, chunks sized to the memory goal)",
+        "grpo_kernels fused loss with schedule='one_pass_inplace' (3 GEMM units, kernel A storing fp16 logits, "
+        "grad_weight summed in the weight's dtype in the gradient buffer, chunks sized to the memory goal: auto's "
+        "pick at the Qwen3-8B head by the time model)",
         {"fused_grpo": _ours("auto", "one_pass_inplace")["fused_grpo"]},
         extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
     )
@@ -867,7 +868,8 @@ REGISTRY.add(
     Provider(
         "grpo_kernels-one-pass-cublas-inplace",
         "grpo_kernels fused loss with schedule='one_pass_cublas_inplace' (cuBLAS forward + streamed statistics, "
-        "grad_weight summed in place in the weight's dtype: what auto runs at the Qwen3-8B head)",
+        "grad_weight summed in place in the weight's dtype: auto's pick at the Qwen3-8B head before kernel A stored "
+        "fp16 logits, 1 % behind one_pass_inplace by the time model)",
         {"fused_grpo": _ours("auto", "one_pass_cublas_inplace")["fused_grpo"]},
         extra_check=_schedule_needs_triton("the one-pass schedules run on the Triton backend"),
     )
