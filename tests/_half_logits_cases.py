@@ -100,7 +100,7 @@ def main():
         # the reconstruction z = m + d against the fp32 z, as a ratio to its bound: fp16's rounding of d, at
         # most 2^-11 |d| <= 2^-11 (lse - z) (m is a running max, <= lse), plus fp32's of z - m and of m + d
         m = half_store.offset.repeat_interleave(tri.STORED_GROUP, dim=1)[:, :V]
-        z16 = m + half_store.difference.float()
+        z16 = half_store.reconstruct()
         live = fp32_store > -1e30  # not a forbidden token (NEG_BIG): those are clamped, checked below
         bound = 2.0**-11 * (stats32.lse[:, None] - fp32_store) + 2.0**-23 * (fp32_store.abs() + m.abs())
         entry["reconstruction"] = ((z16 - fp32_store).abs() / bound)[live].max().item()

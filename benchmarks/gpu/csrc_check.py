@@ -62,9 +62,9 @@ def _compare(name, got, tri, ref):
     return row
 
 
-def checks(lib, device):
-    rows = []
-    g = torch.Generator(device=device).manual_seed(0)
+def small_heads(device, g):
+    """The small-head cases (N = 300, H = 512, V = 5003), bf16 and fp16, each transform: (name, hidden, weight,
+    bias, targets, temperature, cap) with cap the model's soft cap or None."""
     for dtype in (torch.bfloat16, torch.float16):
         n, h, v = 300, 512, 5003
         hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).to(dtype)
@@ -73,16 +73,23 @@ def checks(lib, device):
         bias[17] = float("-inf")
         targets = torch.randint(0, v, (n,), device=device, generator=g)
         for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 1.0, 30.0)):
-            sc = None if cap is None else (1.0 / cap, cap / temp)
-            ref_bias = None if b is None else b.float()
-            if ref_bias is not None and cap is None:  # the kernels' forbidden token: z = NEG_BIG, p (z - m) = 0
-                ref_bias = ref_bias.clamp(min=-(2.0**102) * temp)  # (the reference's -inf gives 0 * -inf = NaN)
-            ref = _reference(hidden.float(), weight.float(), ref_bias, targets, temp, cap)
-            tri = triton_impl.lm_head_forward(hidden, weight, b, targets, temp, softcap=sc)
-            for variant in cutlass.VARIANTS:
-                got = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
-                torch.cuda.synchronize()
-                rows.append(_compare(f"{dtype}-{label}-{variant}", got, tri, ref))
+            yield f"{dtype}-{label}", hidden, weight, b, targets, temp, cap
+
+
+def checks(lib, device):
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, hidden, weight, b, targets, temp, cap in small_heads(device, g):
+        sc = None if cap is None else (1.0 / cap, cap / temp)
+        ref_bias = None if b is None else b.float()
+        if ref_bias is not None and cap is None:  # the kernels' forbidden token: z = NEG_BIG, p (z - m) = 0
+            ref_bias = ref_bias.clamp(min=-(2.0**102) * temp)  # (the reference's -inf gives 0 * -inf = NaN)
+        ref = _reference(hidden.float(), weight.float(), ref_bias, targets, temp, cap)
+        tri = triton_impl.lm_head_forward(hidden, weight, b, targets, temp, softcap=sc)
+        for variant in cutlass.VARIANTS:
+            got = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
+            torch.cuda.synchronize()
+            rows.append(_compare(f"{name}-{variant}", got, tri, ref))
     n, h, v = 1024, 4096, 151936
     hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
     weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
@@ -103,16 +110,8 @@ def store_checks(lib, device):
     GEMMs' summation-order difference, 2^-23 H (|x| |w|^T) (fp32 sums of exact products)."""
     rows = []
     g = torch.Generator(device=device).manual_seed(1)
-    cases = []
-    for dtype in (torch.bfloat16, torch.float16):
-        n, h, v = 300, 512, 5003
-        hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).to(dtype)
-        weight = (torch.randn(v, h, device=device, generator=g) * 0.2).to(dtype)
-        bias = torch.randn(v, device=device, generator=g).to(dtype)
-        bias[17] = float("-inf")
-        targets = torch.randint(0, v, (n,), device=device, generator=g)
-        for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 1.0, 30.0)):
-            cases.append((f"{dtype}-{label}", hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp)))
+    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
+             for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
     n, h, v = 256, 4096, 151936
     hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
     weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
@@ -129,7 +128,7 @@ def store_checks(lib, device):
             got = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant, logits_out=store)
             torch.cuda.synchronize()
             m = store.offset.repeat_interleave(triton_impl.STORED_GROUP, dim=1)[:, :v]
-            z16 = m + store.difference.float()
+            z16 = store.reconstruct()
             live = z > -1e30  # a forbidden token is clamped: p = 0 either way
             bound = 2.0**-11 * (tri.lse[:, None] - z).clamp(min=0) + 2.0**-23 * (z.abs() + m.abs()) + 2.0**-23 * h * spread
             ratio = torch.where(live, (z16 - z).abs() / bound, torch.zeros_like(z))

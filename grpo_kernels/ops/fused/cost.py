@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..lm_head.half_logits_format import STORED_GROUP
+
 # H100 SXM, bf16 dense: cuBLAS reaches ~790 TFLOP/s on large GEMMs (989 peak); HBM3 ~3.0 TB/s achieved
 # (3.35 peak). Kernel A and the dlogits kernel (Triton, no warp specialisation) are estimated at ~1.4x the
 # cuBLAS time of the same GEMM (issue 23's estimate from the compile reports; not measured).
@@ -49,7 +51,7 @@ class ScheduleTime:
 
 # kernel A's stored logits for 16-bit inputs (ops/lm_head/triton.py HalfLogits): an fp16 difference per logit and
 # an fp32 offset per 64 of them, written once and read by each pass over the logits
-HALF_LOGIT_BYTES = {"": 2.0, " (fp32 row max per 64 logits)": 4.0 / 64}
+HALF_LOGIT_BYTES = {"": 2.0, f" (fp32 row max per {STORED_GROUP} logits)": 4.0 / STORED_GROUP}
 
 
 def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool = False) -> dict[str, float]:
@@ -114,8 +116,9 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
     # per chunk: W read by A and by the grad_hidden GEMM, the accumulator read and written (fp32: 8 bytes per
     # element; in place: the gradient buffer in the weight's dtype)
     per_chunk = 2 * vh * e + vh * (2 * e if in_place else 8)
-    # logits stored and read back (logit_bytes: fp32, or fp16 + offsets), dz slab written and read twice; the streaming statistics kernel
-    # reads the logits once more (and writes z back when a bias or soft-cap changes it): logit_bytes
+    # logits stored and read back (fp32, or fp16 + offsets), dz slab written and read twice; the streaming
+    # statistics kernel reads the logits once more (and writes z back when a bias or soft-cap changes it):
+    # logit_bytes
     traffic = chunks * per_chunk + nv * sum(logit_bytes(schedule, e, transform_writes=transform_writes).values())
     cublas = 3 * unit if cublas_forward else 2 * unit
     return ScheduleTime(schedule, cublas, 0.0 if cublas_forward else unit, traffic)

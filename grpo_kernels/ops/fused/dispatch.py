@@ -61,10 +61,9 @@ def resolve_auto(plan, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int
     base = "one_pass" if base_chunks is not None else "two_pass"
     options = {}  # schedule -> (chunks, chunk rows)
     if base == "one_pass":
-        kernel_a_rows = kernel_a_chunk_tokens or chunk_tokens
-        kernel_a_chunks = plan(kernel_a_rows) if kernel_a_rows != chunk_tokens else base_chunks
-        options["one_pass"] = (kernel_a_chunks, kernel_a_rows) if kernel_a_chunks is not None else (base_chunks,
-                                                                                                   chunk_tokens)  # fmt: skip
+        # a chunk that holds every sequence of chunk_tokens holds them in more rows too: plan() is not None
+        rows = kernel_a_chunk_tokens or chunk_tokens
+        options["one_pass"] = (base_chunks if rows == chunk_tokens else plan(rows), rows)
         if cublas_ok:
             options["one_pass_cublas"] = (base_chunks, chunk_tokens)
         limit = accuracy.max_inplace_chunks(dtype) if dtype != torch.float32 else None

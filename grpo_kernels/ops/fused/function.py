@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lm_head import half_logits_format
+
 logger = logging.getLogger("grpo_kernels")
 
 
@@ -114,8 +116,8 @@ def stored_logits_bytes(schedule: str, rows: int, vocab: int, element_size: int)
     fp32 offset per 64 columns (half_logits)."""
     if ONE_PASS_VARIANTS[schedule][0] == "cublas":
         return 4 * rows * vocab
-    if element_size == 2:  # HalfLogits.nbytes (ops/lm_head/triton.py), without importing Triton for a plan
-        return rows * (2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64))
+    if element_size == 2:
+        return rows * half_logits_format.row_bytes(vocab)
     return 4 * rows * stored_logits_row_stride(vocab)
 
 
@@ -126,7 +128,7 @@ def one_pass_capacity(vocab: int, logits_bytes: int | None = None, schedule: str
     2 V + 4 V / 64: twice the tokens), in whole 64-token tiles, capped at ONE_PASS_CHUNK_TOKENS."""
     # unpadded (the buffers' rows are padded to 16 bytes, a budget sized for whole rows keeps its tokens)
     half = ONE_PASS_VARIANTS[schedule][0] == "kernel_a" and element_size == 2
-    row_bytes = 2 * vocab + 4 * -(-vocab // 64) if half else 4 * vocab
+    row_bytes = half_logits_format.row_bytes(vocab, padded=False) if half else 4 * vocab
     rows = (ONE_PASS_LOGITS_BYTES if logits_bytes is None else logits_bytes) // row_bytes
     if rows >= 64:
         rows = rows // 64 * 64

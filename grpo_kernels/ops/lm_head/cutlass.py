@@ -9,7 +9,8 @@ coupling to the GPU machine's torch).
 
 This module is an `impl` for LMHeadFunction (the interface of triton.py): `lm_head_forward` runs the csrc kernel
 where it applies (switch on, CUDA device of capability 9.0, bf16 / fp16, 16-byte aligned rows, `logits_out`
-None or a HalfLogits: the fused one-pass schedules' training forward) and triton.py's otherwise; `lm_head_backward` is triton.py's. Nothing happens at import: the
+None or a HalfLogits: the fused one-pass schedules' training forward) and triton.py's otherwise;
+`lm_head_backward` is triton.py's. Nothing happens at import: the
 library is looked for and loaded on the first call with the switch on, and a missing, stale (its stamp differs
 from csrc/'s sources) or unloadable library gives exactly one warning and the Triton path from then on.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from . import half_logits_format
 from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
@@ -233,7 +235,7 @@ def lm_head_backward(*args, **kwargs):
 # The epilogue's arithmetic on the host: the spec of the partials and their merge.
 
 
-def tile_half_logits(z: torch.Tensor, block_n: int, group: int = 64):
+def tile_half_logits(z: torch.Tensor, block_n: int, group: int = half_logits_format.STORED_GROUP):
     """The epilogue's fp16 store of logits z [N, V] (fp32), tiles of block_n columns: (difference fp16 [N, V] =
     max(z - m_t, -65504), offset fp32 [N, ceil(V / group)] = m_t of the group's tile), m_t the row's max over
     its tile, as csrc's StatsEpilogue writes them (the HalfLogits format)."""
@@ -243,7 +245,7 @@ def tile_half_logits(z: torch.Tensor, block_n: int, group: int = 64):
     padded[:, :vocab] = z
     m = padded.view(n, num_tiles, block_n).amax(-1)  # [N, T]
     m_col = m.repeat_interleave(block_n, dim=1)[:, :vocab]
-    difference = (z - m_col).clamp(min=-65504.0).to(torch.float16)
+    difference = (z - m_col).clamp(min=half_logits_format.HALF_DIFF_MIN).to(torch.float16)
     offset = m.repeat_interleave(block_n // group, dim=1)[:, : -(-vocab // group)].contiguous()
     return difference, offset
 

@@ -33,6 +33,8 @@ import torch
 import triton
 
 from ..._backend import SlowPathWarning, interpreter_enabled
+from . import half_logits_format
+from .half_logits_format import STORED_GROUP  # noqa: F401  (re-exported: the offsets' column group)
 from .reference import LMHeadStats
 
 # the kernels, re-exported: callers (the compile matrix, tests, benchmarks) name them as triton.<kernel>
@@ -41,16 +43,12 @@ from .triton_backward import (  # noqa: F401
     lm_head_bwd_kernel_grad_hidden_dz,
     lm_head_bwd_kernel_grad_weight_dz,
 )
-from .triton_common import STORED_GROUP as _STORED_GROUP
 from .triton_forward import (  # noqa: F401
     lm_head_fwd_kernel_merge,
     lm_head_fwd_kernel_partial,
     lm_head_fwd_kernel_partial_tma,
     lm_head_fwd_kernel_stats_from_logits,
 )
-
-# Kernel A's stored logits in fp16 (HalfLogits): the offsets' column group, the kernels' constant
-STORED_GROUP = int(_STORED_GROUP.value)
 
 
 @dataclass(frozen=True)
@@ -65,28 +63,29 @@ class HalfLogits:
     offset: torch.Tensor
 
     @staticmethod
-    def row_stride(vocab: int) -> int:
-        """fp16 elements per row of `difference`: V rounded up to 16 bytes (the TMA store's row stride)."""
-        return -(-vocab // 8) * 8
-
-    @staticmethod
     def nbytes(rows: int, vocab: int) -> int:
-        """Bytes of a buffer for `rows` tokens: 2 per logit (padded row) + 4 per group of STORED_GROUP."""
-        return rows * (2 * HalfLogits.row_stride(vocab) + 4 * -(-vocab // STORED_GROUP))
+        """Bytes of a buffer for `rows` tokens (half_logits_format.row_bytes: padded rows + offsets)."""
+        return rows * half_logits_format.row_bytes(vocab)
 
     @staticmethod
     def empty(rows: int, vocab: int, device) -> HalfLogits:
-        difference = torch.empty((rows, HalfLogits.row_stride(vocab)), dtype=torch.float16, device=device)
-        offset = torch.empty((rows, -(-vocab // STORED_GROUP)), dtype=torch.float32, device=device)
+        difference = torch.empty((rows, half_logits_format.row_stride(vocab)), dtype=torch.float16, device=device)
+        offset = torch.empty((rows, half_logits_format.num_groups(vocab)), dtype=torch.float32, device=device)
         return HalfLogits(difference[:, :vocab], offset)
 
     def __getitem__(self, rows: slice) -> HalfLogits:
         return HalfLogits(self.difference[rows], self.offset[rows])
 
+    def reconstruct(self) -> torch.Tensor:
+        """z = m + d as the backward kernels form it, fp32 [N, V] (for checks: the kernels never build it)."""
+        vocab = self.difference.shape[1]
+        m = self.offset.repeat_interleave(STORED_GROUP, dim=1)[:, :vocab]
+        return m + self.difference.float()
+
 
 def _check_half_logits(logits: HalfLogits, n_tokens: int, vocab: int, device, name: str) -> None:
     d, m = logits.difference, logits.offset
-    groups = -(-vocab // STORED_GROUP)
+    groups = half_logits_format.num_groups(vocab)
     _check(
         d.dtype == torch.float16 and d.dim() == 2 and d.shape[0] == n_tokens and d.shape[1] >= vocab
         and d.stride(1) == 1 and m.dtype == torch.float32 and m.dim() == 2 and m.shape[0] == n_tokens
@@ -742,7 +741,7 @@ def lm_head_forward(
         HALF_LOGITS=half,
         offset_ptr=logits_out.offset if half else None,
         stride_offset=logits_out.offset.stride(0) if half else 0,
-        num_groups=-(-vocab // STORED_GROUP),
+        num_groups=half_logits_format.num_groups(vocab),
         ROW_INDEPENDENT_DOT=cfg.row_independent_dot,
     )
     with _device_ctx(device):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import half_logits_format
+
 
 # exp(x) is computed as exp2(x * LOG2E), which is what tl.exp lowers to (mul + ex2.approx.f32); written out,
 # it keeps the backward epilogue at 128 registers where tl.exp's lowering needed 192 (sm_90, 128x128 tile).
@@ -32,8 +34,8 @@ DEAD_LSE: tl.constexpr = tl.constexpr(2.0**105)
 # STORED_GROUP columns (kernel A's tiles are multiples of it). d <= 0; d below fp16's most negative finite
 # value is clamped there (HALF_DIFF_MIN): such a logit lies more than 65504 below its row's max, so p = 0
 # with and without the clamp, and p (z - E[z]) stays 0, not 0 * inf.
-STORED_GROUP: tl.constexpr = tl.constexpr(64)
-HALF_DIFF_MIN: tl.constexpr = tl.constexpr(-65504.0)
+STORED_GROUP: tl.constexpr = tl.constexpr(half_logits_format.STORED_GROUP)
+HALF_DIFF_MIN: tl.constexpr = tl.constexpr(half_logits_format.HALF_DIFF_MIN)
 
 
 @triton.jit
