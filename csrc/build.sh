@@ -49,12 +49,23 @@ STAMP="$("$PY" "$HERE/stamp.py")"
 
 mkdir -p "$OUT"
 t0=$(date +%s)
-nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG "-DGRPO_CSRC_STAMP=\"$STAMP\"" \
-  -I"$CUTLASS/include" -I"$CUTLASS/tools/util/include" \
-  -Xptxas -v -Xcompiler -fPIC,-fvisibility=hidden -shared -cudart static -L"$CUDA/lib" \
-  -o "$LIB.tmp" "$HERE"/lm_head_fwd_sm90.cu 2> "$OUT/ptxas.txt.tmp"
+# one object per kernel file, compiled side by side (each nvcc is one core for minutes), then one link
+OBJ="$(mktemp -d)"
+trap 'rm -rf "$OBJ"' EXIT
+SOURCES=(lm_head_fwd_sm90 lm_head_bwd_sm90)
+pids=()
+for src in "${SOURCES[@]}"; do
+  nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG "-DGRPO_CSRC_STAMP=\"$STAMP\"" \
+    -I"$CUTLASS/include" -I"$CUTLASS/tools/util/include" \
+    -Xptxas -v -Xcompiler -fPIC,-fvisibility=hidden -c -o "$OBJ/$src.o" "$HERE/$src.cu" 2> "$OBJ/$src.ptxas" &
+  pids+=($!)
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { cat "$OBJ/${SOURCES[$i]}.ptxas"; echo "compile of ${SOURCES[$i]}.cu failed"; exit 1; }
+done
+nvcc -arch=sm_90a -shared -cudart static -L"$CUDA/lib" -Xcompiler -fvisibility=hidden -o "$LIB.tmp" "$OBJ"/*.o
 mv "$LIB.tmp" "$LIB"
-mv "$OUT/ptxas.txt.tmp" "$OUT/ptxas.txt"
+for src in "${SOURCES[@]}"; do cat "$OBJ/$src.ptxas"; done > "$OUT/ptxas.txt"
 strip --strip-unneeded "$LIB"
 echo "compile: $(( $(date +%s) - t0 )) s, $(stat -c %s "$LIB") bytes -> ${LIB#"$HERE"/../}"
 echo "$STAMP" > "$OUT/stamp.txt"

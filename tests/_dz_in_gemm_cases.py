@@ -12,6 +12,7 @@ import os
 import torch
 from interpreter_runner import wanted
 
+from grpo_kernels.ops.lm_head import cutlass
 from grpo_kernels.ops.lm_head import triton as tri
 
 UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -82,6 +83,50 @@ def main():
                         entry["grad_bias_equal"] = bool(torch.equal(slab[2], fused[2]))
                     entry["zero_row_hidden"] = float(fused[0][3].abs().max()) if grads == "both" else 0.0
                     report[name] = entry
+    # csrc's kernel C contract: triton.lm_head_backward(dz_in_gemm=True) with `dz_gemms` = the torch spec of
+    # csrc's kernels (cutlass.dz_gemms_reference, what the csrc launcher is handed) against the Triton dz
+    # kernels, on kernel A's fp16 store, both adding into fp32 accumulators (grad_hidden_acc, grad_weight_acc)
+    for dtype in (torch.float16, torch.bfloat16):
+        for capped in (False, True):
+            index += 1
+            name = f"csrc-{str(dtype).removeprefix('torch.')}-bias-both" + ("-softcap" if capped else "")
+            if not wanted(name):
+                continue
+            g = torch.Generator().manual_seed(index)
+            x = torch.randn(n, h, generator=g).to(dtype)
+            w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+            b = torch.randn(v, generator=g).to(dtype)
+            y = torch.randint(0, v, (n,), generator=g)
+            cap = (1.0 / 30.0, 30.0 / temperature) if capped else None
+            half = tri.HalfLogits.empty(n, v, "cpu")
+            stats = tri.lm_head_forward(x, w, b, y, temperature, logits_out=half, softcap=cap)
+            g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+            g_lp[3] = g_h[3] = 0.0
+            args = (x, w, b, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h)
+            runs = []
+            for hook in (None, cutlass.dz_gemms_reference):
+                acc_h, acc_w = torch.full((n, h), 0.5), torch.full((v, h), -0.25)
+                runs.append(tri.lm_head_backward(*args, stored_logits=half, softcap=cap, dz_in_gemm=True,
+                                                 grad_hidden_acc=acc_h, grad_weight_acc=acc_w, dz_gemms=hook))
+            triton_run, spec_run = runs
+            inv_t = 1.0 / temperature if cap is None else 1.0
+            mag = dz_magnitude(half.reconstruct(), stats.lse, stats.expected_logit, g_lp * inv_t, g_h * inv_t, y, cap)
+            # the interpreter casts fp32 to bf16 by truncation (checked: every element of a random draw equals
+            # the truncated value), the spec (torch) and the GPU round to nearest: the same dz may then be one bf16
+            # ulp (2 u) apart; fp16's cast rounds to nearest in both
+            u_op = 2 * UNIT[dtype] if dtype == torch.bfloat16 else UNIT[dtype]
+            u32 = UNIT[torch.float32]
+            entry = {}
+            # the same dz rounded to the operand (u_op apart at most), fp32 sums of K products in two orders,
+            # each result added to the same fp32 accumulator (one rounding each)
+            for i, (grad, operand, k) in enumerate((("grad_hidden", w, v), ("grad_weight", x, n))):
+                absolute = (mag @ operand.double().abs()) if i == 0 else (mag.T @ operand.double().abs())
+                a, c = triton_run[i].double(), spec_run[i].double()
+                bound = (u_op + 2 * k * u32) * absolute + 2 * u32 * torch.maximum(a.abs(), c.abs())
+                entry[grad] = ((a - c).abs() / bound.clamp(min=1e-300)).max().item()
+            entry["grad_bias_equal"] = bool(torch.equal(triton_run[2], spec_run[2]))
+            entry["zero_row_hidden"] = float((spec_run[0][3] - 0.5).abs().max())
+            report[name] = entry
     print(json.dumps(report))
 
 

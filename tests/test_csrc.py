@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import os
 import re
@@ -142,6 +143,204 @@ def test_the_bound_catches_a_wrong_fold():
     assert ((bad.entropy.double() - want.entropy).abs() > bound).any()
 
 
+# ---- 1b. kernel C: dz formed from the fp16 store in the backward GEMMs' operand load ----------------------
+
+
+def _autograd_dz(acc64, targets, g_lp, g_h, inv_t, softcap):
+    """dL/dacc in float64 by autograd, L = sum g_lp log p_y + sum g_H H(p), p = softmax(z(acc)) with
+    z = acc / T, or z = cap_out tanh(cap_in acc) with a soft cap (T = 1 there)."""
+    acc = acc64.clone().requires_grad_(True)
+    z = softcap[1] * torch.tanh(softcap[0] * acc) if softcap is not None else acc * inv_t
+    logp = torch.log_softmax(z, -1)
+    loss = torch.zeros((), dtype=torch.float64)
+    if g_lp is not None:
+        loss = loss + (g_lp.double() * logp.gather(1, targets[:, None]).squeeze(1)).sum()
+    if g_h is not None:
+        loss = loss + (g_h.double() * -(logp.exp() * logp).sum(-1)).sum()
+    (grad,) = torch.autograd.grad(loss, acc)
+    return z.detach(), grad
+
+
+@pytest.mark.parametrize("grads", ["both", "logprobs", "entropy"])
+@pytest.mark.parametrize("capped", [False, True], ids=["temperature", "softcap"])
+def test_kernel_c_dz_is_the_float64_gradient(grads, capped):
+    """The spec of kernel C's operand (`token_coefficients` + `dz_from_stored`, the arithmetic of
+    token_coef_kernel and dz_chunk), run in float64 on exact logits, equals autograd's dL/dacc: the
+    coefficients' 1 / T, the target term, the soft cap's factor, and exactly 0 for a token without upstream
+    gradient (its lse replaced by DEAD_LSE)."""
+    g = torch.Generator().manual_seed(5)
+    n, vocab, inv_t = 11, 301, 1.0 / 0.7
+    acc = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    g_lp = torch.randn(n, generator=g, dtype=torch.float64) if grads in ("both", "logprobs") else None
+    g_h = torch.randn(n, generator=g, dtype=torch.float64) if grads in ("both", "entropy") else None
+    for t in (g_lp, g_h):
+        if t is not None:
+            t[4] = 0.0  # a token without upstream gradient
+    softcap = (0.05, 20.0) if capped else None
+    z, want = _autograd_dz(acc, targets, g_lp, g_h, inv_t, softcap)
+    lse = torch.logsumexp(z, -1)
+    mean_z = (torch.softmax(z, -1) * z).sum(-1)
+    coef, target = cutlass.token_coefficients(lse, mean_z, g_lp, g_h, targets, 1.0 if capped else inv_t)
+    got = cutlass.dz_from_stored(z, coef, target, softcap)
+    assert torch.equal(got[4], torch.zeros(vocab, dtype=torch.float64)), "a dead token's dz is not exactly 0"
+    err = (got - want).abs()
+    worst = int(err.argmax())
+    assert err.max() <= 1e-12 * want.abs().max(), f"dz{divmod(worst, vocab)}: {got.flatten()[worst]} vs {want.flatten()[worst]}"
+
+
+def _kernel_c_case(dtype, capped, seed=3):
+    """Logits of the _logits kind (a confident row, a row of forbidden tokens), a head, upstream gradients and
+    the fp32 statistics the forward hands the backward; the csrc epilogue's fp16 store of those logits."""
+    from grpo_kernels.ops.lm_head.triton import HalfLogits, dz_scale
+
+    n, vocab, hidden = 37, 1001, 48  # ragged against the 64-column groups and the 256-column tiles
+    g = torch.Generator().manual_seed(seed)
+    z64 = _logits(n, vocab, 3.0, seed)
+    if capped:  # logits inside the soft cap's range
+        z64 = 20.0 * torch.tanh(z64 / 20.0)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[1] = vocab - 1  # the one allowed token of the forbidden row
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    g_lp[5] = g_h[5] = 0.0
+    lse64 = torch.logsumexp(z64, -1)
+    mean64 = (torch.softmax(z64, -1) * z64).sum(-1)
+    inv_t = 1.0 if capped else 1.0 / 0.7
+    softcap = (0.05, 20.0) if capped else None
+    scale = None
+    if dtype == torch.float16:  # the fp16 operand's power-of-two scale (triton.lm_head_backward's)
+        scale = dz_scale(lse64.float(), mean64.float(), g_lp, g_h, 0.05 * 20.0 if capped else inv_t)
+    difference, offset = cutlass.tile_half_logits(z64.float(), 256)
+    store = HalfLogits(difference, offset)
+    return dict(z64=z64, x=x, w=w, y=y, g_lp=g_lp, g_h=g_h, lse64=lse64, mean64=mean64, inv_t=inv_t,
+                softcap=softcap, scale=scale, store=store)  # fmt: skip
+
+
+def _run_reference(c, store, **overrides):
+    out_h = torch.zeros(c["x"].shape, dtype=torch.float32)
+    acc_w = torch.zeros(c["w"].shape, dtype=torch.float32)
+    args = dict(stored_logits=store, hidden=c["x"], weight=c["w"], targets=c["y"], lse=c["lse64"].float(),
+                expected_logit=c["mean64"].float(), grad_logprobs=c["g_lp"], grad_entropy=c["g_h"],
+                inv_temperature=c["inv_t"], softcap=c["softcap"], dz_scale=c["scale"], grad_hidden_out=out_h,
+                accumulate_hidden=False, grad_weight_acc=acc_w)  # fmt: skip
+    args.update(overrides)
+    cutlass.dz_gemms_reference(**args)
+    return out_h, acc_w
+
+
+def _float64_dz(c):
+    coef, target = cutlass.token_coefficients(c["lse64"], c["mean64"], c["g_lp"].double(), c["g_h"].double(),
+                                              c["y"], c["inv_t"])  # fmt: skip
+    z = c["z64"]
+    dz = cutlass.dz_from_stored(z, coef, target, c["softcap"])
+    p = torch.exp(z - coef[:, :1])
+    c_lp, c_h, mean_z = coef[:, 1:2].abs(), coef[:, 2:3].abs(), coef[:, 3:4]
+    mag = p * (c_h * (mean_z - z).abs() + c_lp)
+    mag[torch.arange(z.shape[0]), target] += c_lp.squeeze(1)
+    return dz, mag, p * c_h
+
+
+def _kernel_c_bound(c, z_used):
+    """Per-element bound on |reference - float64| for grad_hidden = dz W and grad_weight = dz^T X, derived
+    from what the reference does to dz: (a) z from the store differs from the float64 logit by delta (measured
+    here: fp16's rounding of z - m_t and fp32's of m + d), and lse / E_p[z] are fp32-rounded (2^-24 |lse|,
+    2^-24 |E|); dz's sensitivity to a shift of z_j is <= |dz|_max + p_j |c_H| (d/dz_j of p_j (c_H (E - z_j)
+    - c_lp)), to lse |dz|_max, so |d dz| <= (mag + p |c_H|) D e^D, D = delta + 2^-23 (|lse| + |E| + |z|)
+    (e^D: p's second order); with a soft cap times cap_in cap_out plus mag 2 cap_in |t| delta (the factor's
+    slope); (b) the fp32 arithmetic, 16 units of mag; (c) rounding to the operand dtype, u_op |dz| (fp16
+    also its subnormal spacing 2^-25 / S absolute); (d) the GEMM's fp32 sums, 2 K u32 (mag |operand|)."""
+    z = c["z64"]
+    live = z > -1e30
+    delta = torch.where(live, (z_used.double() - z).abs(), torch.zeros_like(z))
+    _, mag, p_ch = _float64_dz(c)
+    u32 = 2.0**-24
+    dd = delta + 2 * u32 * (c["lse64"].abs()[:, None] + c["mean64"].abs()[:, None] + z.abs())
+    dd = torch.where(live, dd, torch.zeros_like(dd))  # a forbidden token: p = 0 from either logit (mag = 0)
+    err = (mag + p_ch) * dd * torch.exp(dd)
+    if c["softcap"] is not None:
+        cap_in, cap_out = c["softcap"]
+        t = (z / cap_out).clamp(-1, 1)
+        mag_raw = mag
+        mag = mag_raw * cap_in * cap_out
+        err = err * cap_in * cap_out + mag_raw * 2 * cap_in * t.abs() * delta
+    u_op = 2.0**-8 if c["x"].dtype == torch.bfloat16 else 2.0**-11
+    err = err + 16 * u32 * mag + u_op * (mag + err)
+    if c["scale"] is not None:
+        err = err + 2.0**-25 / float(c["scale"][0])
+    w, x = c["w"].double().abs(), c["x"].double().abs()
+    n, vocab = z.shape
+    bound_h = err @ w + 2 * vocab * u32 * (mag @ w)
+    bound_w = err.T @ x + 2 * n * u32 * (mag.T @ x)
+    return bound_h, bound_w
+
+
+def _ratio(got, want, bound, what):
+    ratio = (got.double() - want).abs() / bound.clamp(min=1e-300)  # a zero bound (a row with dz = 0) wants 0
+    worst = int(ratio.argmax())
+    return ratio.max().item(), f"{what}{divmod(worst, got.shape[1])}: {got.flatten()[worst].item():.6g} vs {want.flatten()[worst].item():.6g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("capped", [False, True], ids=["temperature", "softcap"])
+def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
+    """Kernel C's arithmetic (`dz_gemms_reference`) on csrc's fp16 store (`tile_half_logits`, 256-column
+    tiles) against float64 gradients, element by element within `_kernel_c_bound`; and, normwise, at most
+    2x the error of the same arithmetic on fp32 logits (issue 34's bar for the fp16 store)."""
+    c = _kernel_c_case(dtype, capped)
+    dz64, _, _ = _float64_dz(c)
+    want_h = dz64 @ c["w"].double()
+    want_w = dz64.T @ c["x"].double()
+    got_h, got_w = _run_reference(c, c["store"])
+    bound_h, bound_w = _kernel_c_bound(c, c["store"].reconstruct())
+    for got, want, bound, what in ((got_h, want_h, bound_h, "grad_hidden"), (got_w, want_w, bound_w, "grad_weight")):
+        worst, where = _ratio(got, want, bound, what)
+        assert worst <= 1.0, f"{where}: {worst:.3f} of its bound"
+    # the same arithmetic on the fp32 logits (the store's reference point)
+    from grpo_kernels.ops.lm_head.triton import HalfLogits
+
+    class Fp32Store(HalfLogits):
+        def reconstruct(self):
+            return c["z64"].float()
+
+    f32_h, f32_w = _run_reference(c, Fp32Store(c["store"].difference, c["store"].offset))
+    for got, ref, want, what in ((got_h, f32_h, want_h, "grad_hidden"), (got_w, f32_w, want_w, "grad_weight")):
+        e_half = ((got.double() - want).norm() / want.norm()).item()
+        e_f32 = ((ref.double() - want).norm() / want.norm()).item()
+        assert e_half <= 2 * e_f32, f"{what}: normwise {e_half:.3g} from the fp16 store, {e_f32:.3g} from fp32"
+
+
+def test_kernel_c_bound_catches_a_wrong_offset():
+    """The bound can fail: the offsets of the neighbouring 64-column group (a wrong group index in the
+    kernel's offset load) put grad_hidden far outside it."""
+    from grpo_kernels.ops.lm_head.triton import HalfLogits
+
+    c = _kernel_c_case(torch.bfloat16, False)
+    store = c["store"]
+    wrong = HalfLogits(store.difference, store.offset.roll(1, dims=1))
+    got_h, _ = _run_reference(c, wrong)
+    dz64, _, _ = _float64_dz(c)
+    bound_h, _ = _kernel_c_bound(c, store.reconstruct())
+    worst, where = _ratio(got_h, dz64 @ c["w"].double(), bound_h, "grad_hidden")
+    assert worst > 10.0, f"a wrong offset group stayed within the bound: {where}, {worst:.3f}"
+
+
+def test_kernel_c_reference_accumulates_as_the_triton_contract():
+    """grad_hidden_out is overwritten unless accumulate_hidden, grad_weight_acc always added into (the
+    contract of triton.lm_head_backward's dz GEMMs, which the csrc launcher follows)."""
+    c = _kernel_c_case(torch.bfloat16, False)
+    h1, w1 = _run_reference(c, c["store"])
+    base_h, base_w = torch.full_like(h1, 0.5), torch.full_like(w1, -0.25)
+    h2, w2 = base_h.clone(), base_w.clone()
+    _run_reference(c, c["store"], grad_hidden_out=h2, grad_weight_acc=w2, accumulate_hidden=True)
+    assert torch.allclose(h2, h1 + 0.5, rtol=0, atol=2.0**-20 * (h1.abs().max() + 1))
+    assert torch.allclose(w2, w1 - 0.25, rtol=0, atol=2.0**-20 * (w1.abs().max() + 1))
+    h3 = base_h.clone()
+    _run_reference(c, c["store"], grad_hidden_out=h3, grad_weight_acc=None)
+    assert torch.equal(h3, h1)
+
+
 # ---- 2. the committed build ---------------------------------------------------------------------------
 
 
@@ -155,7 +354,7 @@ def test_committed_library_matches_the_sources():
 def test_ptxas_report_no_spills_and_within_sm90_limits():
     report = (BIN / "ptxas.txt").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'\n(.*?)(?=Compiling entry|\Z)", report, re.S)
-    assert len(kernels) >= 5, f"expected the 4 GEMM variants and the merge kernel, got {len(kernels)}"
+    assert len(kernels) >= 10, f"expected kernel A's 4 GEMMs and merge, kernel C's 4 dz GEMMs and coefficients, got {len(kernels)}"
     for name, body in kernels:
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
         regs = re.search(r"Used (\d+) registers", body)
@@ -180,6 +379,16 @@ def test_sass_has_wgmma_and_tma():
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
         assert "F2FP" in f, f"{head}: no fp32 -> fp16 pack (F2FP): the training forward's fp16 store is missing"
+    # kernel C: bf16 / fp16 x grad_hidden / grad_weight, dz formed in the kernel from the fp16 store
+    dz_gemms = [f for f in functions if "dz_gemm_kernel" in f.split("\n", 1)[0]]
+    assert len(dz_gemms) == 4, f"expected 4 dz GEMM kernels, got {len(dz_gemms)}"
+    for f in dz_gemms:
+        head = f.split("\n", 1)[0][:80]
+        for instruction, what in (("HGMMA", "WGMMA"), ("UTMALDG", "TMA load"), ("MUFU.EX2", "exp2 of dz's p"),
+                                  ("STS.128", "16-byte store of the dz chunk"),
+                                  ("FENCE.VIEW.ASYNC.S", "the proxy fence before WGMMA reads dz"),
+                                  ("LDS.128", "16-byte load of the fp16 logits chunk")):  # fmt: skip
+            assert instruction in f, f"{head}: no {what} ({instruction})"
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 
@@ -272,6 +481,15 @@ def test_current_library_loads_on_a_cpu_machine(fresh_state):
         for dtype in cutlass.DTYPES.values():
             smem = lib.grpo_csrc_lm_head_fwd_smem_bytes(variant, dtype)
             assert 0 < smem <= 232448, f"variant {variant} dtype {dtype}: {smem} bytes of shared memory"
+    # kernel C: its stages (fp16 logits + B tile) and the double-buffered dz tile, 128 x 256 x 64 tiles whose
+    # K tile is one offset group of the fp16 store
+    tile = (ctypes.c_int * 3)()
+    lib.grpo_csrc_lm_head_bwd_tile(tile)
+    assert list(tile) == [128, 256, 64]
+    for op in (0, 1):
+        for dtype in cutlass.DTYPES.values():
+            smem = lib.grpo_csrc_lm_head_bwd_smem_bytes(op, dtype)
+            assert 0 < smem <= 232448, f"dz GEMM op {op} dtype {dtype}: {smem} bytes of shared memory"
 
 
 def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
@@ -298,3 +516,33 @@ def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
         monkeypatch.setenv(cutlass.ENV_SWITCH, off)
         assert lm_head.get_impl("triton") is triton_impl
     assert lm_head.get_impl("torch").__name__.endswith("chunked")
+
+
+def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, monkeypatch):
+    """With the switch on, a `dz_in_gemm` backward that `backward_applies` gets csrc's launcher as
+    triton.lm_head_backward's `dz_gemms` (validation and the bias sums stay Triton's); CPU tensors, fp32
+    stored logits, a non-dz backward or the switch off get none, and the switch off never loads the library."""
+    from grpo_kernels.ops.lm_head import triton as triton_impl
+    from grpo_kernels.ops.lm_head.triton import HalfLogits
+
+    seen = []
+    monkeypatch.setattr(triton_impl, "lm_head_backward", lambda *a, **k: seen.append(k) or "done")
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    y, stats = torch.zeros(8, dtype=torch.long), torch.zeros(8)
+    half = HalfLogits.empty(8, 128, "cpu")
+    args = (x, w, None, y, 1.0, stats, stats, stats, None)
+    assert not cutlass.backward_applies(x, w, half)  # a CPU tensor
+    assert not cutlass.backward_applies(x, w, torch.zeros(8, 128))  # fp32 stored logits
+    monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
+    cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True)
+    assert "dz_gemms" not in seen[-1]
+    if LIB.is_file():  # as on an H100: the launcher is handed over (the library loads on a CPU machine)
+        monkeypatch.setattr(cutlass, "backward_applies", lambda *a, **k: True)
+        cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True)
+        assert callable(seen[-1]["dz_gemms"])
+        cutlass.lm_head_backward(*args, stored_logits=half)  # the slab path: Triton's dlogits + cuBLAS
+        assert "dz_gemms" not in seen[-1]
+    cutlass.reset()
+    monkeypatch.setenv(cutlass.ENV_SWITCH, "0")
+    assert cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True) == "done"
+    assert "dz_gemms" not in seen[-1] and cutlass._state == {}

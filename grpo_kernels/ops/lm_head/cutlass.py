@@ -37,7 +37,7 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 2  # 2: the partials call takes the HalfLogits store (diff, ld_diff, offset, ld_offset)
+ABI_VERSION = 3  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C)
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -111,6 +111,24 @@ def _declare(lib) -> None:
     lib.grpo_csrc_lm_head_fwd_partials.restype = c_int
     lib.grpo_csrc_lm_head_fwd_merge.argtypes = [c_p] * 8 + [c_i64, c_i64, c_u64]
     lib.grpo_csrc_lm_head_fwd_merge.restype = c_int
+    # kernel C (csrc/lm_head_bwd_sm90.cu)
+    lib.grpo_csrc_bwd_last_error.restype = ctypes.c_char_p
+    lib.grpo_csrc_lm_head_bwd_smem_bytes.argtypes = [c_int, c_int]
+    lib.grpo_csrc_lm_head_bwd_smem_bytes.restype = c_int
+    lib.grpo_csrc_lm_head_bwd_tile.argtypes = [c_p]
+    lib.grpo_csrc_lm_head_bwd_tile.restype = None
+    lib.grpo_csrc_lm_head_bwd_token_coef.argtypes = [
+        c_p, c_p, c_p, c_p, c_p, c_f, c_p,  # lse expected_logit grad_logprobs grad_entropy targets inv_T dz_scale
+        c_i64, c_p, c_p, c_u64,  # N coef target stream
+    ]
+    lib.grpo_csrc_lm_head_bwd_token_coef.restype = c_int
+    lib.grpo_csrc_lm_head_bwd_dz_gemm.argtypes = [
+        c_int, c_int, c_p, c_i64, c_p, c_i64,  # op dtype diff ld_diff offset ld_offset
+        c_p, c_i64, c_p, c_i64, c_int,  # operand ld_operand out ld_out accumulate
+        c_p, c_p, c_p,  # coef target inv_scale
+        c_i64, c_i64, c_i64, c_int, c_f, c_f, c_int, c_u64,  # N V H has_softcap cap_in cap_out group_m stream
+    ]
+    lib.grpo_csrc_lm_head_bwd_dz_gemm.restype = c_int
 
 
 def load(path: Path | None = None, src_dir: Path = _SRC_DIR):
@@ -157,9 +175,9 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ) and (hidden.shape[1] * elt) % 16 == 0
 
 
-def _call(lib, fn: str, *args) -> None:
+def _call(lib, fn: str, *args, error: str = "grpo_csrc_last_error") -> None:
     if getattr(lib, fn)(*args) != 0:
-        raise RuntimeError(f"csrc {fn}: {lib.grpo_csrc_last_error().decode()}")
+        raise RuntimeError(f"csrc {fn}: {getattr(lib, error)().decode()}")
 
 
 def forward_partials(lib, hidden, weight, bias, targets, temperature: float, softcap=None, *,
@@ -225,10 +243,143 @@ def lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs) -> LMH
     return triton_impl.lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs)
 
 
+def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> bool:
+    """Whether csrc's dz GEMMs (kernel C) can run a `dz_in_gemm` backward: an sm_90 device, bf16 / fp16 operands,
+    the fp16 store (HalfLogits; fp32 stored logits are Triton's), TMA's alignment (unit stride along H,
+    16-byte aligned bases and rows, H a multiple of 8) and an fp32 grad_weight accumulator with even rows."""
+    from .triton import HalfLogits
+
+    if not isinstance(stored_logits, HalfLogits):
+        return False
+    if hidden.device.type != "cuda" or hidden.dtype not in DTYPES or weight.dtype != hidden.dtype:
+        return False
+    if torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        return False
+    d, off = stored_logits.difference, stored_logits.offset
+    if d.stride(1) != 1 or d.data_ptr() % 16 or (d.stride(0) * 2) % 16 or off.stride(1) != 1:
+        return False
+    if grad_weight_acc is not None and (grad_weight_acc.dtype != torch.float32 or grad_weight_acc.stride(1) != 1
+                                        or grad_weight_acc.stride(0) % 2 or grad_weight_acc.data_ptr() % 8):  # fmt: skip
+        return False
+    elt = hidden.element_size()
+    return hidden.shape[1] % 8 == 0 and all(
+        t.stride(-1) == 1 and (t.stride(0) * elt) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight)
+    )
+
+
+_BACKWARD_POSITIONAL = ("hidden", "weight", "bias", "targets", "temperature", "lse", "expected_logit", "grad_logprobs",
+                        "grad_entropy", "need_grad_hidden", "need_grad_weight", "need_grad_bias", "grad_weight_acc",
+                        "grad_bias_acc")  # triton.lm_head_backward's positional parameters, in order  # fmt: skip
+
+
 def lm_head_backward(*args, **kwargs):
+    """triton.lm_head_backward's signature and checks; with the switch on, a `dz_in_gemm` call that
+    `backward_applies` runs csrc's two dz GEMMs in place of the Triton ones (its bias sums stay Triton's)."""
     from . import triton as triton_impl
 
+    if enabled() and kwargs.get("dz_in_gemm"):
+        a = dict(zip(_BACKWARD_POSITIONAL, args), **kwargs)
+        need_w = a.get("need_grad_weight", True)
+        if backward_applies(a["hidden"], a["weight"], a.get("stored_logits"), a.get("grad_weight_acc") if need_w else None):
+            lib = load()
+            if lib is not None:
+                kwargs["dz_gemms"] = lambda **k: dz_gemms_csrc(lib, **k)
     return triton_impl.lm_head_backward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel C: the dz GEMMs. `dz_gemms_csrc` launches csrc's kernels, `dz_gemms_reference` is their arithmetic in
+# torch (the spec: the tests run it on the CPU against float64, the GPU check against the device). Both take
+# triton.lm_head_backward's prepared operands (DZ_GEMMS_ARGS) and write the same outputs:
+#   grad_hidden_out [N, H] fp32 = (grad_hidden_out if accumulate_hidden else 0) + dz W / S
+#   grad_weight_acc [V, H] fp32 += dz^T X / S
+# dz from the stored fp16 logits and the per-token coefficients (csrc/lm_head_bwd_sm90.cu's header), rounded to
+# the operands' dtype; S the fp16 dz scale (dz_scale[0]; 1 without).
+
+DZ_GEMMS_ARGS = ("stored_logits", "hidden", "weight", "targets", "lse", "expected_logit", "grad_logprobs",
+                 "grad_entropy", "inv_temperature", "softcap", "dz_scale", "grad_hidden_out", "accumulate_hidden",
+                 "grad_weight_acc")  # fmt: skip
+DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
+
+
+def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature: float,
+                       dz_scale=None):  # fmt: skip
+    """token_coef_kernel's packing, in lse's dtype: (coef [N, 4] = (lse or DEAD_LSE where the token has no
+    upstream gradient, S g_lp / T, S g_H / T, E_p[z]), target [N] int64, -1 where there is no target term)."""
+    zeros = torch.zeros_like(lse)
+    s = dz_scale[0].to(lse.dtype) if dz_scale is not None else 1.0
+    c_lp = grad_logprobs.to(lse.dtype) * inv_temperature if grad_logprobs is not None else zeros
+    c_h = grad_entropy.to(lse.dtype) * inv_temperature if grad_entropy is not None else zeros
+    live = (c_lp != 0) | (c_h != 0)
+    mean_z = expected_logit.to(lse.dtype) if grad_entropy is not None else zeros
+    coef = torch.stack([torch.where(live, lse, torch.full_like(lse, DEAD_LSE)), c_lp * s, c_h * s, mean_z], 1)
+    target = targets.long() if grad_logprobs is not None else torch.full_like(targets.long(), -1)
+    target = torch.where((target >= 0) & (target < 2**31), target, torch.full_like(target, -1))
+    return coef, target
+
+
+def dz_from_stored(z, coef, target, softcap=None) -> torch.Tensor:
+    """dz_chunk's arithmetic on logits z [N, V] (already offset + difference, in the arithmetic's dtype):
+    p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y], times the soft cap's factor, exp(x) = exp2(x log2 e)."""
+    lse, c_lp, c_h, mean_z = (coef[:, i : i + 1] for i in range(4))
+    p = torch.exp2((z - lse) * LOG2E)
+    dz = p * (c_h * (mean_z - z) - c_lp)
+    cols = torch.arange(z.shape[1], device=z.device)
+    dz = dz + torch.where(cols[None, :] == target[:, None], c_lp, torch.zeros_like(c_lp))
+    if softcap is not None:
+        cap_in, cap_out = softcap
+        t = (z * (1.0 / cap_out)).clamp(-1.0, 1.0)
+        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
+    return dz
+
+
+def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
+                       inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc):  # fmt: skip
+    """Kernel C's arithmetic in torch on any device: fp32 dz from the stored fp16 logits, rounded to the
+    operands' dtype, products summed in fp32 (the WGMMA's accumulate), the sums divided by S."""
+    coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
+                                      dz_scale)  # fmt: skip
+    z = stored_logits.reconstruct()  # [N, V] fp32 offset + difference
+    dz = dz_from_stored(z, coef, target, softcap).to(hidden.dtype).float()
+    inv_s = dz_scale[1] if dz_scale is not None else 1.0
+    if grad_hidden_out is not None:
+        part = (dz @ weight.float()) * inv_s
+        grad_hidden_out.copy_(grad_hidden_out + part if accumulate_hidden else part)
+    if grad_weight_acc is not None:
+        grad_weight_acc += (dz.t() @ hidden.float()) * inv_s
+
+
+def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
+                  inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc,
+                  group_m: int = 8):  # fmt: skip
+    """csrc's kernel C: token_coef_kernel, then one dz GEMM per wanted gradient, on torch's current stream."""
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    coef = torch.empty((n_tokens, 4), dtype=torch.float32, device=device)
+    target = torch.empty((n_tokens,), dtype=torch.int32, device=device)
+    targets = targets.to(torch.int64).contiguous()
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    has_softcap, cap_in, cap_out = (0, 0.0, 1.0) if softcap is None else (1, float(softcap[0]), float(softcap[1]))
+    diff, offset = stored_logits.difference, stored_logits.offset
+    err = "grpo_csrc_bwd_last_error"
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _call(lib, "grpo_csrc_lm_head_bwd_token_coef", lse.data_ptr(), expected_logit.data_ptr(), ptr(grad_logprobs),
+              ptr(grad_entropy), targets.data_ptr(), inv_temperature, ptr(dz_scale), n_tokens, coef.data_ptr(),
+              target.data_ptr(), stream, error=err)  # fmt: skip
+        inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
+        for op, operand, out, accumulate in ((0, weight, grad_hidden_out, accumulate_hidden),
+                                             (1, hidden, grad_weight_acc, True)):  # fmt: skip
+            if out is None:
+                continue
+            _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
+                  offset.data_ptr(), offset.stride(0), operand.data_ptr(), operand.stride(0), out.data_ptr(),
+                  out.stride(0), int(accumulate), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab,
+                  hidden_size, has_softcap, cap_in, cap_out, group_m, stream, error=err)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------

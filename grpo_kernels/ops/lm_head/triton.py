@@ -987,6 +987,7 @@ def lm_head_backward(
     grad_hidden_acc: torch.Tensor | None = None,
     softcap: tuple[float, float] | None = None,
     dz_in_gemm: bool = False,
+    dz_gemms=None,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -998,7 +999,8 @@ def lm_head_backward(
     grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py; with
     `grad_hidden_acc` (fp32 [N, H]) the fp32 grad_hidden is added into it and returned in its place.
     dz_in_gemm (with `stored_logits`, opt-in): no dL/dlogit slab; two Triton GEMMs form dz from the stored
-    logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz).
+    logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz); `dz_gemms` (set by
+    cutlass.lm_head_backward where csrc's kernels apply) runs those two GEMMs instead, with cutlass.DZ_GEMMS_ARGS.
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -1121,17 +1123,25 @@ def lm_head_backward(
             BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         )  # fmt: skip
         with _device_ctx(device):
+            out = None  # fp32 grad_hidden: the caller's accumulator, or a buffer cast into grad_hidden below
             if need_grad_hidden:
                 out = grad_hidden_acc if grad_hidden_acc is not None else torch.empty(
                     hidden.shape, dtype=torch.float32, device=device)  # fmt: skip
+            if dz_gemms is not None:  # csrc's kernels (cutlass.py): the same operands, the same sums
+                dz_gemms(stored_logits=stored_logits, hidden=hidden, weight=weight, targets=targets, lse=lse,
+                         expected_logit=expected_logit, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy,
+                         inv_temperature=per_row["inv_temperature"], softcap=softcap, dz_scale=scales,
+                         grad_hidden_out=out, accumulate_hidden=grad_hidden_acc is not None,
+                         grad_weight_acc=grad_weight_acc if need_grad_weight else None)  # fmt: skip
+            elif need_grad_hidden:
                 grid = (triton.cdiv(n_tokens, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_hidden_dz, grid,
                         dict(stored_ptr=stored_z, weight_ptr=weight, out_ptr=out, stride_weight=weight.stride(0),
                              stride_out=out.stride(0), ACCUMULATE=grad_hidden_acc is not None, **per_row),
                         tile.num_warps, tile.num_stages)  # fmt: skip
-                if grad_hidden_acc is None:
-                    grad_hidden.copy_(out)
-            if need_grad_weight:
+            if need_grad_hidden and grad_hidden_acc is None:
+                grad_hidden.copy_(out)
+            if need_grad_weight and dz_gemms is None:
                 grid = (triton.cdiv(vocab, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_weight_dz, grid,
                         dict(stored_ptr=stored_z, hidden_ptr=hidden, acc_ptr=grad_weight_acc,

@@ -1,0 +1,518 @@
+// Kernel C on Hopper (sm_90a): the LM-head backward GEMMs with dL/dlogit (dz) formed in their A-operand load
+// from the logits kernel A stored in fp16 (the HalfLogits form), so the [N, V] dz slab is never written:
+//
+//     grad_hidden[n, h]  = sum_v dz[n, v] W[v, h]        (M = tokens, N = H, K = vocabulary)
+//     grad_weight[v, h] += sum_n dz[n, v] X[n, h]        (M = vocabulary, N = H, K = tokens)
+//
+// with, per token n (grpo_kernels/ops/lm_head/README.md derives it; triton_backward.py `_dz_tile`):
+//     z = offset[n, v / 64] + diff[n, v]            (the stored logit, fp32)
+//     p = exp(z - lse_n)
+//     dz = p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y_n]      c_lp = g_lp / T, c_H = g_H / T
+//     soft cap: dz *= cap_in cap_out (1 - t^2), t = clamp(z / cap_out, -1, 1)   (then T = 1)
+// and dz rounded to the operand dtype before the MMA (the slab path's rounding). A token without an upstream
+// gradient contributes exactly 0 (its lse is replaced by DEAD_LSE so p = 0). The per-token coefficients are
+// packed once per call by `token_coef_kernel` (fp16: the dz scale S folded in; the epilogue multiplies by 1/S).
+//
+// The CTA (384 threads) is warp-specialized: warpgroup 0 is the producer (one thread issues the TMA loads of
+// the fp16 logits tile and the B tile into a ring of STAGES buffers, mbarrier full / empty), warpgroups 1 and 2
+// are consumers, each owning 64 rows of the 128-row tile: per K tile each consumer thread reads four 16-byte
+// chunks of fp16 logits from shared memory, forms 32 dz values, writes them as 16-bit chunks into the
+// warpgroup's part of a double-buffered swizzled A tile, fences the generic-proxy stores for the async proxy,
+// syncs its warpgroup, and issues the WGMMAs (A and B from shared memory). One WGMMA batch stays in flight
+// while the next tile is transformed. The epilogue adds the fp32 accumulators into the fp32 output directly
+// from registers (grad_weight: read-add-write of the caller's accumulator; one CTA owns each output tile).
+//
+// Tiles: 128 x 256 x 64 (BM x BN x BK); BK = 64 is the fp16 store's offset group, so a K tile of grad_hidden
+// has one offset per row and an M tile half of grad_weight one offset per token.
+
+#include <cstdint>
+#include <cstdio>
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+
+namespace grpo_csrc_bwd {
+
+using namespace cute;
+
+constexpr float DEAD_LSE = 0x1p105f;  // triton_common.py DEAD_LSE: p = exp(z - DEAD_LSE) = 0 for every stored z
+constexpr float LOG2E = 1.4426950408889634f;
+
+// One token's coefficients of dz, packed by token_coef_kernel (16 bytes: one vector load per token).
+struct alignas(16) TokenCoef {
+  float lse;     // the row's lse, DEAD_LSE where the token has no upstream gradient
+  float c_lp;    // S g_lp / T (0 without grad_logprobs)
+  float c_h;     // S g_H / T (0 without grad_entropy)
+  float mean_z;  // E_p[z] (0 without grad_entropy)
+};
+
+enum class Op { GradHidden = 0, GradWeight = 1 };
+
+CUTLASS_DEVICE float ex2_approx(float x) {  // what tl.exp2 lowers to
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class Element_, Op OP_, int BN_, int STAGES_>
+struct DzConfig {
+  using Element = Element_;          // cutlass::bfloat16_t or cutlass::half_t: the operands and dz
+  using Stored = cutlass::half_t;    // the fp16 differences
+  static constexpr Op OP = OP_;
+  static constexpr int BM = 128, BN = BN_, BK = 64, STAGES = STAGES_, DZ_BUFFERS = 2;
+  static constexpr int THREADS = 384;
+  // grad_hidden: A = dz [tokens, vocab], K (vocabulary) contiguous in the stored rows -> K-major.
+  // grad_weight: A = dz^T [vocab, tokens], M (vocabulary) contiguous -> MN-major. B is MN-major in both:
+  // W [V, H] and X [N, H] have H (the GEMM's N) contiguous.
+  static constexpr bool A_K_MAJOR = OP == Op::GradHidden;
+  template <class T>
+  using AtomA = cute::conditional_t<A_K_MAJOR, GMMA::Layout_K_SW128_Atom<T>, GMMA::Layout_MN_SW128_Atom<T>>;
+  // MN-major atoms (64 x 8) are stacked along K first: a TMA box is then 64 x BK (8 KB), not 64 x 8
+  using OrderA = cute::conditional_t<A_K_MAJOR, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using SmemLayoutL = decltype(tile_to_shape(AtomA<Stored>{}, make_shape(Int<BM>{}, Int<BK>{}, Int<STAGES>{}),
+                                             OrderA{}));
+  using SmemLayoutA = decltype(tile_to_shape(AtomA<Element>{}, make_shape(Int<BM>{}, Int<BK>{}, Int<DZ_BUFFERS>{}),
+                                             OrderA{}));
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                             make_shape(Int<BN>{}, Int<BK>{}, Int<STAGES>{}), Step<_2, _1, _3>{}));
+  static constexpr GMMA::Major MAJOR_A = A_K_MAJOR ? GMMA::Major::K : GMMA::Major::MN;
+  // two consumer warpgroups along M, each a 64 x BN x 16 WGMMA per k step
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN>, Int<BK>>, MAJOR_A, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  static constexpr uint32_t TMA_BYTES = BM * BK * sizeof(Stored) + BN * BK * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Stored, cosize_v<SmemLayoutL>, 1024> logits;
+    cute::array_aligned<Element, cosize_v<SmemLayoutA>, 1024> dz;
+    cute::array_aligned<Element, cosize_v<SmemLayoutB>, 1024> b;
+    alignas(16) uint64_t full[STAGES];
+    uint64_t empty[STAGES];
+  };
+};
+
+struct DzArgs {
+  float const* offset = nullptr;    // [N, ld_offset] fp32 offsets of the fp16 differences
+  int64_t ld_offset = 0;
+  TokenCoef const* coef = nullptr;  // [N]
+  int const* target = nullptr;      // [N], -1: no target term
+  float const* inv_scale = nullptr; // [1] device scalar 1 / S multiplying the sums, or null (1)
+  float* out = nullptr;             // grad_hidden [N, ld_out] or grad_weight [V, ld_out], fp32
+  int64_t ld_out = 0;
+  int accumulate = 0;               // grad_hidden: add into out (grad_weight always adds)
+  int n_tokens = 0, vocab = 0, hidden = 0;
+  int has_softcap = 0;
+  float cap_in = 0.f, cap_out = 1.f;
+  int group_m = 8;                  // tile raster: GROUP_M M tiles per column band, for L2 reuse of B
+};
+
+// 16-byte shared-memory accesses by address (a generic pointer into the swizzled tile compiles to LD.E / ST.E).
+// volatile + "memory": ordered after the mbarrier wait that makes the TMA's bytes visible, and before the fence.
+CUTLASS_DEVICE uint4 load_shared_16(void const* ptr) {
+  uint32_t const addr = cute::cast_smem_ptr_to_uint(ptr);
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+CUTLASS_DEVICE void store_shared_16(void* ptr, uint4 v) {
+  uint32_t const addr = cute::cast_smem_ptr_to_uint(ptr);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// dz of 8 adjacent vocabulary columns of one token, as 16-bit values, packed into a 16-byte chunk.
+template <bool SOFTCAP, class Element>
+CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, float offset, TokenCoef const& c, int target, int col0, int vocab,
+                              float cap_scale, float inv_cap_out) {
+  __half2 const* d2 = reinterpret_cast<__half2 const*>(&stored);
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    float2 const d = __half22float2(d2[q]);
+    float g[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const col = col0 + 2 * q + h;
+      float const z = offset + (h == 0 ? d.x : d.y);
+      float const p = ex2_approx((z - c.lse) * LOG2E);
+      float v = p * (c.c_h * (c.mean_z - z) - c.c_lp);
+      v = col == target ? v + c.c_lp : v;
+      if constexpr (SOFTCAP) {
+        float const t = fminf(fmaxf(z * inv_cap_out, -1.f), 1.f);
+        v = v * cap_scale * (1.f - t * t);
+      }
+      g[h] = col < vocab ? v : 0.f;  // TMA fills columns past V with 0 logits: not probabilities
+    }
+    if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
+      __nv_bfloat162 const b = __floats2bfloat162_rn(g[0], g[1]);
+      o[q] = *reinterpret_cast<uint32_t const*>(&b);
+    } else {
+      __half2 const b = __floats2half2_rn(g[0], g[1]);
+      o[q] = *reinterpret_cast<uint32_t const*>(&b);
+    }
+  }
+  return out;
+}
+
+// The four tokens a consumer thread serves in one K tile (rows ct / 8 + 16 i of its warpgroup's 64): their
+// coefficients, targets and fp16-store offsets. Tokens past N are dead (p = 0, no target).
+struct TokenRows {
+  TokenCoef coef[4];
+  int target[4];
+  float offset[4];
+};
+
+CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, int group, bool load_coef) {
+  // a group past the vocabulary (grad_weight's last M tile, its second warpgroup when V % 128 <= 64) has no
+  // offset: its columns are all >= V and masked, so 0 is read instead of the next row's first offset
+  bool const group_ok = group * 64 < a.vocab;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    int const token = first_token + 16 * i;
+    bool const ok = token < a.n_tokens;
+    if (load_coef) {
+      r.coef[i] = ok ? a.coef[token] : TokenCoef{DEAD_LSE, 0.f, 0.f, 0.f};
+      r.target[i] = ok ? a.target[token] : -1;
+    }
+    r.offset[i] = ok && group_ok ? a.offset[int64_t(token) * a.ld_offset + group] : 0.f;
+  }
+}
+
+template <class Cfg, class TmaL, class TmaB>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+    dz_gemm_kernel(CUTE_GRID_CONSTANT TmaL const tma_l, CUTE_GRID_CONSTANT TmaB const tma_b,
+                   CUTE_GRID_CONSTANT DzArgs const a) {
+  using Element = typename Cfg::Element;
+  using SS = typename Cfg::SharedStorage;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
+  constexpr bool GRAD_HIDDEN = Cfg::OP == Op::GradHidden;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SS& ss = *reinterpret_cast<SS*>(smem_raw);
+
+  int const M = GRAD_HIDDEN ? a.n_tokens : a.vocab;
+  int const K = GRAD_HIDDEN ? a.vocab : a.n_tokens;
+  int const N = a.hidden;
+  // grouped raster: group_m M tiles share each band of N tiles (consecutive CTAs reuse B tiles in L2)
+  int const tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  int const per_group = a.group_m * tiles_n;
+  int const group = int(blockIdx.x) / per_group;
+  int const first_m = group * a.group_m;
+  int const group_size = min(tiles_m - first_m, a.group_m);
+  int const m_blk = first_m + (int(blockIdx.x) % per_group) % group_size;
+  int const n_blk = (int(blockIdx.x) % per_group) / group_size;
+  int const k_tiles = (K + BK - 1) / BK;
+
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  if (threadIdx.x == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < STAGES; ++s) {
+      FullBarrier::init(&ss.full[s], 1);   // the producer's arrive (+ the TMA bytes)
+      EmptyBarrier::init(&ss.empty[s], 2); // one arrive per consumer warpgroup
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  int const warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(tma_l.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+      Tensor mL = tma_l.get_tma_tensor(make_shape(M, K));  // (M, K) coordinates of the stored logits
+      Tensor mB = tma_b.get_tma_tensor(make_shape(N, K));
+      Tensor gL = local_tile(mL, make_shape(Int<BM>{}, Int<BK>{}), make_coord(m_blk, _));  // (BM, BK, k)
+      Tensor gB = local_tile(mB, make_shape(Int<BN>{}, Int<BK>{}), make_coord(n_blk, _));  // (BN, BK, k)
+      Tensor sL = make_tensor(make_smem_ptr(ss.logits.data()), typename Cfg::SmemLayoutL{});
+      Tensor sB = make_tensor(make_smem_ptr(ss.b.data()), typename Cfg::SmemLayoutB{});
+      auto [tLgL, tLsL] = tma_partition(tma_l, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sL), group_modes<0, 2>(gL));
+      auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int k = 0; k < k_tiles; ++k) {
+        EmptyBarrier::wait(&ss.empty[stage], phase ^ 1);  // a fresh barrier passes parity 1 at once
+        FullBarrier::arrive_and_expect_tx(&ss.full[stage], Cfg::TMA_BYTES);
+        copy(tma_l.with(ss.full[stage]), tLgL(_, k), tLsL(_, stage));
+        copy(tma_b.with(ss.full[stage]), tBgB(_, k), tBsB(_, stage));
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // consumers
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  int const cw = warpgroup - 1;              // rows [64 cw, 64 cw + 64) of the tile
+  int const ct = int(threadIdx.x) - 128;     // 0..255, the tiled MMA's thread index
+  int const wt = ct % 128;                   // thread in the warpgroup
+  int const chunk = wt % 8;                  // its 8-column (16-byte) chunk of each row it serves
+  int const row0 = wt / 8;                   // its rows: row0 + 16 i, i < 4
+
+  typename Cfg::TiledMma mma;
+  auto thr = mma.get_thread_slice(ct);
+  Tensor sL = make_tensor(make_smem_ptr(ss.logits.data()), typename Cfg::SmemLayoutL{});  // (BM, BK, STAGES)
+  Tensor sA = make_tensor(make_smem_ptr(ss.dz.data()), typename Cfg::SmemLayoutA{});      // (BM, BK, 2)
+  Tensor sB = make_tensor(make_smem_ptr(ss.b.data()), typename Cfg::SmemLayoutB{});       // (BN, BK, STAGES)
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // WGMMA descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<BM>{}, Int<BN>{}));  // (MMA, MMA_M, MMA_N) fp32
+  clear(acc);
+
+  float const cap_scale = a.cap_in * a.cap_out;
+  float const inv_cap_out = 1.f / a.cap_out;
+  // Which tokens / columns this thread transforms. grad_hidden: tokens fixed per tile, columns move with k;
+  // grad_weight: columns fixed (the tile's vocabulary rows), tokens move with k.
+  int const tile_row0 = m_blk * BM + 64 * cw;  // first M index of this warpgroup
+  TokenRows rows, next;
+  if constexpr (GRAD_HIDDEN) {
+    load_rows(rows, a, tile_row0 + row0, 0, true);  // offsets of K tile 0 (group 0)
+  } else {
+    load_rows(rows, a, row0, tile_row0 / 64, true);
+  }
+
+  int stage = 0;
+  uint32_t phase = 0;
+  int prev_stage = -1;
+  for (int k = 0; k < k_tiles; ++k) {
+    // the next K tile's per-token data, loaded while this one is transformed
+    if (k + 1 < k_tiles) {
+      if constexpr (GRAD_HIDDEN) load_rows(next, a, tile_row0 + row0, k + 1, false);
+      else load_rows(next, a, (k + 1) * BK + row0, tile_row0 / 64, true);
+    }
+    int const buf = k & 1;  // the dz buffer: the WGMMA that read it (k - 2) has completed (wait<1> below)
+    FullBarrier::wait(&ss.full[stage], phase);
+    // (m, k) of chunk i's first element in the tile: grad_hidden (token row, column), grad_weight (column, token)
+    auto m_of = [&](int i) { return GRAD_HIDDEN ? 64 * cw + row0 + 16 * i : 64 * cw + 8 * chunk; };
+    auto k_of = [&](int i) { return GRAD_HIDDEN ? 8 * chunk : row0 + 16 * i; };
+    uint4 stored[4];  // the four loads issued together, then the arithmetic
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) stored[i] = load_shared_16(&sL(m_of(i), k_of(i), stage));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      int const col0 = GRAD_HIDDEN ? k * BK + 8 * chunk : tile_row0 + 8 * chunk;
+      uint4 const dz = a.has_softcap
+          ? dz_chunk<true, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
+                                    cap_scale, inv_cap_out)
+          : dz_chunk<false, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
+                                     cap_scale, inv_cap_out);
+      store_shared_16(&sA(m_of(i), k_of(i), buf), dz);
+    }
+    cutlass::arch::fence_view_async_shared();             // generic-proxy stores -> visible to WGMMA
+    cutlass::arch::NamedBarrier::sync(128, 1 + cw);       // the warpgroup's 64 rows are all written
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma, tCrA(_, _, _, buf), tCrB(_, _, _, stage), acc);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous K tile's WGMMAs are done: its stage and dz buffer are free
+    warpgroup_fence_operand(acc);
+    if (prev_stage >= 0 && wt == 0) EmptyBarrier::arrive(&ss.empty[prev_stage]);
+    prev_stage = stage;
+    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    if (k + 1 < k_tiles) {
+      if constexpr (GRAD_HIDDEN) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 4; ++i) rows.offset[i] = next.offset[i];
+      } else {
+        rows = next;
+      }
+    }
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+
+  // epilogue: out[row, col] (+)= acc / S; element (v0, r, v2) pairs are two adjacent columns (v0 = 0, 1)
+  float const inv_s = a.inv_scale != nullptr ? *a.inv_scale : 1.f;
+  Tensor cC = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
+  Tensor tCcC = thr.partition_C(cC);  // (MMA, MMA_M, MMA_N) -> (row, col) in the tile, like acc
+  static_assert(size<0, 0>(decltype(acc.layout()){}) == 2, "expected the sm90 WGMMA C fragment");
+  constexpr int R = size<0, 1>(decltype(acc.layout()){}), V2 = size<0, 2>(decltype(acc.layout()){});
+  constexpr int MM = size<1>(decltype(acc.layout()){}), MN = size<2>(decltype(acc.layout()){});
+  bool const add_old = GRAD_HIDDEN ? a.accumulate != 0 : true;
+  CUTLASS_PRAGMA_UNROLL
+  for (int mi = 0; mi < MM; ++mi) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < R; ++r) {
+      int const row = m_blk * BM + int(get<0>(tCcC(make_coord(make_coord(0, r, 0), mi, 0))));
+      if (row >= M) continue;
+      float* out_row = a.out + int64_t(row) * a.ld_out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int ni = 0; ni < MN; ++ni) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          int const col = n_blk * BN + int(get<1>(tCcC(make_coord(make_coord(0, r, v2), mi, ni))));
+          if (col >= N) continue;  // N is a multiple of 8: the pair (col, col + 1) is inside or outside together
+          float2 v = make_float2(acc(make_coord(make_coord(0, r, v2), mi, ni)) * inv_s,
+                                 acc(make_coord(make_coord(1, r, v2), mi, ni)) * inv_s);
+          float2* at = reinterpret_cast<float2*>(out_row + col);
+          if (add_old) {
+            float2 const old = *at;
+            v.x += old.x;
+            v.y += old.y;
+          }
+          *at = v;
+        }
+      }
+    }
+  }
+}
+
+// Per-token coefficients of dz, one thread per token (O(N), once per backward call).
+__global__ void token_coef_kernel(float const* lse, float const* expected_logit, float const* grad_logprobs,
+                                  float const* grad_entropy, int64_t const* targets, float inv_temperature,
+                                  float const* dz_scale, int n_tokens, TokenCoef* coef, int* target) {
+  int const t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_tokens) return;
+  float const s = dz_scale != nullptr ? dz_scale[0] : 1.f;  // fp16: the power of two that keeps dz in range
+  float const c_lp = grad_logprobs != nullptr ? grad_logprobs[t] * inv_temperature : 0.f;
+  float const c_h = grad_entropy != nullptr ? grad_entropy[t] * inv_temperature : 0.f;
+  bool const live = c_lp != 0.f || c_h != 0.f;
+  coef[t] = TokenCoef{live ? lse[t] : DEAD_LSE, c_lp * s, c_h * s,
+                      grad_entropy != nullptr ? expected_logit[t] : 0.f};
+  int64_t const y = targets[t];
+  target[t] = (grad_logprobs != nullptr && y >= 0 && y < (int64_t(1) << 31)) ? int(y) : -1;
+}
+
+static thread_local char g_error[512] = "";
+
+static int fail(char const* what) {
+  std::snprintf(g_error, sizeof(g_error), "%s", what);
+  return 1;
+}
+
+template <class Cfg>
+int run_dz_gemm(void const* diff, int64_t ld_diff, void const* operand, int64_t ld_operand, DzArgs const& args,
+                cudaStream_t stream) {
+  using Element = typename Cfg::Element;
+  using Stored = typename Cfg::Stored;
+  constexpr bool GRAD_HIDDEN = Cfg::OP == Op::GradHidden;
+  int const M = GRAD_HIDDEN ? args.n_tokens : args.vocab;
+  int const K = GRAD_HIDDEN ? args.vocab : args.n_tokens;
+  int const N = args.hidden;
+  // the stored logits as the GEMM's (M, K) operand: rows are tokens, V contiguous
+  auto layout_l = [&] {
+    if constexpr (GRAD_HIDDEN) return make_layout(make_shape(M, K), make_stride(ld_diff, Int<1>{}));
+    else return make_layout(make_shape(M, K), make_stride(Int<1>{}, ld_diff));
+  }();
+  Tensor gL = make_tensor(make_gmem_ptr(reinterpret_cast<Stored const*>(diff)), layout_l);
+  // B (N = H, K): W [V, H] or X [N, H], H contiguous
+  Tensor gB = make_tensor(make_gmem_ptr(reinterpret_cast<Element const*>(operand)),
+                          make_layout(make_shape(N, K), make_stride(Int<1>{}, ld_operand)));
+  auto tma_l = make_tma_atom(SM90_TMA_LOAD{}, gL, typename Cfg::SmemLayoutL{}(_, _, 0),
+                             make_shape(Int<Cfg::BM>{}, Int<Cfg::BK>{}));
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, gB, typename Cfg::SmemLayoutB{}(_, _, 0),
+                             make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}));
+  auto kernel = &dz_gemm_kernel<Cfg, decltype(tma_l), decltype(tma_b)>;
+  int const smem = int(sizeof(typename Cfg::SharedStorage));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return fail(cudaGetErrorString(err));
+  int const tiles = ((M + Cfg::BM - 1) / Cfg::BM) * ((N + Cfg::BN - 1) / Cfg::BN);
+  kernel<<<tiles, Cfg::THREADS, smem, stream>>>(tma_l, tma_b, args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return fail(cudaGetErrorString(err));
+  return 0;
+}
+
+using GradHiddenBf16 = DzConfig<cutlass::bfloat16_t, Op::GradHidden, 256, 4>;
+using GradWeightBf16 = DzConfig<cutlass::bfloat16_t, Op::GradWeight, 256, 4>;
+using GradHiddenFp16 = DzConfig<cutlass::half_t, Op::GradHidden, 256, 4>;
+using GradWeightFp16 = DzConfig<cutlass::half_t, Op::GradWeight, 256, 4>;
+
+}  // namespace grpo_csrc_bwd
+
+using namespace grpo_csrc_bwd;
+
+#define GRPO_API __attribute__((visibility("default")))
+
+extern "C" {
+
+GRPO_API char const* grpo_csrc_bwd_last_error() { return g_error; }
+
+// Shared memory of a dz GEMM's CTA. op: 0 grad_hidden, 1 grad_weight; dtype: 1 bf16, 2 fp16. Host only.
+GRPO_API int grpo_csrc_lm_head_bwd_smem_bytes(int op, int dtype) {
+  if (dtype == 1 && op == 0) return int(sizeof(GradHiddenBf16::SharedStorage));
+  if (dtype == 1 && op == 1) return int(sizeof(GradWeightBf16::SharedStorage));
+  if (dtype == 2 && op == 0) return int(sizeof(GradHiddenFp16::SharedStorage));
+  if (dtype == 2 && op == 1) return int(sizeof(GradWeightFp16::SharedStorage));
+  return -1;
+}
+
+// Tile of a dz GEMM (BM, BN, BK) into out[3]. Host only.
+GRPO_API void grpo_csrc_lm_head_bwd_tile(int* out) {
+  out[0] = GradHiddenBf16::BM;
+  out[1] = GradHiddenBf16::BN;
+  out[2] = GradHiddenBf16::BK;
+}
+
+// The per-token coefficients (coef: [N] 16-byte records, target: [N] int32). Device pointers; grad_logprobs /
+// grad_entropy / dz_scale may be null.
+GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* expected_logit,
+                                              float const* grad_logprobs, float const* grad_entropy,
+                                              int64_t const* targets, float inv_temperature, float const* dz_scale,
+                                              int64_t n_tokens, void* coef, int* target, uint64_t stream) {
+  if (n_tokens <= 0 || n_tokens >= (int64_t(1) << 31)) return fail("n_tokens must be in [1, 2^31)");
+  int const threads = 256;
+  token_coef_kernel<<<int((n_tokens + threads - 1) / threads), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature, dz_scale, int(n_tokens),
+      reinterpret_cast<TokenCoef*>(coef), target);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return fail(cudaGetErrorString(err));
+  return 0;
+}
+
+// One dz GEMM. op 0: out = grad_hidden [N, H] fp32 (+= when accumulate), operand = W [V, H];
+// op 1: out = grad_weight [V, H] fp32 (always +=), operand = X [N, H]. diff / offset: the HalfLogits store of
+// these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef / target from grpo_csrc_lm_head_bwd_token_coef;
+// inv_scale: device fp32 1 / S or null. Strides in elements; H, ld_diff and ld_operand multiples of 8 and
+// 16-byte aligned bases (TMA). Returns 0, or nonzero with grpo_csrc_bwd_last_error() set.
+GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, int64_t ld_diff, float const* offset,
+                                           int64_t ld_offset, void const* operand, int64_t ld_operand, float* out,
+                                           int64_t ld_out, int accumulate, void const* coef, int const* target,
+                                           float const* inv_scale, int64_t n_tokens, int64_t vocab,
+                                           int64_t hidden_size, int has_softcap, float cap_in, float cap_out,
+                                           int group_m, uint64_t stream) {
+  if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
+  if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
+    return fail("sizes must be below 2^31");
+  if (hidden_size % 8 || ld_diff % 8 || ld_operand % 8 || ld_out % 2)
+    return fail("H, ld_diff and ld_operand must be multiples of 8 elements, ld_out even (TMA, float2 stores)");
+  if (reinterpret_cast<uintptr_t>(diff) % 16 || reinterpret_cast<uintptr_t>(operand) % 16 ||
+      reinterpret_cast<uintptr_t>(out) % 8 || reinterpret_cast<uintptr_t>(coef) % 16)
+    return fail("misaligned pointer (diff / operand / coef 16 bytes, out 8 bytes)");
+  DzArgs args;
+  args.offset = offset;
+  args.ld_offset = ld_offset;
+  args.coef = reinterpret_cast<TokenCoef const*>(coef);
+  args.target = target;
+  args.inv_scale = inv_scale;
+  args.out = out;
+  args.ld_out = ld_out;
+  args.accumulate = accumulate;
+  args.n_tokens = int(n_tokens);
+  args.vocab = int(vocab);
+  args.hidden = int(hidden_size);
+  args.has_softcap = has_softcap;
+  args.cap_in = has_softcap ? cap_in : 0.f;
+  args.cap_out = has_softcap ? cap_out : 1.f;
+  args.group_m = group_m > 0 ? group_m : 8;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (dtype == 1 && op == 0) return run_dz_gemm<GradHiddenBf16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 1 && op == 1) return run_dz_gemm<GradWeightBf16>(diff, ld_diff, operand, ld_operand, args, s);
+#ifndef GRPO_CSRC_ONE_VARIANT
+  if (dtype == 2 && op == 0) return run_dz_gemm<GradHiddenFp16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 2 && op == 1) return run_dz_gemm<GradWeightFp16>(diff, ld_diff, operand, ld_operand, args, s);
+#endif
+  return fail("unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)");
+}
+
+}  // extern "C"
