@@ -359,3 +359,40 @@ def test_half_logits_keep_the_fp32_stores_accuracy_at_the_target_head(dtype):
         for name, a, r, t in zip(("grad_hidden", "grad_weight"), got, reference, truth):
             half, fp32 = normwise(a, t), normwise(r, t)
             assert half <= 2 * fp32, f"{dtype} dz_in_gemm={dz_in_gemm} {name}: {half:.3g} > 2 x {fp32:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# csrc/ (last in the file: a kernel that hangs loses only this test): the fused loss with csrc's kernel A and
+# kernel C at the target head, against the float64 truth and PyTorch's own 16-bit path
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_csrc_kernels_a_and_c_in_the_fused_loss_at_the_target_head(dtype, monkeypatch):
+    """GRPO_KERNELS_CSRC=1, schedule="one_pass_dz": kernel A's epilogue stores the fp16 logits, kernel C forms dz
+    from them in both backward GEMMs; the same bar as every schedule (no worse than 2x PyTorch's own 16-bit
+    error against the fp32 truth), and both csrc kernels must have run (a silent Triton fallback fails)."""
+    from grpo_kernels.ops.lm_head import cutlass
+
+    dt = getattr(torch, dtype)
+    h, v = HEADS["qwen3-8b"]
+    d = real_inputs(h, v, dt, seed=4)
+    if not cutlass.applies(d["hidden"][0], d["weight"], None) or cutlass.load() is None:
+        pytest.skip(f"csrc's kernels do not apply here: {cutlass.why_not() or 'not an sm_90 device'}")
+    ran = {"a": 0, "c": 0}
+    forward, backward = cutlass.forward_partials, cutlass.dz_gemms_csrc
+
+    def counted_forward(*a, **k):
+        ran["a"] += 1
+        return forward(*a, **k)
+
+    def counted_backward(*a, **k):
+        ran["c"] += 1
+        return backward(*a, **k)
+
+    monkeypatch.setattr(cutlass, "forward_partials", counted_forward)
+    monkeypatch.setattr(cutlass, "dz_gemms_csrc", counted_backward)
+    monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
+    cfg = gk.PolicyLossConfig.dapo().replace(kl_coef=0.04)
+    truth = fused_grads(d, cfg, "torch", torch.float32)
+    ours = fused_grads(d, cfg, "triton", schedule="one_pass_dz")
+    assert ran["a"] > 0 and ran["c"] > 0, f"csrc kernels ran {ran} times: the Triton path answered"
+    check_against_truth(f"csrc {dtype} one_pass_dz", d, cfg, truth, ours)

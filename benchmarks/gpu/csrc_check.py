@@ -16,7 +16,12 @@ Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16
   torch.mm (cuBLAS, bf16 out [N, V]), and the training forward storing fp16 logits (csrc cooperative, Triton
   kernel A), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
   TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
-Expected duration on an H100 / H200: ~1 min (build-free: the library is loaded, no compile).
+Kernel C (the backward's dz GEMMs, ABI 3; judged apart from kernel A): backward_checks, csrc against its torch spec
+  (cutlass.dz_gemms_reference) on the device on the same fp16 store, small heads and the target head (N = 512),
+  per element within a derived bound; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass
+  chunk at the target head): csrc's two dz GEMMs against the two cuBLAS GEMMs of the same shapes (the floor, dz
+  given in bf16), interleaved the same way (the whole fused loss is the headline's grpo_kernels-csrc-one-pass-dz).
+Expected duration on an H100 / H200: ~1-2 min (build-free: the library is loaded, no compile).
 """
 
 from __future__ import annotations
@@ -141,6 +146,131 @@ def store_checks(lib, device):
     return rows
 
 
+def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
+    """triton.lm_head_backward's prepared operands for the dz GEMMs (cutlass.DZ_GEMMS_ARGS), fresh outputs."""
+    scale = None
+    if hidden.dtype == torch.float16:  # the fp16 operand's power-of-two scale, as lm_head_backward sets it
+        scale = triton_impl.dz_scale(stats.lse, stats.expected_logit, g_lp, g_h, 1.0 / temp if sc is None else sc[0] * sc[1])
+    return dict(stored_logits=store, hidden=hidden, weight=weight, targets=targets, lse=stats.lse,
+                expected_logit=stats.expected_logit, grad_logprobs=g_lp, grad_entropy=g_h,
+                inv_temperature=1.0 / temp if sc is None else 1.0, softcap=sc, dz_scale=scale,
+                grad_hidden_out=torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
+                accumulate_hidden=False,
+                grad_weight_acc=torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device))  # fmt: skip
+
+
+def backward_checks(lib, device):
+    """Kernel C (ABI 3): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
+    same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
+    fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
+    K products in fp32 in different orders: per element |csrc - spec| <= (u_op + 2 K u32) (|dz| @ |operand|) + 2 u32
+    |result|, |dz| bounded in float64 from the store (the interpreter test's bound). Also: a token without
+    upstream gradient gets exactly 0 in grad_hidden; grad_hidden added into (accumulate) gives twice the sum."""
+    rows = []
+    g = torch.Generator(device=device).manual_seed(2)
+    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
+             for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
+    n, h, v = 512, 4096, 151936
+    hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
+    cases.append((f"target-head-N{n}", hidden, weight, None, torch.randint(0, v, (n,), device=device, generator=g),
+                  1.0, None))  # fmt: skip
+    units = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+    for name, hidden, weight, b, targets, temp, sc in cases:
+        n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
+        store = triton_impl.HalfLogits.empty(n, v, device)
+        stats = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, logits_out=store)
+        g_lp = torch.randn(n, device=device, generator=g)
+        g_h = torch.randn(n, device=device, generator=g)
+        g_lp[3] = g_h[3] = 0.0
+        got = _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc)
+        want = _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc)
+        cutlass.dz_gemms_csrc(lib, **got)
+        cutlass.dz_gemms_reference(**want)
+        torch.cuda.synchronize()
+        coef, target = cutlass.token_coefficients(stats.lse.double(), stats.expected_logit.double(), g_lp.double(),
+                                                  g_h.double(), targets, want["inv_temperature"])  # fmt: skip
+        z = store.reconstruct().double()
+        p = torch.exp(z - coef[:, :1])
+        mag = p * (coef[:, 2:3].abs() * (coef[:, 3:4] - z).abs() + coef[:, 1:2].abs())
+        mag[torch.arange(n, device=device), target.clamp(min=0)] += coef[:, 1].abs() * (target >= 0)
+        if sc is not None:
+            mag = mag * sc[0] * sc[1]
+        del z, p
+        row = {"case": f"backward-{name}", "ok": True}
+        u_op, u32 = units[hidden.dtype], 2.0**-24
+        for grad, key, operand, k in (("grad_hidden", "grad_hidden_out", weight, v),
+                                      ("grad_weight", "grad_weight_acc", hidden, n)):  # fmt: skip
+            a, c = got[key].double(), want[key].double()
+            absolute = (mag @ operand.double().abs()) if grad == "grad_hidden" else (mag.T @ operand.double().abs())
+            bound = (u_op + 2 * k * u32) * absolute + 2 * u32 * torch.maximum(a.abs(), c.abs())
+            ratio = ((a - c).abs() / bound.clamp(min=1e-300))
+            worst = int(ratio.argmax())
+            row[grad] = {"worst_ratio": ratio.max().item(), "worst": [worst // h, worst % h],
+                         "got": a.flatten()[worst].item(), "want": c.flatten()[worst].item()}  # fmt: skip
+            row["ok"] &= ratio.max().item() <= 1.0
+        row["zero_row_exact"] = bool((got["grad_hidden_out"][3] == 0).all())
+        again = dict(got, grad_weight_acc=None, accumulate_hidden=True)
+        first = got["grad_hidden_out"].clone()
+        cutlass.dz_gemms_csrc(lib, **again)
+        torch.cuda.synchronize()
+        row["accumulate_doubles"] = bool(torch.allclose(got["grad_hidden_out"], 2 * first, rtol=2.0**-22, atol=0))
+        row["ok"] &= row["zero_row_exact"] and row["accumulate_doubles"]
+        rows.append(row)
+        del mag
+    return rows
+
+
+def backward_timings(lib, device, n, repeats):
+    """One chunk of the fused loss's backward at the target head (n tokens, the one-pass chunk size), bf16: csrc's
+    two dz GEMMs (and each alone) against the cuBLAS GEMMs of the same shapes (bf16 [n, V] dz given: the floor).
+    No Triton row (its JIT would cost the part ~10-20 s): today's default against kernel C is the headline's
+    `grpo_kernels` against `grpo_kernels-csrc-one-pass-dz` (the whole fused loss)."""
+    h, v = 4096, 151936
+    hidden = (torch.randn(n, h, device=device) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device) * 0.02).bfloat16()
+    targets = torch.randint(0, v, (n,), device=device)
+    store = triton_impl.HalfLogits.empty(n, v, device)
+    stats = cutlass.forward_stats(lib, hidden, weight, None, targets, 1.0, None, logits_out=store)
+    g_lp, g_h = torch.randn(n, device=device) * 1e-3, torch.randn(n, device=device) * 1e-3
+    args = _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, 1.0, None)
+    dz = torch.randn(n, v, device=device).bfloat16()
+    out_h = torch.empty(n, h, device=device, dtype=torch.bfloat16)
+    out_w = torch.empty(v, h, device=device, dtype=torch.bfloat16)
+    fns = {
+        "csrc_dz_both": lambda: cutlass.dz_gemms_csrc(lib, **args),
+        "csrc_dz_grad_hidden": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_weight_acc=None)),
+        "csrc_dz_grad_weight": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_hidden_out=None)),
+        "cublas_grad_hidden": lambda: torch.mm(dz, weight, out=out_h),
+        "cublas_grad_weight": lambda: torch.mm(dz.t(), hidden, out=out_w),
+    }  # fmt: skip
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        order = list(fns)
+        random.shuffle(order)
+        for k in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end))
+    flops = {k: (4 if "both" in k else 2) * n * h * v for k in fns}
+    out = {}
+    for k, ts in times.items():
+        q = statistics.quantiles(ts, n=10)
+        med = statistics.median(ts)
+        out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops[k] / med / 1e9, "n": len(ts)}
+    floor = out["cublas_grad_hidden"]["median_ms"] + out["cublas_grad_weight"]["median_ms"]
+    summary = {"csrc_dz_to_cublas_pair": out["csrc_dz_both"]["median_ms"] / floor,
+               "csrc_grad_hidden_to_cublas": out["csrc_dz_grad_hidden"]["median_ms"] / out["cublas_grad_hidden"]["median_ms"],
+               "csrc_grad_weight_to_cublas": out["csrc_dz_grad_weight"]["median_ms"] / out["cublas_grad_weight"]["median_ms"]}  # fmt: skip
+    return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
+
+
 def timings(lib, device, n, repeats):
     h, v = 4096, 151936
     hidden = (torch.randn(n, h, device=device) * 0.5).bfloat16()
@@ -193,6 +323,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--backward-n", type=int, default=2432, help="tokens of one backward chunk (one_pass_dz's)")
     args = ap.parse_args()
     t0 = time.time()
     device = torch.device("cuda")
@@ -216,14 +347,23 @@ def main():
             save("checked")
             if result["all_checks_ok"]:
                 result["timing"] = timings(lib, device, args.n, args.repeats)
+                save("timed")
+            # kernel C (the backward) is judged on its own: a failure of its checks leaves kernel A's rows standing
+            result["backward_checks"] = backward_checks(lib, device)
+            result["backward_checks_ok"] = all(r["ok"] for r in result["backward_checks"])
+            save("backward checked")
+            if result["backward_checks_ok"]:
+                result["backward_timing"] = backward_timings(lib, device, args.backward_n, args.repeats)
         except Exception as exc:  # noqa: BLE001 - the session records the failure and goes on
             result["error"] = f"{type(exc).__name__}: {exc}"
     save("done")
-    print(json.dumps({k: result.get(k) for k in ("loaded", "why_not", "all_checks_ok", "error", "seconds")}))
-    if "timing" in result:
-        print(json.dumps(result["timing"]["summary"], indent=1))
-        for k, r in result["timing"]["rows"].items():
-            print(f"{k:32s} {r['median_ms']:8.3f} ms (p20 {r['p20_ms']:.3f}, p80 {r['p80_ms']:.3f})  {r['tflops']:6.1f} TF/s")
+    print(json.dumps({k: result.get(k) for k in ("loaded", "why_not", "all_checks_ok", "backward_checks_ok", "error",
+                                                 "seconds")}))  # fmt: skip
+    for part in ("timing", "backward_timing"):
+        if part in result:
+            print(json.dumps(result[part]["summary"], indent=1))
+            for k, r in result[part]["rows"].items():
+                print(f"{k:32s} {r['median_ms']:8.3f} ms (p20 {r['p20_ms']:.3f}, p80 {r['p80_ms']:.3f})  {r['tflops']:6.1f} TF/s")
 
 
 if __name__ == "__main__":

@@ -130,10 +130,11 @@ STARTUP_LIMIT_S = 90  # a child that starts no row within this is stuck (imports
 GPU_TEST_FILES = ("test_gpu_tier.py", "test_gpu.py")
 GPU_TESTS_BUDGET_S = 75
 # The training step (grpo_kernels/bench/step.py): at most ~3 minutes in a call; rows not reached are resumed
-STEP_BUDGET_S = 135  # the second call: wheels 20 + preflight 40 + sweep 40 + trace 20 + csrc 45 + step 135 + 15 = 315
-# csrc/'s CUTLASS kernel A (benchmarks/gpu/csrc_check.py): checked against the fp32 reference, then timed against
-# one cuBLAS GEMM (no compile of its own: the library travels built; Triton compiles its comparison kernels)
-CSRC_BUDGET_S = 45
+STEP_BUDGET_S = 135  # the second call: wheels 20 + preflight 40 + sweep 40 + trace 20 + csrc 50 + step 135 + 15 = 320
+# csrc/'s CUTLASS kernels (benchmarks/gpu/csrc_check.py): kernel A checked against the fp32 reference, then timed
+# against one cuBLAS GEMM; kernel C checked against its spec, then timed against the two cuBLAS backward GEMMs (no
+# compile of its own: the library travels built; Triton compiles its comparison kernels)
+CSRC_BUDGET_S = 50
 HEADLINE_BUDGET_S = 170  # the first call: wheels 20 + preflight 40 + gpu-tests 75 + headline 170 + reserve 15 = 320
 SWEEP_TRL_BUDGET_S = 40
 TRACE_BUDGET_S = 20
@@ -180,6 +181,7 @@ HEADLINE_PROVIDERS = (  # the verdict's rows, beside the floor in one process: o
     "verl-kernel",  # log-probs: verl's Triton kernel
     "grpo_kernels-csrc",  # csrc/'s CUTLASS kernel A: log-probs, and the fused loss with its fp16 logits store (opt-in;
     # last: its gate checks it first)
+    "grpo_kernels-csrc-one-pass-dz",  # the fused loss with csrc's kernel A and kernel C (dz in the backward GEMMs)
 )
 HEADLINE_ORDER = ("logprobs", "fused_grpo")  # the quick op first: a part cut short keeps it
 SWEEP_TRL_PROVIDERS = ("grpo_kernels", "trl")
@@ -331,8 +333,10 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
              "what the host did meanwhile (benchmarks/gpu/trace_gaps.py)", TRACE_BUDGET_S, "script",
              command=[_python(), str(ROOT / "benchmarks" / "gpu" / "trace_gaps.py")]),
         # csrc/'s kernel A: its checks, then its timing (one JSON, session.json's "csrc"); on a CPU rehearsal skipped
-        Part("csrc", "csrc/ CUTLASS sm_90a kernel A: checked against the fp32 reference (small head, target head), "
-             "then timed against one cuBLAS GEMM, interleaved (benchmarks/gpu/csrc_check.py)", CSRC_BUDGET_S, "script",
+        Part("csrc", "csrc/ CUTLASS sm_90a kernels: A checked against the fp32 reference (small head, target head), "
+             "then timed against one cuBLAS GEMM; C (the backward's dz GEMMs) checked against its spec, then timed "
+             "against the two cuBLAS GEMMs, interleaved (benchmarks/gpu/csrc_check.py)", CSRC_BUDGET_S,
+             "script",
              command=[_python(), str(ROOT / "benchmarks" / "gpu" / "csrc_check.py")]),
         rows("step", "a GRPO training step, stock against grpo_kernels (TRL 1.16 and the reference trainer; "
              f"{'tiny Qwen3, 2 steps, planted memory limit' if rehearsal else 'Qwen3-1.7B full, Qwen3-8B LoRA'}): "
@@ -1076,6 +1080,14 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
             said += (f"; best {timing['best_csrc']} at {timing['best_csrc_to_cublas']:.3f}x one cuBLAS GEMM "
                      f"(Triton kernel A {timing['triton_to_cublas']:.3f}x)")
         lines.append(f"csrc kernel A (session.json \"csrc\"): {said}")
+        back = csrc.get("backward_checks") or []
+        if back or csrc.get("backward_timing"):  # kernel C: its checks against the spec, its time against cuBLAS
+            wrong = [c["case"] for c in back if not c.get("ok")]
+            said = f"{len(back) - len(wrong)}/{len(back)} checks ok" + (f" (wrong: {', '.join(wrong)})" if wrong else "")
+            timing = (csrc.get("backward_timing") or {}).get("summary")
+            if timing:
+                said += f"; both dz GEMMs {timing['csrc_dz_to_cublas_pair']:.3f}x the two cuBLAS GEMMs of the same shapes"
+            lines.append(f"csrc kernel C (session.json \"csrc\"): {said}")
     slow = slowest_kernels(rows)
     lines.append("kernels furthest from their measured ceilings:" if slow else
                  "kernels: no microbenchmark rows yet (the micro part has not run)")  # fmt: skip

@@ -181,12 +181,14 @@ def _ours(backend: str, schedule: str = "auto", batch_invariant: bool = False, f
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused, "loss_head": head}
 
 
-def _ours_csrc() -> dict:
-    """grpo_kernels with csrc/'s CUTLASS kernel A (GRPO_KERNELS_CSRC=1 around each call). fused_linear_logprobs:
-    log-probs and entropy from the GEMM's epilogue partials, no logits written; with grad, Triton's backward.
-    fused_linear_grpo_loss (schedule "auto"): the kernel-A one-pass schedules' forward stores the chunk's fp16
-    logits from the same epilogue (csrc ABI 2), the rest is Triton's / cuBLAS's. A library that does not load,
-    or a call it does not apply to, is a skipped row with the reason (never Triton's time under csrc's name)."""
+def _ours_csrc(schedule: str = "auto") -> dict:
+    """grpo_kernels with csrc/'s CUTLASS kernels (GRPO_KERNELS_CSRC=1 around each call). fused_linear_logprobs:
+    log-probs and entropy from kernel A's epilogue partials, no logits written; with grad, Triton's backward.
+    fused_linear_grpo_loss at `schedule`: the kernel-A one-pass schedules' forward stores the chunk's fp16 logits
+    from the same epilogue (csrc ABI 2); with "one_pass_dz" the backward's two GEMMs are csrc's kernel C, dz
+    formed in their operand load from that store (ABI 3); the rest is Triton's / cuBLAS's. A library that does
+    not load, or a call it does not apply to, is a skipped row with the reason (never Triton's time under
+    csrc's name)."""
     import grpo_kernels as gk
     from ..ops.lm_head import cutlass
 
@@ -226,11 +228,13 @@ def _ours_csrc() -> dict:
         def call():  # the gradients are computed inside this forward: the switch covers all csrc can run
             return gk.fused_linear_grpo_loss(
                 inp.hidden.view(b, t, -1), inp.weight, inp.targets.view(b, t), inp.advantages, inp.mask,
-                inp.old_logprobs, inp.ref_logprobs, config=inp.config, backend="triton",
+                inp.old_logprobs, inp.ref_logprobs, config=inp.config, backend="triton", schedule=schedule,
             ).loss  # fmt: skip
 
+        backward = "csrc kernel C (dz in the GEMMs' operand load)" if schedule == "one_pass_dz" else (
+            "Triton / cuBLAS backward")  # fmt: skip
         return Forward(switched(call), f"csrc kernel A with the fp16 logits store ({cutlass.library_path().name}), "
-                                       "schedule=auto, Triton / cuBLAS backward")  # fmt: skip
+                                       f"schedule={schedule}, {backward}")  # fmt: skip
 
     return {"logprobs": logprobs, "logprobs_grad": logprobs, "fused_grpo": fused}
 
@@ -817,6 +821,15 @@ REGISTRY.add(
         "grpo_kernels with csrc/'s CUTLASS sm_90a kernel A (GRPO_KERNELS_CSRC=1; opt-in, not in auto): log-probs, and "
         "the fused loss whose one-pass forward stores fp16 logits from the GEMM's epilogue",
         _ours_csrc(),
+        needs_cuda="csrc/'s sm_90a library",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-csrc-one-pass-dz",
+        "grpo_kernels fused loss with schedule='one_pass_dz' and csrc/ (GRPO_KERNELS_CSRC=1): kernel A's epilogue "
+        "stores fp16 logits, kernel C forms dz from them inside the two backward GEMMs (no dz slab; opt-in)",
+        {"fused_grpo": _ours_csrc("one_pass_dz")["fused_grpo"]},
         needs_cuda="csrc/'s sm_90a library",
     )
 )
