@@ -126,3 +126,32 @@ def test_auto_over_the_error_bound_leaves_the_in_place_schedules():
     # 262k tokens: 108 chunks of 2432 (158 of 1664) exceed the bound; nothing else fits 1.5 GiB: the smallest peak
     chosen, reason = auto_schedule_at(262144, TARGET["hidden"], TARGET["vocab"])
     assert not chosen.endswith("_inplace") and "no schedule fits" in reason, reason
+
+
+@pytest.mark.parametrize("dtype,backend,want", [
+    (torch.bfloat16, "triton", 2560),  # kernel A's fp16 store: 2 V + 4 V / 64 bytes per token
+    (torch.float32, "triton", 1280),  # fp32 inputs keep fp32 logits
+    (torch.bfloat16, "torch", 1280),  # the PyTorch backend never runs one pass: the default budget
+])  # fmt: skip
+def test_auto_without_the_time_model_plans_kernel_a_chunks(monkeypatch, dtype, backend, want):
+    """A frozen head (LoRA), like the vocabulary-parallel and batch-invariant heads, skips the time model: "auto"
+    then runs "one_pass", kernel A's, so its chunks are planned in kernel A's stored format (the 768 MiB budget
+    holds 2560 bf16 tokens at the Qwen3-8B vocabulary, not the fp32 logits' 1280)."""
+    from types import SimpleNamespace
+
+    from grpo_kernels.ops.fused import dispatch
+
+    class Planned(Exception):
+        pass
+
+    def planner(requested, backend, cfg, batch, chunk_tokens, host=None):
+        raise Planned(chunk_tokens)
+
+    monkeypatch.setattr(dispatch, "choose_schedule", planner)
+    vocab = TARGET["vocab"]
+    hidden = torch.zeros(4, 8, dtype=dtype)
+    weight = torch.zeros(vocab, 8, dtype=dtype)  # requires_grad False: the frozen head
+    with pytest.raises(Planned) as planned:
+        dispatch.run_fused(hidden, weight, None, torch.zeros(4, dtype=torch.long), SimpleNamespace(host=object()),
+                           None, SimpleNamespace(__name__="lm"), None, backend, "auto")  # fmt: skip
+    assert planned.value.args[0] == want

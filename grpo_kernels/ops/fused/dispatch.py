@@ -15,8 +15,9 @@ else two_pass; low_memory always),
 
 If nothing fits the goal, the schedule with the smallest modelled peak runs (low_memory where it is
 smaller than the one- or two-pass schedule). Without a weight gradient, or for a vocabulary-parallel or
-batch-invariant head, "auto" is one_pass where valid, else two_pass. The choice and its reason are logged
-at DEBUG on the "grpo_kernels" logger.
+batch-invariant head, "auto" is one_pass where valid, else two_pass, its chunks sized in kernel A's stored
+format (fp16 for 16-bit inputs: twice the fp32 logits' tokens). The choice and its reason are logged at DEBUG
+on the "grpo_kernels" logger.
 """
 
 from __future__ import annotations
@@ -134,7 +135,10 @@ def run_fused(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, loss
     if schedule in ("one_pass", "one_pass_dz") and not chosen_chunks:
         chunk_tokens = kernel_a_tokens
     chunk_tokens = chunk_tokens or one_pass_capacity(vocab)
-    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, chunk_tokens, host)
+    # "auto" where the time model below does not decide (a frozen head as under LoRA, the vocabulary-parallel
+    # and batch-invariant heads, no grad) runs "one_pass", kernel A's: its chunk in kernel A's stored format
+    auto_tokens = kernel_a_tokens if schedule == "auto" and backend == "triton" and not chosen_chunks else None
+    chosen, chunks, reason = choose_schedule(schedule, backend, cfg, batch, auto_tokens or chunk_tokens, host)
     if (schedule == "auto" and backend == "triton" and not hasattr(lm_impl, "planning_vocab")
             and weight.requires_grad and torch.is_grad_enabled()):  # fmt: skip
         n_valid = host.n_valid
