@@ -546,3 +546,33 @@ def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, mo
     monkeypatch.setenv(cutlass.ENV_SWITCH, "0")
     assert cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True) == "done"
     assert "dz_gemms" not in seen[-1] and cutlass._state == {}
+
+
+def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
+    """The C ABI as ctypes declares it (argument order and types): kernel C's entry points refuse bad sizes,
+    strides and pointers with their message before touching the GPU, so each refusal below shows the argument
+    reached its parameter (a shifted argument list would refuse for another reason, or not at all)."""
+    if not LIB.is_file():
+        pytest.skip("no built library")
+    lib = cutlass.load(LIB, CSRC)
+    assert lib is not None
+
+    def dz_gemm(n=256, vocab=1000, hidden=64, ld_diff=1000, ld_operand=64, ld_out=64, diff=16, operand=16, out=16,
+                coef=16, op=0, dtype=1):  # fmt: skip
+        code = lib.grpo_csrc_lm_head_bwd_dz_gemm(op, dtype, diff, ld_diff, 16, 16, operand, ld_operand, out, ld_out, 0,
+                                                 coef, 16, None, n, vocab, hidden, 0, 0.0, 1.0, 8, 0)  # fmt: skip
+        return code, lib.grpo_csrc_bwd_last_error().decode()
+
+    assert dz_gemm(n=0) == (1, "empty problem")
+    assert dz_gemm(vocab=0) == (1, "empty problem")
+    assert dz_gemm(n=2**31) == (1, "sizes must be below 2^31")
+    for bad in ({"hidden": 60}, {"ld_diff": 1001}, {"ld_operand": 68}, {"ld_out": 63}):
+        code, why = dz_gemm(**bad)
+        assert code == 1 and why.startswith("H, ld_diff and ld_operand must be multiples of 8"), (bad, why)
+    for bad in ({"diff": 8}, {"operand": 24}, {"out": 4}, {"coef": 8}):
+        code, why = dz_gemm(**bad)
+        assert code == 1 and why.startswith("misaligned pointer"), (bad, why)
+    assert dz_gemm(op=2) == (1, "unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)")
+    assert dz_gemm(dtype=3)[0] == 1
+    code = lib.grpo_csrc_lm_head_bwd_token_coef(16, 16, None, None, 16, 1.0, None, 0, 16, 16, 0)
+    assert code == 1 and lib.grpo_csrc_bwd_last_error().decode() == "n_tokens must be in [1, 2^31)"
