@@ -38,12 +38,17 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
 
+#include "common.cuh"
+
 namespace grpo_csrc_bwd {
 
 using namespace cute;
+using grpo_csrc::ex2_approx;
+using grpo_csrc::fail;
+using grpo_csrc::LOG2E;
+using grpo_csrc::STORED_GROUP;
 
 constexpr float DEAD_LSE = 0x1p105f;  // triton_common.py DEAD_LSE: p = exp(z - DEAD_LSE) = 0 for every stored z
-constexpr float LOG2E = 1.4426950408889634f;
 
 // One token's coefficients of dz, packed by token_coef_kernel (16 bytes: one vector load per token).
 struct alignas(16) TokenCoef {
@@ -55,18 +60,13 @@ struct alignas(16) TokenCoef {
 
 enum class Op { GradHidden = 0, GradWeight = 1 };
 
-CUTLASS_DEVICE float ex2_approx(float x) {  // what tl.exp2 lowers to
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <class Element_, Op OP_, int BN_, int STAGES_>
 struct DzConfig {
   using Element = Element_;          // cutlass::bfloat16_t or cutlass::half_t: the operands and dz
   using Stored = cutlass::half_t;    // the fp16 differences
   static constexpr Op OP = OP_;
-  static constexpr int BM = 128, BN = BN_, BK = 64, STAGES = STAGES_, DZ_BUFFERS = 2;
+  // BK is the fp16 store's offset group: one offset per row per grad_hidden K tile (load_rows relies on it)
+  static constexpr int BM = 128, BN = BN_, BK = STORED_GROUP, STAGES = STAGES_, DZ_BUFFERS = 2;
   static constexpr int THREADS = 384;
   // grad_hidden: A = dz [tokens, vocab], K (vocabulary) contiguous in the stored rows -> K-major.
   // grad_weight: A = dz^T [vocab, tokens], M (vocabulary) contiguous -> MN-major. B is MN-major in both:
@@ -175,7 +175,7 @@ struct TokenRows {
 CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, int group, bool load_coef) {
   // a group past the vocabulary (grad_weight's last M tile, its second warpgroup when V % 128 <= 64) has no
   // offset: its columns are all >= V and masked, so 0 is read instead of the next row's first offset
-  bool const group_ok = group * 64 < a.vocab;
+  bool const group_ok = group * STORED_GROUP < a.vocab;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < 4; ++i) {
     int const token = first_token + 16 * i;
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   if constexpr (GRAD_HIDDEN) {
     load_rows(rows, a, tile_row0 + row0, 0, true);  // offsets of K tile 0 (group 0)
   } else {
-    load_rows(rows, a, row0, tile_row0 / 64, true);
+    load_rows(rows, a, row0, tile_row0 / STORED_GROUP, true);
   }
 
   int stage = 0;
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
     // the next K tile's per-token data, loaded while this one is transformed
     if (k + 1 < k_tiles) {
       if constexpr (GRAD_HIDDEN) load_rows(next, a, tile_row0 + row0, k + 1, false);
-      else load_rows(next, a, (k + 1) * BK + row0, tile_row0 / 64, true);
+      else load_rows(next, a, (k + 1) * BK + row0, tile_row0 / STORED_GROUP, true);
     }
     int const buf = k & 1;  // the dz buffer: the WGMMA that read it (k - 2) has completed (wait<1> below)
     FullBarrier::wait(&ss.full[stage], phase);
@@ -383,13 +383,6 @@ __global__ void token_coef_kernel(float const* lse, float const* expected_logit,
   target[t] = (grad_logprobs != nullptr && y >= 0 && y < (int64_t(1) << 31)) ? int(y) : -1;
 }
 
-static thread_local char g_error[512] = "";
-
-static int fail(char const* what) {
-  std::snprintf(g_error, sizeof(g_error), "%s", what);
-  return 1;
-}
-
 template <class Cfg>
 int run_dz_gemm(void const* diff, int64_t ld_diff, void const* operand, int64_t ld_operand, DzArgs const& args,
                 cudaStream_t stream) {
@@ -436,8 +429,6 @@ using namespace grpo_csrc_bwd;
 
 extern "C" {
 
-GRPO_API char const* grpo_csrc_bwd_last_error() { return g_error; }
-
 // Shared memory of a dz GEMM's CTA. op: 0 grad_hidden, 1 grad_weight; dtype: 1 bf16, 2 fp16. Host only.
 GRPO_API int grpo_csrc_lm_head_bwd_smem_bytes(int op, int dtype) {
   if (dtype == 1 && op == 0) return int(sizeof(GradHiddenBf16::SharedStorage));
@@ -474,7 +465,7 @@ GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* exp
 // op 1: out = grad_weight [V, H] fp32 (always +=), operand = X [N, H]. diff / offset: the HalfLogits store of
 // these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef / target from grpo_csrc_lm_head_bwd_token_coef;
 // inv_scale: device fp32 1 / S or null. Strides in elements; H, ld_diff and ld_operand multiples of 8 and
-// 16-byte aligned bases (TMA). Returns 0, or nonzero with grpo_csrc_bwd_last_error() set.
+// 16-byte aligned bases (TMA). Returns 0, or nonzero with grpo_csrc_last_error() set.
 GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, int64_t ld_diff, float const* offset,
                                            int64_t ld_offset, void const* operand, int64_t ld_operand, float* out,
                                            int64_t ld_out, int accumulate, void const* coef, int const* target,

@@ -40,6 +40,8 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "common.cuh"
+
 #ifndef GRPO_CSRC_STAMP
 #define GRPO_CSRC_STAMP "unstamped"
 #endif
@@ -50,7 +52,6 @@ namespace grpo_csrc {
 constexpr float NEG_BIG = -0x1p102f;     // a forbidden token (a -inf bias, no soft cap)
 constexpr float PAD_LOGIT = -0x1p104f;   // a column past V
 constexpr float RUN_MAX_INIT = -0x1p105f;
-constexpr float LOG2E = 1.4426950408889634f;
 constexpr float TANH_C1 = -1.0f / 3.0f, TANH_C2 = 2.0f / 15.0f, TANH_C3 = -17.0f / 315.0f;
 constexpr float TANH_C4 = 62.0f / 2835.0f, TANH_C5 = -1382.0f / 155925.0f;
 
@@ -73,14 +74,7 @@ struct StatsArgs {
   int64_t ld_offset = 0;
 };
 
-constexpr int STORED_GROUP = 64;       // columns per offset (triton_common.py STORED_GROUP)
 constexpr float HALF_DIFF_MIN = -65504.f;  // fp16's most negative finite value
-
-CUTLASS_DEVICE float ex2_approx(float x) {  // what tl.exp2 lowers to
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 CUTLASS_DEVICE float softcap(float x, float cap_in, float cap_out) {  // triton.py _softcap, same operation order
   float u = fminf(fmaxf(x * cap_in, -16.f), 16.f);
@@ -312,13 +306,6 @@ using Coop128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using Ping64x256 = cute::Shape<cute::_64, cute::_256, cute::_64>;
 using CoopSched = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using PingSched = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-
-static thread_local char g_error[512] = "";
-
-static int fail(char const* what) {
-  std::snprintf(g_error, sizeof(g_error), "%s", what);
-  return 1;
-}
 
 template <class G>
 int run_stats_gemm(void const* hidden, void const* weight, int64_t n_tokens, int64_t hidden_size, int64_t vocab,

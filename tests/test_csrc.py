@@ -235,11 +235,7 @@ def _float64_dz(c):
                                               c["y"], c["inv_t"])  # fmt: skip
     z = c["z64"]
     dz = cutlass.dz_from_stored(z, coef, target, c["softcap"])
-    p = torch.exp(z - coef[:, :1])
-    c_lp, c_h, mean_z = coef[:, 1:2].abs(), coef[:, 2:3].abs(), coef[:, 3:4]
-    mag = p * (c_h * (mean_z - z).abs() + c_lp)
-    mag[torch.arange(z.shape[0]), target] += c_lp.squeeze(1)
-    return dz, mag, p * c_h
+    return dz, cutlass.dz_magnitude(z, coef, target), torch.exp(z - coef[:, :1]) * coef[:, 2:3].abs()
 
 
 def _kernel_c_bound(c, z_used):
@@ -519,9 +515,10 @@ def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
 
 
 def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, monkeypatch):
-    """With the switch on, a `dz_in_gemm` backward that `backward_applies` gets csrc's launcher as
-    triton.lm_head_backward's `dz_gemms` (validation and the bias sums stay Triton's); CPU tensors, fp32
-    stored logits, a non-dz backward or the switch off get none, and the switch off never loads the library."""
+    """With the switch on, a `dz_in_gemm` backward offers its dz GEMMs to `dz_gemms_if_applies`, which runs csrc's
+    kernel C where `backward_applies` and the library loads and otherwise declines (the Triton kernels run;
+    validation and the bias sums stay Triton's): CPU tensors and fp32 stored logits are declined without
+    loading the library; a non-dz backward or the switch off offers nothing."""
     from grpo_kernels.ops.lm_head import triton as triton_impl
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
@@ -531,17 +528,22 @@ def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, mo
     y, stats = torch.zeros(8, dtype=torch.long), torch.zeros(8)
     half = HalfLogits.empty(8, 128, "cpu")
     args = (x, w, None, y, 1.0, stats, stats, stats, None)
+    hook_args = dict(stored_logits=half, hidden=x, weight=w, grad_weight_acc=None)
     assert not cutlass.backward_applies(x, w, half)  # a CPU tensor
     assert not cutlass.backward_applies(x, w, torch.zeros(8, 128))  # fp32 stored logits
     monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
     cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True)
-    assert "dz_gemms" not in seen[-1]
-    if LIB.is_file():  # as on an H100: the launcher is handed over (the library loads on a CPU machine)
+    hook = seen[-1]["dz_gemms"]
+    assert hook is cutlass.dz_gemms_if_applies
+    assert hook(**hook_args) is False and cutlass._state == {}  # declined before looking for the library
+    assert hook(**dict(hook_args, stored_logits=torch.zeros(8, 128))) is False and cutlass._state == {}
+    if LIB.is_file():  # as on an H100: the hook runs csrc's launcher (the library loads on a CPU machine)
+        ran = []
         monkeypatch.setattr(cutlass, "backward_applies", lambda *a, **k: True)
-        cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True)
-        assert callable(seen[-1]["dz_gemms"])
-        cutlass.lm_head_backward(*args, stored_logits=half)  # the slab path: Triton's dlogits + cuBLAS
-        assert "dz_gemms" not in seen[-1]
+        monkeypatch.setattr(cutlass, "dz_gemms_csrc", lambda lib, **k: ran.append(lib))
+        assert hook(**hook_args) is True and ran and ran[0] is not None
+    cutlass.lm_head_backward(*args, stored_logits=half)  # the slab path: Triton's dlogits + cuBLAS
+    assert "dz_gemms" not in seen[-1]
     cutlass.reset()
     monkeypatch.setenv(cutlass.ENV_SWITCH, "0")
     assert cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True) == "done"
@@ -561,7 +563,7 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
                 coef=16, op=0, dtype=1):  # fmt: skip
         code = lib.grpo_csrc_lm_head_bwd_dz_gemm(op, dtype, diff, ld_diff, 16, 16, operand, ld_operand, out, ld_out, 0,
                                                  coef, 16, None, n, vocab, hidden, 0, 0.0, 1.0, 8, 0)  # fmt: skip
-        return code, lib.grpo_csrc_bwd_last_error().decode()
+        return code, lib.grpo_csrc_last_error().decode()
 
     assert dz_gemm(n=0) == (1, "empty problem")
     assert dz_gemm(vocab=0) == (1, "empty problem")
@@ -575,4 +577,4 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     assert dz_gemm(op=2) == (1, "unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)")
     assert dz_gemm(dtype=3)[0] == 1
     code = lib.grpo_csrc_lm_head_bwd_token_coef(16, 16, None, None, 16, 1.0, None, 0, 16, 16, 0)
-    assert code == 1 and lib.grpo_csrc_bwd_last_error().decode() == "n_tokens must be in [1, 2^31)"
+    assert code == 1 and lib.grpo_csrc_last_error().decode() == "n_tokens must be in [1, 2^31)"

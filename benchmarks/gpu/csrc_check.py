@@ -146,6 +146,31 @@ def store_checks(lib, device):
     return rows
 
 
+def _interleaved(fns: dict, repeats: int, flops: dict) -> dict:
+    """Each callable once to warm up (autotuning, first-call setup), then `repeats` rounds, each in a shuffled
+    order, every call timed with CUDA events: per name median / p20 / p80 ms and TF/s at its `flops`."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        order = list(fns)
+        random.shuffle(order)
+        for k in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end))
+    out = {}
+    for k, ts in times.items():
+        q = statistics.quantiles(ts, n=10)
+        med = statistics.median(ts)
+        out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops[k] / med / 1e9, "n": len(ts)}
+    return out
+
+
 def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
     """triton.lm_head_backward's prepared operands for the dz GEMMs (cutlass.DZ_GEMMS_ARGS), fresh outputs."""
     scale = None
@@ -190,13 +215,9 @@ def backward_checks(lib, device):
         torch.cuda.synchronize()
         coef, target = cutlass.token_coefficients(stats.lse.double(), stats.expected_logit.double(), g_lp.double(),
                                                   g_h.double(), targets, want["inv_temperature"])  # fmt: skip
-        z = store.reconstruct().double()
-        p = torch.exp(z - coef[:, :1])
-        mag = p * (coef[:, 2:3].abs() * (coef[:, 3:4] - z).abs() + coef[:, 1:2].abs())
-        mag[torch.arange(n, device=device), target.clamp(min=0)] += coef[:, 1].abs() * (target >= 0)
+        mag = cutlass.dz_magnitude(store.reconstruct().double(), coef, target)
         if sc is not None:
             mag = mag * sc[0] * sc[1]
-        del z, p
         row = {"case": f"backward-{name}", "ok": True}
         u_op, u32 = units[hidden.dtype], 2.0**-24
         for grad, key, operand, k in (("grad_hidden", "grad_hidden_out", weight, v),
@@ -244,26 +265,7 @@ def backward_timings(lib, device, n, repeats):
         "cublas_grad_hidden": lambda: torch.mm(dz, weight, out=out_h),
         "cublas_grad_weight": lambda: torch.mm(dz.t(), hidden, out=out_w),
     }  # fmt: skip
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        order = list(fns)
-        random.shuffle(order)
-        for k in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[k]()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end))
-    flops = {k: (4 if "both" in k else 2) * n * h * v for k in fns}
-    out = {}
-    for k, ts in times.items():
-        q = statistics.quantiles(ts, n=10)
-        med = statistics.median(ts)
-        out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops[k] / med / 1e9, "n": len(ts)}
+    out = _interleaved(fns, repeats, {k: (4 if "both" in k else 2) * n * h * v for k in fns})
     floor = out["cublas_grad_hidden"]["median_ms"] + out["cublas_grad_weight"]["median_ms"]
     summary = {"csrc_dz_to_cublas_pair": out["csrc_dz_both"]["median_ms"] / floor,
                "csrc_grad_hidden_to_cublas": out["csrc_dz_grad_hidden"]["median_ms"] / out["cublas_grad_hidden"]["median_ms"],
@@ -289,26 +291,7 @@ def timings(lib, device, n, repeats):
                                                                        logits_out=store)  # fmt: skip
     fns["triton_kernel_a_store_half"] = lambda: triton_impl.lm_head_forward(hidden, weight, None, targets, 1.0,
                                                                             logits_out=store)  # fmt: skip
-    for fn in fns.values():  # warm-up (autotuning, first-call setup)
-        fn()
-    torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        order = list(fns)
-        random.shuffle(order)
-        for k in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[k]()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end))
-    flops = 2 * n * h * v
-    out = {}
-    for k, ts in times.items():
-        q = statistics.quantiles(ts, n=10)
-        med = statistics.median(ts)
-        out[k] = {"median_ms": med, "p20_ms": q[1], "p80_ms": q[7], "tflops": flops / med / 1e9, "n": len(ts)}
+    out = _interleaved(fns, repeats, {k: 2 * n * h * v for k in fns})
     best = min((k for k in out if k.startswith("csrc_") and "store" not in k), key=lambda k: out[k]["median_ms"])
     floor = out["cublas_gemm_bf16_out"]["median_ms"]
     summary = {"best_csrc": best, "best_csrc_to_cublas": out[best]["median_ms"] / floor,

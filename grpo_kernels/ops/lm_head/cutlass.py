@@ -112,7 +112,6 @@ def _declare(lib) -> None:
     lib.grpo_csrc_lm_head_fwd_merge.argtypes = [c_p] * 8 + [c_i64, c_i64, c_u64]
     lib.grpo_csrc_lm_head_fwd_merge.restype = c_int
     # kernel C (csrc/lm_head_bwd_sm90.cu)
-    lib.grpo_csrc_bwd_last_error.restype = ctypes.c_char_p
     lib.grpo_csrc_lm_head_bwd_smem_bytes.argtypes = [c_int, c_int]
     lib.grpo_csrc_lm_head_bwd_smem_bytes.restype = c_int
     lib.grpo_csrc_lm_head_bwd_tile.argtypes = [c_p]
@@ -175,9 +174,9 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ) and (hidden.shape[1] * elt) % 16 == 0
 
 
-def _call(lib, fn: str, *args, error: str = "grpo_csrc_last_error") -> None:
+def _call(lib, fn: str, *args) -> None:
     if getattr(lib, fn)(*args) != 0:
-        raise RuntimeError(f"csrc {fn}: {getattr(lib, error)().decode()}")
+        raise RuntimeError(f"csrc {fn}: {lib.grpo_csrc_last_error().decode()}")
 
 
 def forward_partials(lib, hidden, weight, bias, targets, temperature: float, softcap=None, *,
@@ -267,23 +266,14 @@ def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> boo
     )
 
 
-_BACKWARD_POSITIONAL = ("hidden", "weight", "bias", "targets", "temperature", "lse", "expected_logit", "grad_logprobs",
-                        "grad_entropy", "need_grad_hidden", "need_grad_weight", "need_grad_bias", "grad_weight_acc",
-                        "grad_bias_acc")  # triton.lm_head_backward's positional parameters, in order  # fmt: skip
-
-
 def lm_head_backward(*args, **kwargs):
-    """triton.lm_head_backward's signature and checks; with the switch on, a `dz_in_gemm` call that
-    `backward_applies` runs csrc's two dz GEMMs in place of the Triton ones (its bias sums stay Triton's)."""
+    """triton.lm_head_backward's signature and checks; with the switch on, a `dz_in_gemm` call offers its two dz
+    GEMMs to `dz_gemms_if_applies` (csrc's kernel C where it applies, else the Triton ones; the bias sums stay
+    Triton's)."""
     from . import triton as triton_impl
 
     if enabled() and kwargs.get("dz_in_gemm"):
-        a = dict(zip(_BACKWARD_POSITIONAL, args), **kwargs)
-        need_w = a.get("need_grad_weight", True)
-        if backward_applies(a["hidden"], a["weight"], a.get("stored_logits"), a.get("grad_weight_acc") if need_w else None):
-            lib = load()
-            if lib is not None:
-                kwargs["dz_gemms"] = lambda **k: dz_gemms_csrc(lib, **k)
+        kwargs["dz_gemms"] = dz_gemms_if_applies
     return triton_impl.lm_head_backward(*args, **kwargs)
 
 
@@ -333,8 +323,19 @@ def dz_from_stored(z, coef, target, softcap=None) -> torch.Tensor:
     return dz
 
 
+def dz_magnitude(z, coef, target) -> torch.Tensor:
+    """An upper bound of |dz| per element before the soft cap's factor (|1 - t^2| <= 1: times cap_in cap_out
+    bounds it after), in z's dtype (float64 for the bounds): p (|c_H| |E_p[z] - z| + |c_lp|) + |c_lp| 1[v = y],
+    for `token_coefficients`' coef / target (no target term where target is -1)."""
+    p = torch.exp(z - coef[:, :1])
+    mag = p * (coef[:, 2:3].abs() * (coef[:, 3:4] - z).abs() + coef[:, 1:2].abs())
+    rows = torch.arange(z.shape[0], device=z.device)
+    mag[rows, target.clamp(min=0)] += coef[:, 1].abs() * (target >= 0)
+    return mag
+
+
 def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
-                       inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc):  # fmt: skip
+                       inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc) -> bool:  # fmt: skip
     """Kernel C's arithmetic in torch on any device: fp32 dz from the stored fp16 logits, rounded to the
     operands' dtype, products summed in fp32 (the WGMMA's accumulate), the sums divided by S."""
     coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
@@ -347,6 +348,20 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
         grad_hidden_out.copy_(grad_hidden_out + part if accumulate_hidden else part)
     if grad_weight_acc is not None:
         grad_weight_acc += (dz.t() @ hidden.float()) * inv_s
+    return True  # the hook's answer: it ran them
+
+
+def dz_gemms_if_applies(**args) -> bool:
+    """triton.lm_head_backward's `dz_gemms` hook: csrc's kernel C on the prepared operands where
+    `backward_applies` and the library loads (True), else nothing (False: the Triton kernels run)."""
+    acc = args["grad_weight_acc"]
+    if not backward_applies(args["hidden"], args["weight"], args["stored_logits"], acc):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    dz_gemms_csrc(lib, **args)
+    return True
 
 
 def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
@@ -365,12 +380,11 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
 
     has_softcap, cap_in, cap_out = (0, 0.0, 1.0) if softcap is None else (1, float(softcap[0]), float(softcap[1]))
     diff, offset = stored_logits.difference, stored_logits.offset
-    err = "grpo_csrc_bwd_last_error"
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         _call(lib, "grpo_csrc_lm_head_bwd_token_coef", lse.data_ptr(), expected_logit.data_ptr(), ptr(grad_logprobs),
               ptr(grad_entropy), targets.data_ptr(), inv_temperature, ptr(dz_scale), n_tokens, coef.data_ptr(),
-              target.data_ptr(), stream, error=err)  # fmt: skip
+              target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
         for op, operand, out, accumulate in ((0, weight, grad_hidden_out, accumulate_hidden),
                                              (1, hidden, grad_weight_acc, True)):  # fmt: skip
@@ -379,7 +393,7 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
             _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
                   offset.data_ptr(), offset.stride(0), operand.data_ptr(), operand.stride(0), out.data_ptr(),
                   out.stride(0), int(accumulate), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab,
-                  hidden_size, has_softcap, cap_in, cap_out, group_m, stream, error=err)  # fmt: skip
+                  hidden_size, has_softcap, cap_in, cap_out, group_m, stream)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1000,7 +1000,8 @@ def lm_head_backward(
     `grad_hidden_acc` (fp32 [N, H]) the fp32 grad_hidden is added into it and returned in its place.
     dz_in_gemm (with `stored_logits`, opt-in): no dL/dlogit slab; two Triton GEMMs form dz from the stored
     logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz); `dz_gemms` (set by
-    cutlass.lm_head_backward where csrc's kernels apply) runs those two GEMMs instead, with cutlass.DZ_GEMMS_ARGS.
+    cutlass.lm_head_backward with the switch on) is offered those two GEMMs first, with cutlass.DZ_GEMMS_ARGS,
+    and returns whether it ran them.
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -1127,13 +1128,15 @@ def lm_head_backward(
             if need_grad_hidden:
                 out = grad_hidden_acc if grad_hidden_acc is not None else torch.empty(
                     hidden.shape, dtype=torch.float32, device=device)  # fmt: skip
-            if dz_gemms is not None:  # csrc's kernels (cutlass.py): the same operands, the same sums
-                dz_gemms(stored_logits=stored_logits, hidden=hidden, weight=weight, targets=targets, lse=lse,
-                         expected_logit=expected_logit, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy,
-                         inv_temperature=per_row["inv_temperature"], softcap=softcap, dz_scale=scales,
-                         grad_hidden_out=out, accumulate_hidden=grad_hidden_acc is not None,
-                         grad_weight_acc=grad_weight_acc if need_grad_weight else None)  # fmt: skip
-            elif need_grad_hidden:
+            # csrc's kernels (cutlass.py) where they take the call (the hook says whether it ran): the same
+            # operands, the same sums; else the two Triton kernels
+            ran = dz_gemms is not None and dz_gemms(
+                stored_logits=stored_logits, hidden=hidden, weight=weight, targets=targets, lse=lse,
+                expected_logit=expected_logit, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy,
+                inv_temperature=per_row["inv_temperature"], softcap=softcap, dz_scale=scales, grad_hidden_out=out,
+                accumulate_hidden=grad_hidden_acc is not None, grad_weight_acc=grad_weight_acc if need_grad_weight else None,
+            )  # fmt: skip
+            if need_grad_hidden and not ran:
                 grid = (triton.cdiv(n_tokens, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_hidden_dz, grid,
                         dict(stored_ptr=stored_z, weight_ptr=weight, out_ptr=out, stride_weight=weight.stride(0),
@@ -1141,7 +1144,7 @@ def lm_head_backward(
                         tile.num_warps, tile.num_stages)  # fmt: skip
             if need_grad_hidden and grad_hidden_acc is None:
                 grad_hidden.copy_(out)
-            if need_grad_weight and dz_gemms is None:
+            if need_grad_weight and not ran:
                 grid = (triton.cdiv(vocab, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_weight_dz, grid,
                         dict(stored_ptr=stored_z, hidden_ptr=hidden, acc_ptr=grad_weight_acc,
