@@ -19,8 +19,9 @@
 // chunks of fp16 logits from shared memory, forms 32 dz values, writes them as 16-bit chunks into the
 // warpgroup's part of a double-buffered swizzled A tile, fences the generic-proxy stores for the async proxy,
 // syncs its warpgroup, and issues the WGMMAs (A and B from shared memory). One WGMMA batch stays in flight
-// while the next tile is transformed. The epilogue adds the fp32 accumulators into the fp32 output directly
-// from registers (grad_weight: read-add-write of the caller's accumulator; one CTA owns each output tile).
+// while the next tile is transformed. The epilogue adds the fp32 accumulators into the output directly from
+// registers (grad_weight: read-add-write of the caller's accumulator, fp32 or, in place, the gradient buffer in
+// the operands' dtype with one rounding of the fp32 sum; one CTA owns each output tile).
 //
 // Tiles: 128 x 256 x 64 (BM x BN x BK); BK = 64 is the fp16 store's offset group, so a K tile of grad_hidden
 // has one offset per row and an M tile half of grad_weight one offset per token.
@@ -60,11 +61,15 @@ struct alignas(16) TokenCoef {
 
 enum class Op { GradHidden = 0, GradWeight = 1 };
 
-template <class Element_, Op OP_, int BN_, int STAGES_>
+template <class Element_, Op OP_, int BN_, int STAGES_, bool IN_PLACE_ = false>
 struct DzConfig {
   using Element = Element_;          // cutlass::bfloat16_t or cutlass::half_t: the operands and dz
   using Stored = cutlass::half_t;    // the fp16 differences
   static constexpr Op OP = OP_;
+  // grad_weight only: the output is the gradient buffer in Element, summed into in place (a compile-time path:
+  // a runtime branch in the epilogue costs the 168-register kernel a spill)
+  static constexpr bool IN_PLACE = IN_PLACE_;
+  static_assert(!IN_PLACE || OP == Op::GradWeight, "grad_hidden is always fp32");
   // BK is the fp16 store's offset group: one offset per row per grad_hidden K tile (load_rows relies on it)
   static constexpr int BM = 128, BN = BN_, BK = STORED_GROUP, STAGES = STAGES_, DZ_BUFFERS = 2;
   static constexpr int THREADS = 384;
@@ -98,13 +103,26 @@ struct DzConfig {
   };
 };
 
+// Two adjacent 16-bit outputs as one 4-byte access: the in-place grad_weight epilogue's load and rounded store.
+template <class Element> struct Pair16;
+template <> struct Pair16<cutlass::bfloat16_t> {
+  using T = __nv_bfloat162;
+  static CUTLASS_DEVICE float2 widen(T v) { return __bfloat1622float2(v); }
+  static CUTLASS_DEVICE T round(float2 v) { return __float22bfloat162_rn(v); }
+};
+template <> struct Pair16<cutlass::half_t> {
+  using T = __half2;
+  static CUTLASS_DEVICE float2 widen(T v) { return __half22float2(v); }
+  static CUTLASS_DEVICE T round(float2 v) { return __float22half2_rn(v); }
+};
+
 struct DzArgs {
   float const* offset = nullptr;    // [N, ld_offset] fp32 offsets of the fp16 differences
   int64_t ld_offset = 0;
   TokenCoef const* coef = nullptr;  // [N]
   int const* target = nullptr;      // [N], -1: no target term
   float const* inv_scale = nullptr; // [1] device scalar 1 / S multiplying the sums, or null (1)
-  float* out = nullptr;             // grad_hidden [N, ld_out] or grad_weight [V, ld_out], fp32
+  void* out = nullptr;              // grad_hidden [N, ld_out] fp32, or grad_weight [V, ld_out] fp32 / Element
   int64_t ld_out = 0;
   int accumulate = 0;               // grad_hidden: add into out (grad_weight always adds)
   int n_tokens = 0, vocab = 0, hidden = 0;
@@ -331,7 +349,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
 
-  // epilogue: out[row, col] (+)= acc / S; element (v0, r, v2) pairs are two adjacent columns (v0 = 0, 1)
+  // epilogue: out[row, col] (+)= acc / S; element (v0, r, v2) pairs are two adjacent columns (v0 = 0, 1).
+  // grad_weight in place (Cfg::IN_PLACE): the fp32 sum old + acc / S rounded once to Element (cuBLAS beta = 1's)
   float const inv_s = a.inv_scale != nullptr ? *a.inv_scale : 1.f;
   Tensor cC = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
   Tensor tCcC = thr.partition_C(cC);  // (MMA, MMA_M, MMA_N) -> (row, col) in the tile, like acc
@@ -339,13 +358,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   constexpr int R = size<0, 1>(decltype(acc.layout()){}), V2 = size<0, 2>(decltype(acc.layout()){});
   constexpr int MM = size<1>(decltype(acc.layout()){}), MN = size<2>(decltype(acc.layout()){});
   bool const add_old = GRAD_HIDDEN ? a.accumulate != 0 : true;
+  using Out = cute::conditional_t<Cfg::IN_PLACE, Element, float>;
+  using P16 = Pair16<Element>;
   CUTLASS_PRAGMA_UNROLL
   for (int mi = 0; mi < MM; ++mi) {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < R; ++r) {
       int const row = m_blk * BM + int(get<0>(tCcC(make_coord(make_coord(0, r, 0), mi, 0))));
       if (row >= M) continue;
-      float* out_row = a.out + int64_t(row) * a.ld_out;
+      Out* out_row = static_cast<Out*>(a.out) + int64_t(row) * a.ld_out;
       CUTLASS_PRAGMA_UNROLL
       for (int ni = 0; ni < MN; ++ni) {
         CUTLASS_PRAGMA_UNROLL
@@ -354,13 +375,19 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
           if (col >= N) continue;  // N is a multiple of 8: the pair (col, col + 1) is inside or outside together
           float2 v = make_float2(acc(make_coord(make_coord(0, r, v2), mi, ni)) * inv_s,
                                  acc(make_coord(make_coord(1, r, v2), mi, ni)) * inv_s);
-          float2* at = reinterpret_cast<float2*>(out_row + col);
-          if (add_old) {
-            float2 const old = *at;
-            v.x += old.x;
-            v.y += old.y;
+          if constexpr (Cfg::IN_PLACE) {
+            auto* at = reinterpret_cast<typename P16::T*>(out_row + col);
+            float2 const old = P16::widen(*at);
+            *at = P16::round(make_float2(old.x + v.x, old.y + v.y));
+          } else {
+            float2* at = reinterpret_cast<float2*>(out_row + col);
+            if (add_old) {
+              float2 const old = *at;
+              v.x += old.x;
+              v.y += old.y;
+            }
+            *at = v;
           }
-          *at = v;
         }
       }
     }
@@ -420,6 +447,8 @@ using GradHiddenBf16 = DzConfig<cutlass::bfloat16_t, Op::GradHidden, 256, 4>;
 using GradWeightBf16 = DzConfig<cutlass::bfloat16_t, Op::GradWeight, 256, 4>;
 using GradHiddenFp16 = DzConfig<cutlass::half_t, Op::GradHidden, 256, 4>;
 using GradWeightFp16 = DzConfig<cutlass::half_t, Op::GradWeight, 256, 4>;
+using GradWeightBf16InPlace = DzConfig<cutlass::bfloat16_t, Op::GradWeight, 256, 4, true>;
+using GradWeightFp16InPlace = DzConfig<cutlass::half_t, Op::GradWeight, 256, 4, true>;
 
 }  // namespace grpo_csrc_bwd
 
@@ -462,13 +491,14 @@ GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* exp
 }
 
 // One dz GEMM. op 0: out = grad_hidden [N, H] fp32 (+= when accumulate), operand = W [V, H];
-// op 1: out = grad_weight [V, H] fp32 (always +=), operand = X [N, H]. diff / offset: the HalfLogits store of
+// op 1: out = grad_weight [V, H] (always +=), operand = X [N, H]; fp32, or with out_16bit (ABI 4) the gradient
+// buffer in the operands' dtype, each element's fp32 sum rounded into it once. diff / offset: the HalfLogits store of
 // these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef / target from grpo_csrc_lm_head_bwd_token_coef;
 // inv_scale: device fp32 1 / S or null. Strides in elements; H, ld_diff and ld_operand multiples of 8 and
 // 16-byte aligned bases (TMA). Returns 0, or nonzero with grpo_csrc_last_error() set.
 GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, int64_t ld_diff, float const* offset,
-                                           int64_t ld_offset, void const* operand, int64_t ld_operand, float* out,
-                                           int64_t ld_out, int accumulate, void const* coef, int const* target,
+                                           int64_t ld_offset, void const* operand, int64_t ld_operand, void* out,
+                                           int64_t ld_out, int out_16bit, int accumulate, void const* coef, int const* target,
                                            float const* inv_scale, int64_t n_tokens, int64_t vocab,
                                            int64_t hidden_size, int has_softcap, float cap_in, float cap_out,
                                            int group_m, uint64_t stream) {
@@ -476,10 +506,11 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, 
   if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
     return fail("sizes must be below 2^31");
   if (hidden_size % 8 || ld_diff % 8 || ld_operand % 8 || ld_out % 2)
-    return fail("H, ld_diff and ld_operand must be multiples of 8 elements, ld_out even (TMA, float2 stores)");
+    return fail("H, ld_diff and ld_operand must be multiples of 8 elements, ld_out even (TMA, paired stores)");
+  if (out_16bit && op != 1) return fail("out_16bit is for grad_weight (op 1) only: grad_hidden is fp32");
   if (reinterpret_cast<uintptr_t>(diff) % 16 || reinterpret_cast<uintptr_t>(operand) % 16 ||
-      reinterpret_cast<uintptr_t>(out) % 8 || reinterpret_cast<uintptr_t>(coef) % 16)
-    return fail("misaligned pointer (diff / operand / coef 16 bytes, out 8 bytes)");
+      reinterpret_cast<uintptr_t>(out) % (out_16bit ? 4 : 8) || reinterpret_cast<uintptr_t>(coef) % 16)
+    return fail("misaligned pointer (diff / operand / coef 16 bytes, out 8 bytes fp32 or 4 bytes 16-bit)");
   DzArgs args;
   args.offset = offset;
   args.ld_offset = ld_offset;
@@ -498,10 +529,14 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, 
   args.group_m = group_m > 0 ? group_m : 8;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (dtype == 1 && op == 0) return run_dz_gemm<GradHiddenBf16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 1 && op == 1) return run_dz_gemm<GradWeightBf16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 1 && op == 1 && !out_16bit)
+    return run_dz_gemm<GradWeightBf16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 1 && op == 1) return run_dz_gemm<GradWeightBf16InPlace>(diff, ld_diff, operand, ld_operand, args, s);
 #ifndef GRPO_CSRC_ONE_VARIANT
   if (dtype == 2 && op == 0) return run_dz_gemm<GradHiddenFp16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 2 && op == 1) return run_dz_gemm<GradWeightFp16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 2 && op == 1 && !out_16bit)
+    return run_dz_gemm<GradWeightFp16>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 2 && op == 1) return run_dz_gemm<GradWeightFp16InPlace>(diff, ld_diff, operand, ld_operand, args, s);
 #endif
   return fail("unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)");
 }

@@ -127,6 +127,40 @@ def main():
             entry["grad_bias_equal"] = bool(torch.equal(triton_run[2], spec_run[2]))
             entry["zero_row_hidden"] = float((spec_run[0][3] - 0.5).abs().max())
             report[name] = entry
+    # grad_weight summed in place (schedule="one_pass_dz_inplace"): the accumulator is the gradient buffer in the
+    # operands' dtype. Both the Triton kernel and the spec must equal their own fp32-accumulator run with that
+    # fp32 result rounded once: to nearest (torch, a GPU), or for the interpreter's bf16 stores toward zero
+    for dtype in (torch.float16, torch.bfloat16):
+        index += 1
+        name = f"inplace-{str(dtype).removeprefix('torch.')}"
+        if not wanted(name):
+            continue
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(n, h, generator=g).to(dtype)
+        w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+        y = torch.randint(0, v, (n,), generator=g)
+        half = tri.HalfLogits.empty(n, v, "cpu")
+        stats = tri.lm_head_forward(x, w, None, y, temperature, logits_out=half)
+        g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        args = (x, w, None, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h)
+        # a gradient buffer already holding earlier chunks' sums, of the size of one chunk's contribution
+        start = (torch.randn(v, h, generator=g) * 0.05).to(dtype)
+        entry = {}
+        for who, hook in (("triton", None), ("spec", cutlass.dz_gemms_reference)):
+            wide, narrow = start.float(), start.clone()
+            for acc in (wide, narrow):
+                tri.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True, need_grad_hidden=False,
+                                     grad_weight_acc=acc, dz_gemms=hook)  # fmt: skip
+            nearest = wide.to(dtype)
+            toward_zero = (wide.view(torch.int32) & -65536).view(torch.float32).to(dtype) \
+                if dtype == torch.bfloat16 and who == "triton" else nearest  # fmt: skip
+            mismatch = (narrow != nearest) & (narrow != toward_zero)
+            entry[f"{who}_mismatches"] = int(mismatch.sum())
+            entry[f"{who}_changed"] = float((narrow != start).float().mean())
+            if mismatch.any():
+                i = int(mismatch.reshape(-1).nonzero()[0])
+                entry[f"{who}_first_mismatch"] = [i, float(narrow.reshape(-1)[i]), float(wide.reshape(-1)[i])]
+        report[name] = entry
     print(json.dumps(report))
 
 

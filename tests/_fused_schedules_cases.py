@@ -2,10 +2,10 @@
 
 The schedules of issue 23 on the Triton backend: "one_pass_cublas" (forward GEMM by torch.addmm into the
 chunk's fp32 logits, statistics by lm_head_fwd_kernel_stats_from_logits), "one_pass_inplace" (grad_weight
-accumulated in the weight's dtype in the gradient buffer, once per chunk) and "one_pass_cublas_inplace",
-in fp32, fp16 and bf16 (packed layout, chunks of at most 7 valid tokens: 4 chunks), against the PyTorch
+accumulated in the weight's dtype in the gradient buffer, once per chunk), "one_pass_cublas_inplace" and
+"one_pass_dz_inplace" (dz formed inside the backward GEMMs, grad_weight in place), in fp32, fp16 and bf16 (packed layout, chunks of at most 7 valid tokens: 4 chunks), against the PyTorch
 backend run in fp32 on the same (rounded) inputs. Every configuration of test_loss_head.CONFIGS runs once,
-its (dtype, schedule) pair taken in turn from the 3 x 3 grid (so each dtype and each schedule meets about
+its (dtype, schedule) pair taken in turn from the 3 x 4 grid (so each dtype and each schedule meets about
 14 configurations; the interpreter needs ~5 s per run); GRID_CONFIGS run the whole grid.
 
 For each run the report carries, per gradient, the worst |got - expected| and the element-wise bound the
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_loss_head import CONFIGS  # noqa: E402
 
 fused.ONE_PASS_CHUNK_TOKENS = 7  # 22 valid tokens below: 4 chunks (sequences cut for token-local objectives)
-SCHEDULES = ("one_pass_cublas", "one_pass_inplace", "one_pass_cublas_inplace")
+SCHEDULES = ("one_pass_cublas", "one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TEMPERATURE = 0.8
 GRID_CONFIGS = ("entropy_bonus", "grpo")  # every dtype x every schedule (entropy_bonus: the g_H term of dz)
@@ -123,7 +123,7 @@ def main():
     lm_triton._launch = lambda kernel, *args: (launched.append(kernel.__name__), launch(kernel, *args))[1]
     report = {}
     data = {dname: inputs(dtype) for dname, dtype in DTYPES.items()}
-    pairs = [(dname, schedule) for schedule in SCHEDULES[::-1] for dname in DTYPES]  # cublas_inplace first
+    pairs = [(dname, schedule) for schedule in SCHEDULES[::-1] for dname in DTYPES]  # dz_inplace first
     runs = {}  # config -> [(dtype name, schedule)]
     for i, name in enumerate(sorted(CONFIGS)):
         runs[name] = pairs if name in GRID_CONFIGS else [pairs[i % len(pairs)]]
@@ -154,6 +154,7 @@ def main():
                     "metrics": {k: [out.metrics[k].item() if k in out.metrics else None, v.item()]
                                 for k, v in ref.metrics.items()},
                     "kernels": sorted({k for k in launched if k.startswith("lm_head_fwd")}),
+                    "backward_kernels": sorted({k for k in launched if k.startswith("lm_head_bwd")}),
                 }
     lm_triton._launch = launch
     # not a case: how this interpreter rounds a bf16 store (the test's bound for the dz slab)

@@ -234,7 +234,7 @@ def cases():
     sequence_level = gk.PolicyLossConfig(ratio_level="sequence", temperature=0.9)  # whole sequences per chunk
     global_stats = gk.PolicyLossConfig(top_entropy_quantile=0.5, temperature=0.9)  # two passes
     schedules = ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace", "two_pass",
-                 "low_memory", "one_pass_dz")  # fmt: skip
+                 "low_memory", "one_pass_dz", "one_pass_dz_inplace")  # fmt: skip
     for layout in ("padded", "packed"):
         for schedule in schedules:
             yield f"loss-{schedule}-{layout}", lambda s=schedule, lay=layout: loss_case(s, lay)

@@ -350,7 +350,7 @@ def test_committed_library_matches_the_sources():
 def test_ptxas_report_no_spills_and_within_sm90_limits():
     report = (BIN / "ptxas.txt").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'\n(.*?)(?=Compiling entry|\Z)", report, re.S)
-    assert len(kernels) >= 10, f"expected kernel A's 4 GEMMs and merge, kernel C's 4 dz GEMMs and coefficients, got {len(kernels)}"
+    assert len(kernels) >= 12, f"expected kernel A's 4 GEMMs and merge, kernel C's 6 dz GEMMs and coefficients, got {len(kernels)}"
     for name, body in kernels:
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
         regs = re.search(r"Used (\d+) registers", body)
@@ -375,9 +375,10 @@ def test_sass_has_wgmma_and_tma():
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
         assert "F2FP" in f, f"{head}: no fp32 -> fp16 pack (F2FP): the training forward's fp16 store is missing"
-    # kernel C: bf16 / fp16 x grad_hidden / grad_weight, dz formed in the kernel from the fp16 store
+    # kernel C: bf16 / fp16 x grad_hidden / grad_weight / grad_weight in place, dz formed in the kernel from the
+    # fp16 store
     dz_gemms = [f for f in functions if "dz_gemm_kernel" in f.split("\n", 1)[0]]
-    assert len(dz_gemms) == 4, f"expected 4 dz GEMM kernels, got {len(dz_gemms)}"
+    assert len(dz_gemms) == 6, f"expected 6 dz GEMM kernels, got {len(dz_gemms)}"
     for f in dz_gemms:
         head = f.split("\n", 1)[0][:80]
         for instruction, what in (("HGMMA", "WGMMA"), ("UTMALDG", "TMA load"), ("MUFU.EX2", "exp2 of dz's p"),
@@ -385,6 +386,19 @@ def test_sass_has_wgmma_and_tma():
                                   ("FENCE.VIEW.ASYNC.S", "the proxy fence before WGMMA reads dz"),
                                   ("LDS.128", "16-byte load of the fp16 logits chunk")):  # fmt: skip
             assert instruction in f, f"{head}: no {what} ({instruction})"
+    # the in-place epilogue (a template flag: DzConfig<..., true> in the mangled name, "Lb1E") reads and writes
+    # the 16-bit gradient buffer 4 bytes at a time (two columns) and packs the rounded pair (F2FP); the fp32 one
+    # moves 8 bytes; each thread's 64 column pairs add 64 packs to the dz chunks' (measured: 96 against 32)
+    heads = {f.split("\n", 1)[0]: f for f in dz_gemms}
+    in_place = {h: f for h, f in heads.items() if "Lb1E" in h}
+    assert len(in_place) == 2, f"expected the bf16 and fp16 in-place grad_weight kernels, got {len(in_place)}"
+    for head, f in in_place.items():
+        fp32_twin = heads[head.replace("Lb1E", "Lb0E")]
+        assert re.search(r"STG\.E ", f), f"{head[:80]}: no 4-byte store of the rounded pair"
+        assert "STG.E.64" not in f, f"{head[:80]}: an 8-byte (fp32 pair) store in the in-place epilogue"
+        assert "STG.E.64" in fp32_twin, f"{head[:80]}: its fp32 twin has no 8-byte store"
+        packs, twin_packs = f.count("F2FP"), fp32_twin.count("F2FP")
+        assert packs >= twin_packs + 64, f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: no rounding epilogue"
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 
@@ -560,9 +574,9 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     assert lib is not None
 
     def dz_gemm(n=256, vocab=1000, hidden=64, ld_diff=1000, ld_operand=64, ld_out=64, diff=16, operand=16, out=16,
-                coef=16, op=0, dtype=1):  # fmt: skip
-        code = lib.grpo_csrc_lm_head_bwd_dz_gemm(op, dtype, diff, ld_diff, 16, 16, operand, ld_operand, out, ld_out, 0,
-                                                 coef, 16, None, n, vocab, hidden, 0, 0.0, 1.0, 8, 0)  # fmt: skip
+                coef=16, op=0, dtype=1, out_16bit=0):  # fmt: skip
+        code = lib.grpo_csrc_lm_head_bwd_dz_gemm(op, dtype, diff, ld_diff, 16, 16, operand, ld_operand, out, ld_out,
+                                                 out_16bit, 0, coef, 16, None, n, vocab, hidden, 0, 0.0, 1.0, 8, 0)  # fmt: skip
         return code, lib.grpo_csrc_last_error().decode()
 
     assert dz_gemm(n=0) == (1, "empty problem")
@@ -571,9 +585,10 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     for bad in ({"hidden": 60}, {"ld_diff": 1001}, {"ld_operand": 68}, {"ld_out": 63}):
         code, why = dz_gemm(**bad)
         assert code == 1 and why.startswith("H, ld_diff and ld_operand must be multiples of 8"), (bad, why)
-    for bad in ({"diff": 8}, {"operand": 24}, {"out": 4}, {"coef": 8}):
+    for bad in ({"diff": 8}, {"operand": 24}, {"out": 4}, {"coef": 8}, {"op": 1, "out_16bit": 1, "out": 2}):
         code, why = dz_gemm(**bad)
         assert code == 1 and why.startswith("misaligned pointer"), (bad, why)
+    assert dz_gemm(out_16bit=1) == (1, "out_16bit is for grad_weight (op 1) only: grad_hidden is fp32")
     assert dz_gemm(op=2) == (1, "unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)")
     assert dz_gemm(dtype=3)[0] == 1
     code = lib.grpo_csrc_lm_head_bwd_token_coef(16, 16, None, None, 16, 1.0, None, 0, 16, 16, 0)

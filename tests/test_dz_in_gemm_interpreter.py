@@ -35,11 +35,28 @@ CASES = [f"{d}-{b}-{g}{c}" for d in ("float32", "float16", "bfloat16") for b in 
 # kernels on the same fp16 store, adding into fp32 accumulators; the bound is the one above without the final
 # rounding to the hidden dtype, plus one fp32 rounding of each accumulator's sum
 CASES += [f"csrc-{d}-bias-both{c}" for d in ("float16", "bfloat16") for c in ("", "-softcap")]
+# grad_weight summed in place into a 16-bit buffer (schedule="one_pass_dz_inplace"), by the Triton kernel and by
+# kernel C's spec: each exactly its fp32-accumulator run rounded once (test_grad_weight_in_place_rounds_once)
+IN_PLACE_CASES = [f"inplace-{d}" for d in ("float16", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
 def report(request):
     return run_case_script("_dz_in_gemm_cases.py", timeout=900, cases=selected_cases(request))
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES)
+def test_grad_weight_in_place_rounds_once(case, report):
+    """The in-place accumulator (the weight's dtype) gets old + this call's sum computed in fp32 and rounded once:
+    element for element the fp32-accumulator run's result rounded to nearest (or, for the interpreter's bf16
+    store, toward zero), for the Triton kernel and for csrc's spec; and most elements move (not a no-op)."""
+    r = report[case]
+    for who in ("triton", "spec"):
+        assert r[f"{who}_mismatches"] == 0, (
+            f"{case}: {who}: {r[f'{who}_mismatches']} elements are not the fp32 sum rounded once; first (flat index, "
+            f"in place, fp32): {r.get(f'{who}_first_mismatch')}"
+        )
+        assert r[f"{who}_changed"] > 0.5, f"{case}: {who}: only {r[f'{who}_changed']:.2f} of the buffer changed"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -314,17 +314,19 @@ def test_bytes_per_logit_of_the_streaming_passes():
     the time model charging exactly that: at one chunk, each more valid token adds count x V bytes."""
     from grpo_kernels.ops.fused import cost
 
-    names = ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace", "one_pass_dz", "two_pass")
+    names = ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace", "one_pass_dz",
+             "one_pass_dz_inplace", "two_pass")  # fmt: skip
     counts = {s: sum(cost.logit_bytes(s).values()) for s in names}
     # cuBLAS writes fp32 logits (4), the statistics pass reads them (4), the dz pass reads them (4) and writes the
     # bf16 dz slab (2) that the two GEMMs read (2 + 2); kernel A has no statistics pass and stores fp16 z - m with
     # an fp32 offset per 64 logits (2 + 4/64 per pass over them); two_pass keeps no logits
     assert counts == {"one_pass": 10.125, "one_pass_inplace": 10.125, "one_pass_cublas": 18,
-                      "one_pass_cublas_inplace": 18, "one_pass_dz": 6.1875, "two_pass": 6}, counts  # fmt: skip
+                      "one_pass_cublas_inplace": 18, "one_pass_dz": 6.1875, "one_pass_dz_inplace": 6.1875,
+                      "two_pass": 6}, counts  # fmt: skip
     # fp32 inputs: kernel A keeps fp32 logits (4 per pass), the dz slab is fp32 (4 per pass)
     counts32 = {s: sum(cost.logit_bytes(s, 4).values()) for s in names}
     assert counts32 == {"one_pass": 20, "one_pass_inplace": 20, "one_pass_cublas": 24, "one_pass_cublas_inplace": 24,
-                        "one_pass_dz": 12, "two_pass": 12}, counts32  # fmt: skip
+                        "one_pass_dz": 12, "one_pass_dz_inplace": 12, "two_pass": 12}, counts32  # fmt: skip
     assert sum(cost.logit_bytes("one_pass_cublas", transform_writes=True).values()) == 22  # z written back
     h, v = 64, 1000
     for schedule in ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace"):

@@ -100,6 +100,30 @@ def test_default_schedule_within_the_extra_memory_goal(n_valid):
     print("\n" + peak.table())
 
 
+def test_dz_in_place_fits_the_goal_where_one_pass_dz_does_not():
+    """one_pass_dz (kernel C's schedule) holds an fp32 [V, H] accumulator: 3.15 GiB modelled at the Qwen3-8B head,
+    16k bf16 tokens. one_pass_dz_inplace sums grad_weight into the gradient buffer and stores no dz slab: within
+    the 1.5 GiB goal in 4608-token chunks (4 roundings of grad_weight, within accuracy.py's bound), the most of
+    any schedule. "auto" does not weigh it (no time model until a GPU has timed it)."""
+    n_valid = 16384
+    fp32_acc = schedule_memory("one_pass_dz", **{**TARGET, "n_valid": n_valid})
+    assert fp32_acc.peak_extra > 2 * EXTRA_MEMORY_GOAL, fp32_acc.table()
+    rows = inplace_chunk_rows(n_valid, TARGET["hidden"], TARGET["vocab"], 2, EXTRA_MEMORY_GOAL,
+                              schedule="one_pass_dz_inplace")  # fmt: skip
+    assert rows == 4608 and -(-n_valid // rows) <= max_inplace_chunks(torch.bfloat16), rows
+    peak = schedule_memory("one_pass_dz_inplace", **{**TARGET, "n_valid": n_valid},
+                           logits_bytes=stored_logits_bytes("one_pass_dz_inplace", rows, TARGET["vocab"], 2))  # fmt: skip
+    assert peak.peak_extra <= EXTRA_MEMORY_GOAL, peak.table()
+    assert not any("accumulator, fp32 [V, H]" in k for k in peak.buffers), peak.table()
+    # the backward's workspace is the chunk's fp32 grad_hidden alone: no dz slab
+    assert peak.buffers["dz slab [rows, V_pad] + fp32 grad_hidden rows"] == 4 * rows * TARGET["hidden"], peak.table()
+    for other in ("one_pass_inplace", "one_pass_cublas_inplace"):
+        assert inplace_chunk_rows(n_valid, TARGET["hidden"], TARGET["vocab"], 2, EXTRA_MEMORY_GOAL,
+                                  schedule=other) < rows  # fmt: skip
+    chosen, _ = auto_schedule_at(n_valid, TARGET["hidden"], TARGET["vocab"], torch.bfloat16, goal=64 * GIB)
+    assert not chosen.startswith("one_pass_dz"), chosen
+
+
 def test_max_extra_memory_moves_the_goal():
     # 4 GiB: the fp32-accumulating schedules fit too, and the in-place chunks grow (fewer roundings)
     chosen, reason = auto_schedule_at(16384, TARGET["hidden"], TARGET["vocab"], goal=4 * GIB)

@@ -1,4 +1,4 @@
-"""Tier 2: the one-pass schedules of issue 23 on the Triton backend under TRITON_INTERPRET=1 (the cases and
+"""Tier 2: the one-pass schedules of issue 23 (and "one_pass_dz_inplace") on the Triton backend under TRITON_INTERPRET=1 (the cases and
 what they compare: tests/_fused_schedules_cases.py), against the PyTorch backend in fp32 on the same inputs.
 
 Bounds, per element, with u the unit roundoff of the inputs' dtype (2^-24 fp32, 2^-11 fp16, 2^-8 bf16),
@@ -11,8 +11,10 @@ dz):
 The interpreter stores an fp32 value to bf16 by truncation (round toward zero: up to one ulp, 2 u), where a
 GPU rounds to nearest; the cases script checks it (`_interpreter` in its report), and where it truncates the
 dz slab's term is 2 u B instead of u B for grad_weight and grad_hidden in bf16 (the other roundings are
-torch's, to nearest). Measured: grad_hidden of a bf16 run 2.13 u B from exact, 1 ulp beyond rounding dz to
-nearest (is_sequence_geometric_mask, one_pass and one_pass_cublas alike).
+torch's, to nearest; "one_pass_dz_inplace" rounds dz in its GEMM's operand load and its gradient buffer in
+the grad_weight kernel's store, both the interpreter's: 2 u B each, K + 1 more u B terms). Measured:
+grad_hidden of a bf16 run 2.13 u B from exact, 1 ulp beyond rounding dz to nearest
+(is_sequence_geometric_mask, one_pass and one_pass_cublas alike).
 plus the fp32 reassociation both backends have: 2e-5 of the gradient's largest bound (TOL, as the other
 fused interpreter tests). Loss, metrics and log-probs: the statistics come from fp32 sums of exact products
 on both sides, |diff| <= TOL (1 + |expected|).
@@ -40,16 +42,22 @@ CHUNKS = 4
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 ROUNDINGS = {"weight": CHUNKS + 2, "hidden": 2, "bias": 1}
 READS_DZ_SLAB = {"weight": 1, "hidden": 1, "bias": 0}  # the gradients contracted from the rounded dz slab
+# the backward's Triton kernels: the dz slab (dlogits kernel, cuBLAS GEMMs) or dz inside the two GEMMs (the bias
+# sums, when there is a bias gradient, still come from the dlogits kernel, which then stores no slab)
+DZ_IN_GEMM = {"lm_head_bwd_kernel_dlogits", "lm_head_bwd_kernel_grad_hidden_dz", "lm_head_bwd_kernel_grad_weight_dz"}
 
 
 def cases(report: dict) -> dict:
     return {k: v for k, v in report.items() if not k.startswith("_")}
 
 
-def roundings(label: str, dname: str, report: dict) -> int:
-    """u B terms of a gradient's bound: one more for the dz slab where the interpreter truncates to bf16."""
+def roundings(label: str, dname: str, report: dict, schedule: str = "") -> int:
+    """u B terms of a gradient's bound: one more for the dz slab (or dz in the GEMM's operand) where the
+    interpreter truncates to bf16; for the dz kernel's in-place grad_weight, whose store to the bf16 buffer is
+    the interpreter's too, one more per chunk."""
     truncates = dname == "bf16" and report["_interpreter"]["bf16_store_rounds_toward_zero"]
-    return ROUNDINGS[label] + (READS_DZ_SLAB[label] if truncates else 0)
+    in_kernel_store = CHUNKS if truncates and label == "weight" and schedule == "one_pass_dz_inplace" else 0
+    return ROUNDINGS[label] + (READS_DZ_SLAB[label] if truncates else 0) + in_kernel_store
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,7 @@ def test_new_schedules_match_torch(report):
                 failures.append(f"{case}: metric {key} {got} vs {expected}")
         u = UNIT_ROUNDOFF[dname]
         for label, (got, expected, index, bound, bound_max) in r["grads"].items():
-            k = roundings(label, dname, report)
+            k = roundings(label, dname, report, schedule)
             allowed = k * u * bound + TOL * bound_max
             if abs(got - expected) > allowed:
                 failures.append(f"{case}: grad_{label} worst at flat index {index}: triton {got}, torch {expected}, "
@@ -99,4 +107,7 @@ def test_new_schedules_match_torch(report):
                    else "lm_head_fwd_kernel_partial"]  # fmt: skip
         if r["kernels"] != sorted(kernels):
             failures.append(f"{case}: forward kernels {r['kernels']}, expected {sorted(kernels)}")
+        backward = DZ_IN_GEMM if "_dz" in schedule else {"lm_head_bwd_kernel_dlogits"}
+        if set(r["backward_kernels"]) != backward:
+            failures.append(f"{case}: backward kernels {r['backward_kernels']}, expected {sorted(backward)}")
     assert not failures, "\n".join(failures)

@@ -57,8 +57,9 @@ LOSS_HEAD_TOL = 1e-5  # the interpreter tier's (fp32 inputs: summation order onl
 FUSED_TOL = 2e-5
 LAYOUTS = ("padded", "packed")
 # "auto" picks among these (ops/fused/function.py: choose_schedule, the time model and the memory goal);
-# one_pass_dz is opt-in only and runs in test_one_pass_dz_in_gemm_matches_torch
-AUTO_SCHEDULES = tuple(s for s in fused.SCHEDULES if s != "one_pass_dz")
+# the dz schedules are opt-in only and run in test_one_pass_dz_in_gemm_matches_torch and, with csrc's kernel C,
+# test_csrc_kernels_a_and_c_in_the_fused_loss_at_the_target_head
+AUTO_SCHEDULES = tuple(s for s in fused.SCHEDULES if not s.startswith("one_pass_dz"))
 HEADS = {"small": (512, 4099), "qwen3-8b": (4096, 151936)}
 TARGET_TOKENS = 320
 
@@ -335,7 +336,7 @@ def test_half_logits_keep_the_fp32_stores_accuracy_at_the_target_head(dtype):
     """Kernel A's fp16 stored logits (HalfLogits) against the fp32 store at the Qwen3-8B head, 256 tokens, on
     the hardware: the interpreter test's bar (tests/test_half_logits_interpreter.py) with float64 truth:
     forward statistics bitwise equal, gradients' normwise error at most 2x the fp32 store's, through the dz
-    slab and through dz_in_gemm."""
+    slab and through dz_in_gemm; and dz_in_gemm's in-place grad_weight is its fp32 sum rounded once."""
     from _half_logits_cases import float64_truth, normwise
 
     from grpo_kernels.ops.lm_head import triton as tri
@@ -359,17 +360,29 @@ def test_half_logits_keep_the_fp32_stores_accuracy_at_the_target_head(dtype):
         for name, a, r, t in zip(("grad_hidden", "grad_weight"), got, reference, truth):
             half, fp32 = normwise(a, t), normwise(r, t)
             assert half <= 2 * fp32, f"{dtype} dz_in_gemm={dz_in_gemm} {name}: {half:.3g} > 2 x {fp32:.3g}"
+    # schedule="one_pass_dz_inplace" on Triton's kernel: grad_weight summed into a 16-bit gradient buffer is, element
+    # for element, the fp32 accumulator's result (same kernel, same order) added to it and rounded to nearest once
+    start = (torch.randn(v, h, device="cuda", generator=g) * 1e-3).to(dt)
+    wide = tri.lm_head_backward(*args, stored_logits=half_store, need_grad_bias=False, need_grad_hidden=False,
+                                dz_in_gemm=True)[1]  # fmt: skip
+    narrow = start.clone()
+    tri.lm_head_backward(*args, stored_logits=half_store, need_grad_bias=False, need_grad_hidden=False,
+                         dz_in_gemm=True, grad_weight_acc=narrow)  # fmt: skip
+    differ = narrow != (start.float() + wide).to(dt)
+    assert not differ.any(), f"{dtype}: {int(differ.sum())} in-place grad_weight elements are not one rounding"
 
 
 # ------------------------------------------------------------------------------------------------
 # csrc/ (last in the file: a kernel that hangs loses only this test): the fused loss with csrc's kernel A and
 # kernel C at the target head, against the float64 truth and PyTorch's own 16-bit path
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_csrc_kernels_a_and_c_in_the_fused_loss_at_the_target_head(dtype, monkeypatch):
-    """GRPO_KERNELS_CSRC=1, schedule="one_pass_dz": kernel A's epilogue stores the fp16 logits, kernel C forms dz
-    from them in both backward GEMMs; the same bar as every schedule (no worse than 2x PyTorch's own 16-bit
-    error against the fp32 truth), and both csrc kernels must have run (a silent Triton fallback fails)."""
+@pytest.mark.parametrize(("dtype", "schedule"), [("bfloat16", "one_pass_dz"), ("float16", "one_pass_dz"),
+                                                ("bfloat16", "one_pass_dz_inplace")])  # fmt: skip
+def test_csrc_kernels_a_and_c_in_the_fused_loss_at_the_target_head(dtype, schedule, monkeypatch):
+    """GRPO_KERNELS_CSRC=1, schedule="one_pass_dz" (and its in-place grad_weight in bf16, the variant within the
+    memory goal): kernel A's epilogue stores the fp16 logits, kernel C forms dz from them in both backward GEMMs;
+    the same bar as every schedule (no worse than 2x PyTorch's own 16-bit error against the fp32 truth), and both
+    csrc kernels must have run (a silent Triton fallback fails)."""
     from grpo_kernels.ops.lm_head import cutlass
 
     dt = getattr(torch, dtype)
@@ -393,6 +406,6 @@ def test_csrc_kernels_a_and_c_in_the_fused_loss_at_the_target_head(dtype, monkey
     monkeypatch.setenv(cutlass.ENV_SWITCH, "1")
     cfg = gk.PolicyLossConfig.dapo().replace(kl_coef=0.04)
     truth = fused_grads(d, cfg, "torch", torch.float32)
-    ours = fused_grads(d, cfg, "triton", schedule="one_pass_dz")
+    ours = fused_grads(d, cfg, "triton", schedule=schedule)
     assert ran["a"] > 0 and ran["c"] > 0, f"csrc kernels ran {ran} times: the Triton path answered"
-    check_against_truth(f"csrc {dtype} one_pass_dz", d, cfg, truth, ours)
+    check_against_truth(f"csrc {dtype} {schedule}", d, cfg, truth, ours)

@@ -35,7 +35,7 @@ ALLOWED = ("grpo_kernels/_checks.py:", "(read)")
 KNOWN = {"auto_global": "grpo_kernels/ops/loss_head/reference.py:"}
 
 SCHEDULES = ("one_pass", "one_pass_inplace", "one_pass_cublas", "one_pass_cublas_inplace", "two_pass",
-             "low_memory", "one_pass_dz")  # fmt: skip
+             "low_memory", "one_pass_dz", "one_pass_dz_inplace")  # fmt: skip
 AUTO = ("auto", "auto_sequence", "auto_global", "auto_lowmem", "auto_nograd", "scaled", "normalizers", "options",
         "batch_invariant")  # fmt: skip
 CASES = [f"loss-{s}-{lay}" for lay in ("padded", "packed") for s in SCHEDULES + AUTO] + [

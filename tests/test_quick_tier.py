@@ -61,6 +61,7 @@ SCHEDULES = {
     "one_pass_inplace": "tests/test_fused_schedules_interpreter.py::test_new_schedules_match_torch",
     "one_pass_cublas": "tests/test_fused_schedules_interpreter.py::test_new_schedules_match_torch",
     "one_pass_cublas_inplace": "tests/test_fused_schedules_interpreter.py::test_new_schedules_match_torch",
+    "one_pass_dz_inplace": "tests/test_fused_schedules_interpreter.py::test_new_schedules_match_torch",
 }
 
 # every loss configuration of the test grid (test_loss_head.CONFIGS: every loss type, KL, IS mode,

@@ -67,7 +67,7 @@ def _picked(arch: int, config_arch: str) -> bool:
 
 
 def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="both", needs="hwb", h=None,
-          stored=False, softcap=False):  # fmt: skip
+          stored=False, softcap=False, in_place=False):  # fmt: skip
     operand = "fp32" if dtype == "float32" else "16bit"
     default_h = UNALIGNED_H if config_arch == "unaligned" else SHAPE["H"]
     return dict(
@@ -83,6 +83,7 @@ def _case(arch, config_arch, kernel, dtype, precision, *, bias=False, grads="bot
         picked=_picked(arch, config_arch),
         stored=stored,
         softcap=softcap,
+        in_place=in_place,
     )
 
 
@@ -142,6 +143,8 @@ def cases() -> list[dict]:
                 add(kernel, "bfloat16", None, bias=True, stored="half", softcap=True)
                 add(kernel, "bfloat16", None, stored=True)
                 add(kernel, "float32", "tf32x3", stored=True)
+            # schedule="one_pass_dz_inplace": grad_weight summed into the bf16 gradient buffer (load, fp32 add, store)
+            add("gw_dz", "bfloat16", None, stored="half", in_place=True)
             # the cuBLAS-forward schedules' streaming statistics kernel: each of its code paths (bias added
             # and z written back, soft-cap), bf16 and fp32 buffers are the same (it reads fp32 logits)
             for bias, softcap in ((False, False), (True, False), (True, True)):
@@ -178,6 +181,8 @@ def case_id(c: dict) -> str:
         parts.append("stored-half-logits" if c["stored"] == "half" else "stored-logits")
     if c.get("softcap"):
         parts.append("softcap")
+    if c.get("in_place"):
+        parts.append("grad-weight-in-place")
     return "/".join(parts)
 
 
@@ -196,8 +201,10 @@ def _allow_tf32(value: bool):
 def record_lm_head_launches(
     n, h, v, dtype, config, *, bias=False, grads="both", needs="hwb", precision=None, workspace_bytes=None,
     stored=False, softcap=False, dz_in_gemm=False, forward_kernel="cp.async", forward_gemm="kernel_a",
+    in_place=False,
 ):  # fmt: skip
-    """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches."""
+    """Run lm_head_forward and lm_head_backward on meta tensors; return their recorded launches. in_place:
+    grad_weight accumulated in the weight's dtype (the in-place schedules' gradient buffer), else fp32."""
     import torch
 
     from ..ops.lm_head import triton as tri
@@ -218,6 +225,8 @@ def record_lm_head_launches(
     extra["softcap"] = cap
     if dz_in_gemm:
         extra["dz_in_gemm"] = True
+    if in_place:
+        extra["grad_weight_acc"] = meta(v, h)
     with _allow_tf32(precision == "tf32"), tri.use_forward_kernel(forward_kernel), record_launches(tri) as launches:
         if forward_gemm == "cublas":  # no tile configuration: the streaming kernel has its own tiles
             stats = tri.lm_head_forward(x, w, b, y, 0.7, logits_out=logits, softcap=cap, forward_gemm="cublas")
@@ -270,6 +279,7 @@ def compile_case(c: dict) -> dict:
             dz_in_gemm=c["kernel"] in DZ_KERNELS,
             forward_kernel="tma" if c["kernel"] in TMA_KERNELS else "cp.async",
             forward_gemm="cublas" if c["kernel"] in STREAM_KERNELS else "kernel_a",
+            in_place=c.get("in_place", False),
         )
         launch = next(la for la in launches if la.name == KERNEL_NAMES[c["kernel"]])
         if c["kernel"] == "fwd_tma_ws":

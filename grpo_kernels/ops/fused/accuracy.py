@@ -1,7 +1,7 @@
 """How many chunks the in-place schedules may round grad_weight over and stay as accurate as PyTorch.
 
-The in-place schedules ("one_pass_inplace", "one_pass_cublas_inplace") keep grad_weight in the weight's
-dtype and round it once per chunk; their error against float64 grows with the chunk count K. What
+The in-place schedules ("one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace") keep grad_weight
+in the weight's dtype and round it once per chunk; their error against float64 grows with the chunk count K. What
 benchmarks/grad_weight_error.py measured (docs/records/grad_weight_error.json, bf16, H = 4096,
 V = 151936, N = 16k and 64k; the op README's table): the excess over fp32 accumulation,
 e_inplace(K)^2 - e_fp32^2, grows no faster than linearly in K. The bound below is the largest K for

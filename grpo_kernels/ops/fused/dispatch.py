@@ -44,7 +44,10 @@ from .function import (
 __all__ = ["SCHEDULES", "run_fused", "resolve_auto"]
 
 logger = logging.getLogger("grpo_kernels")
-IN_PLACE = ("one_pass_inplace", "one_pass_cublas_inplace")
+# the in-place schedules: chunks sized to fill the goal (run_fused). "auto" weighs the first two; the dz one
+# (opt-in, as one_pass_dz) has no time model until a GPU run has timed it.
+IN_PLACE = ("one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace")
+AUTO_IN_PLACE = IN_PLACE[:2]
 
 
 def _is_batch_invariant(lm_impl) -> bool:
@@ -68,7 +71,7 @@ def resolve_auto(plan, dtype: torch.dtype, n_valid: int, hidden: int, vocab: int
         if cublas_ok:
             options["one_pass_cublas"] = (base_chunks, chunk_tokens)
         limit = accuracy.max_inplace_chunks(dtype) if dtype != torch.float32 else None
-        for name in IN_PLACE:
+        for name in AUTO_IN_PLACE:
             if name == "one_pass_cublas_inplace" and not cublas_ok:
                 continue
             rows = memory.inplace_chunk_rows(n_valid, hidden, vocab, element_size, goal, bias=bias, schedule=name)

@@ -23,7 +23,9 @@ The schedules give the same result (the in-place ones up to their per-chunk roun
   one-pass-dz (opt-in, schedule="one_pass_dz") the one-pass schedule whose C forms dz from the stored
             logits inside the operand loads of two Triton GEMMs (grad_hidden, grad_weight) instead of
             writing an [n, V] dz slab for cuBLAS: the slab's write and two reads disappear. Off by default
-            until a GPU run has compared it with the cuBLAS path.
+            until a GPU run has compared it with the cuBLAS path. "one_pass_dz_inplace": the same with
+            grad_weight summed into the gradient buffer in the weight's dtype (as one-pass-inplace: the
+            grad_weight GEMM's epilogue rounds each chunk's fp32 sum into it once; chunks sized to the goal).
   one-pass-inplace (schedule="one_pass_inplace") the one-pass schedule with grad_weight accumulated in the
             weight's dtype in the gradient buffer itself (cuBLAS addmm into it per chunk: the chunk's sum
             in fp32, one rounding per chunk): no fp32 [V, H] accumulator. Its chunks are sized to fill the
@@ -74,12 +76,13 @@ ONE_PASS_CHUNK_TOKENS = 8192
 # longer completions are cut across chunks for token-local objectives, other objectives take the two-pass
 # schedule.
 ONE_PASS_LOGITS_BYTES = 768 * 2**20
-SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz", "one_pass_inplace", "one_pass_cublas",
-             "one_pass_cublas_inplace")
+SCHEDULES = ("auto", "one_pass", "two_pass", "low_memory", "one_pass_dz", "one_pass_dz_inplace", "one_pass_inplace",
+             "one_pass_cublas", "one_pass_cublas_inplace")
 # The one-pass family: (forward GEMM, grad_weight accumulated in the weight's dtype, dz inside the GEMMs)
 ONE_PASS_VARIANTS = {
     "one_pass": ("kernel_a", False, False),
     "one_pass_dz": ("kernel_a", False, True),
+    "one_pass_dz_inplace": ("kernel_a", True, True),
     "one_pass_inplace": ("kernel_a", True, False),
     "one_pass_cublas": ("cublas", False, False),
     "one_pass_cublas_inplace": ("cublas", True, False),

@@ -69,7 +69,7 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
     the fp32 grad_weight accumulator (none in the in-place variants: the gradient buffer itself is
     summed into), the chunk's stored logits (as many tokens as `logits_bytes` holds: fp32, or for kernel A
     with 16-bit inputs fp16 differences and offsets, function.stored_logits_bytes), and per chunk the dz slab (input
-    dtype; none for one_pass_dz) and the chunk's fp32 grad_hidden and gathered hidden rows. two_pass:
+    dtype; none for the dz schedules) and the chunk's fp32 grad_hidden and gathered hidden rows. two_pass:
     the accumulator, the gathered hidden rows of the whole batch, and per backward chunk the dz slab and
     its fp32 grad_hidden. The cast of the accumulator to the weight's dtype (the gradient) happens after
     the logits buffer is released. low_memory: no V x H fp32 buffer; grad_hidden in fp32, and per

@@ -37,7 +37,8 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 3  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C)
+ABI_VERSION = 4  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
+# grad_weight summed in place into a 16-bit gradient buffer (out_16bit)
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -123,7 +124,7 @@ def _declare(lib) -> None:
     lib.grpo_csrc_lm_head_bwd_token_coef.restype = c_int
     lib.grpo_csrc_lm_head_bwd_dz_gemm.argtypes = [
         c_int, c_int, c_p, c_i64, c_p, c_i64,  # op dtype diff ld_diff offset ld_offset
-        c_p, c_i64, c_p, c_i64, c_int,  # operand ld_operand out ld_out accumulate
+        c_p, c_i64, c_p, c_i64, c_int, c_int,  # operand ld_operand out ld_out out_16bit accumulate
         c_p, c_p, c_p,  # coef target inv_scale
         c_i64, c_i64, c_i64, c_int, c_f, c_f, c_int, c_u64,  # N V H has_softcap cap_in cap_out group_m stream
     ]
@@ -245,7 +246,8 @@ def lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs) -> LMH
 def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> bool:
     """Whether csrc's dz GEMMs (kernel C) can run a `dz_in_gemm` backward: an sm_90 device, bf16 / fp16 operands,
     the fp16 store (HalfLogits; fp32 stored logits are Triton's), TMA's alignment (unit stride along H,
-    16-byte aligned bases and rows, H a multiple of 8) and an fp32 grad_weight accumulator with even rows."""
+    16-byte aligned bases and rows, H a multiple of 8) and a grad_weight accumulator with even rows, fp32 or the
+    gradient buffer itself in the operands' dtype (in place)."""
     from .triton import HalfLogits
 
     if not isinstance(stored_logits, HalfLogits):
@@ -257,8 +259,9 @@ def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> boo
     d, off = stored_logits.difference, stored_logits.offset
     if d.stride(1) != 1 or d.data_ptr() % 16 or (d.stride(0) * 2) % 16 or off.stride(1) != 1:
         return False
-    if grad_weight_acc is not None and (grad_weight_acc.dtype != torch.float32 or grad_weight_acc.stride(1) != 1
-                                        or grad_weight_acc.stride(0) % 2 or grad_weight_acc.data_ptr() % 8):  # fmt: skip
+    if grad_weight_acc is not None and (grad_weight_acc.dtype not in (torch.float32, hidden.dtype)
+                                        or grad_weight_acc.stride(1) != 1 or grad_weight_acc.stride(0) % 2
+                                        or grad_weight_acc.data_ptr() % (2 * grad_weight_acc.element_size())):  # fmt: skip
         return False
     elt = hidden.element_size()
     return hidden.shape[1] % 8 == 0 and all(
@@ -282,7 +285,7 @@ def lm_head_backward(*args, **kwargs):
 # torch (the spec: the tests run it on the CPU against float64, the GPU check against the device). Both take
 # triton.lm_head_backward's prepared operands (DZ_GEMMS_ARGS) and write the same outputs:
 #   grad_hidden_out [N, H] fp32 = (grad_hidden_out if accumulate_hidden else 0) + dz W / S
-#   grad_weight_acc [V, H] fp32 += dz^T X / S
+#   grad_weight_acc [V, H] += dz^T X / S   (fp32, or in the operands' dtype: the fp32 sum rounded into it once)
 # dz from the stored fp16 logits and the per-token coefficients (csrc/lm_head_bwd_sm90.cu's header), rounded to
 # the operands' dtype; S the fp16 dz scale (dz_scale[0]; 1 without).
 
@@ -346,8 +349,9 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
     if grad_hidden_out is not None:
         part = (dz @ weight.float()) * inv_s
         grad_hidden_out.copy_(grad_hidden_out + part if accumulate_hidden else part)
-    if grad_weight_acc is not None:
-        grad_weight_acc += (dz.t() @ hidden.float()) * inv_s
+    if grad_weight_acc is not None:  # in place (16-bit): old + part summed in fp32, rounded once
+        part = (dz.t() @ hidden.float()) * inv_s
+        grad_weight_acc.copy_((grad_weight_acc.float() + part).to(grad_weight_acc.dtype))
     return True  # the hook's answer: it ran them
 
 
@@ -392,7 +396,7 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
                 continue
             _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
                   offset.data_ptr(), offset.stride(0), operand.data_ptr(), operand.stride(0), out.data_ptr(),
-                  out.stride(0), int(accumulate), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab,
+                  out.stride(0), int(out.dtype != torch.float32), int(accumulate), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab,
                   hidden_size, has_softcap, cap_in, cap_out, group_m, stream)  # fmt: skip
 
 

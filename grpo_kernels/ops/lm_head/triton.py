@@ -999,7 +999,8 @@ def lm_head_backward(
     grad_weight_acc fp32 or None, grad_bias_acc fp32 or None), the conventions of chunked.py; with
     `grad_hidden_acc` (fp32 [N, H]) the fp32 grad_hidden is added into it and returned in its place.
     dz_in_gemm (with `stored_logits`, opt-in): no dL/dlogit slab; two Triton GEMMs form dz from the stored
-    logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz); `dz_gemms` (set by
+    logits in their operand loads (lm_head_bwd_kernel_grad_hidden_dz / _grad_weight_dz; a grad_weight_acc in
+    the weight's dtype gets each call's fp32 sum rounded into it once); `dz_gemms` (set by
     cutlass.lm_head_backward with the switch on) is offered those two GEMMs first, with cutlass.DZ_GEMMS_ARGS,
     and returns whether it ran them.
     """
@@ -1021,8 +1022,6 @@ def lm_head_backward(
             f"{tuple(grad_weight_acc.shape)}",
         )
         _check_device(grad_weight_acc, device, "grad_weight_acc")
-        _check(not (dz_in_gemm and grad_weight_acc.dtype != torch.float32),
-               "dz_in_gemm accumulates grad_weight in fp32: grad_weight_acc must be fp32")  # fmt: skip
     if need_grad_bias and grad_bias_acc is not None:
         _check(
             grad_bias_acc.shape == (vocab,) and grad_bias_acc.dtype == torch.float32,

@@ -2,7 +2,7 @@
   lm_head_bwd_kernel_dlogits          recomputes each logits tile (or reads the stored one) and writes
                                       dL/dlogit into a bounded workspace, optionally with column sums
   lm_head_bwd_kernel_grad_hidden_dz   grad_hidden with dz formed inside the GEMM from stored logits
-  lm_head_bwd_kernel_grad_weight_dz   grad_weight likewise (schedule="one_pass_dz")
+  lm_head_bwd_kernel_grad_weight_dz   grad_weight likewise (schedule="one_pass_dz", "one_pass_dz_inplace")
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def lm_head_bwd_kernel_grad_weight_dz(
     offset_ptr,  # [n, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     hidden_ptr,  # [n, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
-    acc_ptr,  # [V, H] fp32 grad_weight accumulator (read, added to, written)
+    acc_ptr,  # [V, H] grad_weight accumulator, fp32 or (in place) the weight's dtype: read, added to, written
     dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ
     n_rows, vocab, hidden_size, stride_stored, stride_offset, stride_hidden, stride_acc,
     inv_temperature, cap_in, cap_out,
@@ -236,7 +236,8 @@ def lm_head_bwd_kernel_grad_weight_dz(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """grad_weight[v, h] += sum_rows dz[rows, v] X[rows, h]: BLOCK_M vocabulary rows x BLOCK_N hidden
-    columns, the token rows as the K loop, dz formed from the stored logits and transposed in registers."""
+    columns, the token rows as the K loop, dz formed from the stored logits and transposed in registers.
+    The accumulator is fp32, or for schedule="one_pass_dz_inplace" the gradient buffer in the weight's dtype."""
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(vocab, BLOCK_M), tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
     offs_v = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,4 +271,6 @@ def lm_head_bwd_kernel_grad_weight_dz(
         acc = acc * tl.load(dz_scale_ptr + 1)
     out = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
     out_ok = v_ok[:, None] & h_ok[None, :]
-    tl.store(out, acc + tl.load(out, mask=out_ok, other=0.0), mask=out_ok)
+    # the sum in fp32, rounded once to the accumulator's dtype (in place: as cuBLAS's beta = 1 addmm rounds)
+    total = acc + tl.load(out, mask=out_ok, other=0.0).to(tl.float32)
+    tl.store(out, total.to(acc_ptr.dtype.element_ty), mask=out_ok)
