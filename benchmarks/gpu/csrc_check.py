@@ -16,11 +16,13 @@ Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16
   torch.mm (cuBLAS, bf16 out [N, V]), and the training forward storing fp16 logits (csrc cooperative, Triton
   kernel A), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
   TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
-Kernel C (the backward's dz GEMMs, ABI 3; judged apart from kernel A): backward_checks, csrc against its torch spec
+Kernel C (the backward's dz GEMMs, ABI 4; judged apart from kernel A): backward_checks, csrc against its torch spec
   (cutlass.dz_gemms_reference) on the device on the same fp16 store, small heads and the target head (N = 512),
-  per element within a derived bound; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass
-  chunk at the target head): csrc's two dz GEMMs against the two cuBLAS GEMMs of the same shapes (the floor, dz
-  given in bf16), interleaved the same way (the whole fused loss is the headline's grpo_kernels-csrc-one-pass-dz).
+  per element within a derived bound, and the in-place grad_weight (16-bit buffer) exactly the fp32 sum rounded
+  once; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass chunk at the target head):
+  csrc's two dz GEMMs against the two cuBLAS GEMMs of the same shapes (the floor, dz given in bf16), and the
+  in-place grad_weight GEMM against cuBLAS's addmm into the bf16 buffer, interleaved the same way (the whole
+  fused loss is the headline's grpo_kernels-csrc-one-pass-dz-inplace and grpo_kernels-csrc-one-pass-dz).
 Expected duration on an H100 / H200: ~1-2 min (build-free: the library is loaded, no compile).
 """
 
@@ -185,12 +187,13 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
 
 
 def backward_checks(lib, device):
-    """Kernel C (ABI 3): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
+    """Kernel C (ABI 4): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
     same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
     fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
     K products in fp32 in different orders: per element |csrc - spec| <= (u_op + 2 K u32) (|dz| @ |operand|) + 2 u32
     |result|, |dz| bounded in float64 from the store (the interpreter test's bound). Also: a token without
-    upstream gradient gets exactly 0 in grad_hidden; grad_hidden added into (accumulate) gives twice the sum."""
+    upstream gradient gets exactly 0 in grad_hidden; grad_hidden added into (accumulate) gives twice the sum; the
+    in-place grad_weight (a 16-bit gradient buffer) is exactly the fp32 run's sum added to it and rounded once."""
     rows = []
     g = torch.Generator(device=device).manual_seed(2)
     cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
@@ -236,7 +239,18 @@ def backward_checks(lib, device):
         cutlass.dz_gemms_csrc(lib, **again)
         torch.cuda.synchronize()
         row["accumulate_doubles"] = bool(torch.allclose(got["grad_hidden_out"], 2 * first, rtol=2.0**-22, atol=0))
-        row["ok"] &= row["zero_row_exact"] and row["accumulate_doubles"]
+        # grad_weight in place (ABI 4, schedule="one_pass_dz_inplace"): the gradient buffer in the operands' dtype
+        # gets old + the same fp32 sum rounded once. The in-place kernel's main loop is the fp32 one's (same tiles,
+        # same order), and the fp32 run added into zeros: exactly (start + fp32 result) rounded to nearest
+        start = (torch.randn(weight.shape, device=device, generator=g) * 1e-3).to(weight.dtype)
+        narrow = dict(got, grad_hidden_out=None, grad_weight_acc=start.clone())
+        cutlass.dz_gemms_csrc(lib, **narrow)
+        torch.cuda.synchronize()
+        expect = (start.float() + got["grad_weight_acc"]).to(weight.dtype)
+        differ = narrow["grad_weight_acc"] != expect
+        row["in_place_rounds_once"] = {"mismatches": int(differ.sum()),
+                                       "changed": float((narrow["grad_weight_acc"] != start).float().mean())}  # fmt: skip
+        row["ok"] &= row["zero_row_exact"] and row["accumulate_doubles"] and not bool(differ.any())
         rows.append(row)
         del mag
     return rows
@@ -258,18 +272,25 @@ def backward_timings(lib, device, n, repeats):
     dz = torch.randn(n, v, device=device).bfloat16()
     out_h = torch.empty(n, h, device=device, dtype=torch.bfloat16)
     out_w = torch.empty(v, h, device=device, dtype=torch.bfloat16)
+    buffer_w = torch.zeros(v, h, device=device, dtype=torch.bfloat16)  # one_pass_dz_inplace's gradient buffer
     fns = {
         "csrc_dz_both": lambda: cutlass.dz_gemms_csrc(lib, **args),
         "csrc_dz_grad_hidden": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_weight_acc=None)),
         "csrc_dz_grad_weight": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_hidden_out=None)),
         "cublas_grad_hidden": lambda: torch.mm(dz, weight, out=out_h),
         "cublas_grad_weight": lambda: torch.mm(dz.t(), hidden, out=out_w),
+        # in place: csrc's 16-bit epilogue against cuBLAS's beta = 1 addmm into the bf16 buffer (one_pass_inplace's)
+        "csrc_dz_grad_weight_in_place": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_hidden_out=None,
+                                                                                  grad_weight_acc=buffer_w)),
+        "cublas_grad_weight_in_place": lambda: out_w.addmm_(dz.t(), hidden),
     }  # fmt: skip
     out = _interleaved(fns, repeats, {k: (4 if "both" in k else 2) * n * h * v for k in fns})
     floor = out["cublas_grad_hidden"]["median_ms"] + out["cublas_grad_weight"]["median_ms"]
     summary = {"csrc_dz_to_cublas_pair": out["csrc_dz_both"]["median_ms"] / floor,
                "csrc_grad_hidden_to_cublas": out["csrc_dz_grad_hidden"]["median_ms"] / out["cublas_grad_hidden"]["median_ms"],
-               "csrc_grad_weight_to_cublas": out["csrc_dz_grad_weight"]["median_ms"] / out["cublas_grad_weight"]["median_ms"]}  # fmt: skip
+               "csrc_grad_weight_to_cublas": out["csrc_dz_grad_weight"]["median_ms"] / out["cublas_grad_weight"]["median_ms"],
+               "csrc_grad_weight_in_place_to_cublas": out["csrc_dz_grad_weight_in_place"]["median_ms"]
+               / out["cublas_grad_weight_in_place"]["median_ms"]}  # fmt: skip
     return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
 
 

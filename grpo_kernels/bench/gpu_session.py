@@ -181,7 +181,9 @@ HEADLINE_PROVIDERS = (  # the verdict's rows, beside the floor in one process: o
     "verl-kernel",  # log-probs: verl's Triton kernel
     "grpo_kernels-csrc",  # csrc/'s CUTLASS kernel A: log-probs, and the fused loss with its fp16 logits store (opt-in;
     # last: its gate checks it first)
-    "grpo_kernels-csrc-one-pass-dz",  # the fused loss with csrc's kernel A and kernel C (dz in the backward GEMMs)
+    "grpo_kernels-csrc-one-pass-dz-inplace",  # the fused loss with csrc's kernels A and C, grad_weight in place (within
+    # the memory goal: the candidate for auto)
+    "grpo_kernels-csrc-one-pass-dz",  # the same with an fp32 grad_weight accumulator (kernel C's fp32 epilogue)
 )
 HEADLINE_ORDER = ("logprobs", "fused_grpo")  # the quick op first: a part cut short keeps it
 SWEEP_TRL_PROVIDERS = ("grpo_kernels", "trl")
@@ -196,7 +198,7 @@ SCHEDULE_PROVIDERS = (  # the other schedules and plain PyTorch, at the same sha
     "grpo_kernels-one-pass-cublas",
 )
 SWEEP_PROVIDERS = ("grpo_kernels", "grpo_kernels-one-pass")  # auto (in place in bf16) against fp32 accumulation
-OPT_IN_SCHEDULES = ("one_pass_dz",)  # after the core rows (README: estimated ~2x slower than one_pass)
+OPT_IN_SCHEDULES = ("one_pass_dz", "one_pass_dz_inplace")  # after the core rows (Triton's dz GEMMs: ~2x slower)
 # Not in any part: verl's loss (core_algos) needs verl's package, whose imports (Ray, tensordict, omegaconf) are
 # not on the GPU machine and too large to carry (its kernel alone runs: verl-kernel); grpo_kernels-torch is the
 # CPU backend.

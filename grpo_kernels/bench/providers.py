@@ -186,7 +186,8 @@ def _ours_csrc(schedule: str = "auto") -> dict:
     log-probs and entropy from kernel A's epilogue partials, no logits written; with grad, Triton's backward.
     fused_linear_grpo_loss at `schedule`: the kernel-A one-pass schedules' forward stores the chunk's fp16 logits
     from the same epilogue (csrc ABI 2); with "one_pass_dz" the backward's two GEMMs are csrc's kernel C, dz
-    formed in their operand load from that store (ABI 3); the rest is Triton's / cuBLAS's. A library that does
+    formed in their operand load from that store (ABI 3), and with "one_pass_dz_inplace" its grad_weight GEMM sums
+    into the 16-bit gradient buffer (ABI 4); the rest is Triton's / cuBLAS's. A library that does
     not load, or a call it does not apply to, is a skipped row with the reason (never Triton's time under
     csrc's name)."""
     import grpo_kernels as gk
@@ -231,7 +232,7 @@ def _ours_csrc(schedule: str = "auto") -> dict:
                 inp.old_logprobs, inp.ref_logprobs, config=inp.config, backend="triton", schedule=schedule,
             ).loss  # fmt: skip
 
-        backward = "csrc kernel C (dz in the GEMMs' operand load)" if schedule == "one_pass_dz" else (
+        backward = "csrc kernel C (dz in the GEMMs' operand load)" if schedule.startswith("one_pass_dz") else (
             "Triton / cuBLAS backward")  # fmt: skip
         return Forward(switched(call), f"csrc kernel A with the fp16 logits store ({cutlass.library_path().name}), "
                                        f"schedule={schedule}, {backward}")  # fmt: skip
@@ -821,6 +822,16 @@ REGISTRY.add(
         "grpo_kernels with csrc/'s CUTLASS sm_90a kernel A (GRPO_KERNELS_CSRC=1; opt-in, not in auto): log-probs, and "
         "the fused loss whose one-pass forward stores fp16 logits from the GEMM's epilogue",
         _ours_csrc(),
+        needs_cuda="csrc/'s sm_90a library",
+    )
+)
+REGISTRY.add(
+    Provider(
+        "grpo_kernels-csrc-one-pass-dz-inplace",
+        "grpo_kernels fused loss with schedule='one_pass_dz_inplace' and csrc/ (GRPO_KERNELS_CSRC=1): kernels A and C "
+        "as grpo_kernels-csrc-one-pass-dz, grad_weight summed into the gradient buffer in the weight's dtype by kernel "
+        "C's epilogue (no fp32 [V, H] accumulator; chunks sized to the 1.5 GiB goal; opt-in)",
+        {"fused_grpo": _ours_csrc("one_pass_dz_inplace")["fused_grpo"]},
         needs_cuda="csrc/'s sm_90a library",
     )
 )
