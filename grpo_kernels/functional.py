@@ -945,7 +945,9 @@ def _check_max_extra_memory(max_extra_memory, schedule: str) -> None:
     if isinstance(max_extra_memory, bool) or not isinstance(max_extra_memory, int) or max_extra_memory < 0:
         chk.fail(f"max_extra_memory must be None or a number of bytes (an int >= 0, e.g. 3 * 2**30), got "
                  f"{max_extra_memory!r}")  # fmt: skip
-    if schedule not in ("auto", "one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace"):
+    from .ops.fused.function import IN_PLACE_SCHEDULES
+
+    if schedule != "auto" and schedule not in IN_PLACE_SCHEDULES:
         chk.fail(f"max_extra_memory is the goal schedule='auto' plans with (and the in-place schedules size "
                  f"their chunks to); schedule={schedule!r} does not use it")  # fmt: skip
 
@@ -1050,11 +1052,11 @@ def fused_linear_grpo_loss(
             block), "one_pass_dz" (one pass, dz formed inside the backward GEMMs: no [n, V] dz slab;
             opt-in until a GPU run has compared it) or "one_pass_dz_inplace" (the same with grad_weight
             summed in the weight's dtype as "one_pass_inplace": no fp32 [V, H] accumulator either; opt-in).
-            "auto", when the weight needs a gradient on the Triton backend, takes the fastest schedule by the time model among those whose modelled peak
-            extra memory fits ``max_extra_memory`` and, for the in-place ones, whose grad_weight error is
-            no worse than plain PyTorch bf16 autograd's at that chunk count (the LM-head README, "What
-            auto runs"); else one_pass where valid, else two_pass. The choice and its reason are logged
-            at DEBUG on the "grpo_kernels" logger.
+            "auto", when the weight needs a gradient on the Triton backend, takes the fastest schedule by
+            the time model among those whose modelled peak extra memory fits ``max_extra_memory`` and,
+            for the in-place ones, whose grad_weight error is no worse than plain PyTorch bf16 autograd's
+            at that chunk count (the LM-head README, "What auto runs"); else one_pass where valid, else
+            two_pass. The choice and its reason are logged at DEBUG on the "grpo_kernels" logger.
         max_extra_memory: the extra-memory goal in bytes (an int >= 0; beyond inputs and gradients) that
             ``schedule="auto"`` plans with and the in-place schedules size their chunks to; None: 1.5 GiB.
 

@@ -30,6 +30,20 @@ def dz_magnitude(z, lse, mean_z, c_lp, c_h, targets, softcap):
     return mag
 
 
+def stored_case(seed, dtype, n, h, v, temperature, *, bias, cap):
+    """Operands, kernel A's fp16 store (HalfLogits) and its statistics, and upstream gradients of one case:
+    (args of lm_head_backward, the store, stats)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+    b = torch.randn(v, generator=g).to(dtype) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    half = tri.HalfLogits.empty(n, v, "cpu")
+    stats = tri.lm_head_forward(x, w, b, y, temperature, logits_out=half, softcap=cap)
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return (x, w, b, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h), half, stats
+
+
 def main():
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     report, index = {}, -1
@@ -92,17 +106,10 @@ def main():
             name = f"csrc-{str(dtype).removeprefix('torch.')}-bias-both" + ("-softcap" if capped else "")
             if not wanted(name):
                 continue
-            g = torch.Generator().manual_seed(index)
-            x = torch.randn(n, h, generator=g).to(dtype)
-            w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
-            b = torch.randn(v, generator=g).to(dtype)
-            y = torch.randint(0, v, (n,), generator=g)
             cap = (1.0 / 30.0, 30.0 / temperature) if capped else None
-            half = tri.HalfLogits.empty(n, v, "cpu")
-            stats = tri.lm_head_forward(x, w, b, y, temperature, logits_out=half, softcap=cap)
-            g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
-            g_lp[3] = g_h[3] = 0.0
-            args = (x, w, b, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h)
+            args, half, stats = stored_case(index, dtype, n, h, v, temperature, bias=True, cap=cap)
+            x, w, _, y, _, _, _, g_lp, g_h = args
+            g_lp[3] = g_h[3] = 0.0  # a token without upstream gradient (the tensors args holds)
             runs = []
             for hook in (None, cutlass.dz_gemms_reference):
                 acc_h, acc_w = torch.full((n, h), 0.5), torch.full((v, h), -0.25)
@@ -135,16 +142,9 @@ def main():
         name = f"inplace-{str(dtype).removeprefix('torch.')}"
         if not wanted(name):
             continue
-        g = torch.Generator().manual_seed(index)
-        x = torch.randn(n, h, generator=g).to(dtype)
-        w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
-        y = torch.randint(0, v, (n,), generator=g)
-        half = tri.HalfLogits.empty(n, v, "cpu")
-        stats = tri.lm_head_forward(x, w, None, y, temperature, logits_out=half)
-        g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
-        args = (x, w, None, y, temperature, stats.lse, stats.expected_logit, g_lp, g_h)
+        args, half, _ = stored_case(index, dtype, n, h, v, temperature, bias=False, cap=None)
         # a gradient buffer already holding earlier chunks' sums, of the size of one chunk's contribution
-        start = (torch.randn(v, h, generator=g) * 0.05).to(dtype)
+        start = (torch.randn(v, h, generator=torch.Generator().manual_seed(index + 1000)) * 0.05).to(dtype)
         entry = {}
         for who, hook in (("triton", None), ("spec", cutlass.dz_gemms_reference)):
             wide, narrow = start.float(), start.clone()

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ..lm_head.half_logits_format import STORED_GROUP
+from .function import DZ_IN_GEMM_SCHEDULES
 
 # H100 SXM, bf16 dense: cuBLAS reaches ~790 TFLOP/s on large GEMMs (989 peak); HBM3 ~3.0 TB/s achieved
 # (3.35 peak). Kernel A and the dlogits kernel (Triton, no warp specialisation) are estimated at ~1.4x the
@@ -61,7 +62,9 @@ def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool 
     (C's dz pass reads them) + 2 (it writes the dz slab) + 2 + 2 (the grad_hidden and grad_weight GEMMs read
     it). Kernel A's one-pass schedules skip the statistics pass and, for 16-bit inputs, store the logits as
     fp16 differences from the running row max with an fp32 offset per 64 (2 + 1/16 bytes per pass): 10.125
-    (was 14 with fp32 logits), one_pass_dz and one_pass_dz_inplace 6.1875 (was 12); the recomputing schedules store no logits."""
+    (was 14 with fp32 logits), the dz schedules (one_pass_dz, one_pass_dz_inplace) 6.1875 (was 12); the
+    recomputing schedules store no logits."""
+
     e = element_size
     dz_slab = {"dz slab written": e, "dz slab read by grad_hidden GEMM": e, "dz slab read by grad_weight GEMM": e}
     if schedule in ("two_pass", "low_memory"):  # the logits are recomputed inside the dz kernel: never stored
@@ -72,7 +75,7 @@ def logit_bytes(schedule: str, element_size: int = 2, *, transform_writes: bool 
             return {f"{what}{part}": nbytes for part, nbytes in HALF_LOGIT_BYTES.items()}
         return {what: 4}
 
-    if schedule in ("one_pass_dz", "one_pass_dz_inplace"):  # dz formed inside the two GEMMs' operand loads from the stored logits
+    if schedule in DZ_IN_GEMM_SCHEDULES:  # dz formed inside the two GEMMs' operand loads from the stored logits
         return {**stored("logits written (kernel A)"), **stored("logits read by grad_hidden GEMM"),
                 **stored("logits read by grad_weight GEMM")}  # fmt: skip
     if schedule in ("one_pass", "one_pass_inplace"):

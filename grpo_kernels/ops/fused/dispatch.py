@@ -29,6 +29,8 @@ import torch
 from . import accuracy, cost, memory
 from ..lm_head.chunked import LogitsStore
 from .function import (
+    DZ_IN_GEMM_SCHEDULES,
+    IN_PLACE_SCHEDULES,
     ONE_PASS_VARIANTS,
     SCHEDULES,
     TORCH_LOGITS_BYTES,
@@ -44,10 +46,10 @@ from .function import (
 __all__ = ["SCHEDULES", "run_fused", "resolve_auto"]
 
 logger = logging.getLogger("grpo_kernels")
-# the in-place schedules: chunks sized to fill the goal (run_fused). "auto" weighs the first two; the dz one
-# (opt-in, as one_pass_dz) has no time model until a GPU run has timed it.
-IN_PLACE = ("one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace")
-AUTO_IN_PLACE = IN_PLACE[:2]
+# the in-place schedules: chunks sized to fill the goal (run_fused). "auto" weighs those whose backward is the dz
+# slab's: the dz schedules (opt-in) have no time model until a GPU run has timed them.
+IN_PLACE = IN_PLACE_SCHEDULES
+AUTO_IN_PLACE = tuple(s for s in IN_PLACE if s not in DZ_IN_GEMM_SCHEDULES)
 
 
 def _is_batch_invariant(lm_impl) -> bool:

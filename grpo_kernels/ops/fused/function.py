@@ -87,6 +87,10 @@ ONE_PASS_VARIANTS = {
     "one_pass_cublas": ("cublas", False, False),
     "one_pass_cublas_inplace": ("cublas", True, False),
 }
+# by those flags: the schedules that sum grad_weight in place (their chunks sized to fill the memory goal) and
+# those whose backward forms dz inside its GEMMs
+IN_PLACE_SCHEDULES = tuple(s for s, (_, in_place, _) in ONE_PASS_VARIANTS.items() if in_place)
+DZ_IN_GEMM_SCHEDULES = tuple(s for s, (_, _, dz_in_gemm) in ONE_PASS_VARIANTS.items() if dz_in_gemm)
 # The low-memory schedule ("auto" where the others' peak exceeds the memory goal): two passes with
 # the vocabulary outside in C, so grad_weight is written once per block in its final dtype and no
 # V x H fp32 accumulator exists. Per slab of columns: a dz workspace of LOW_MEMORY_DZ_ROWS token rows

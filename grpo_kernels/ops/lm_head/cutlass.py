@@ -396,8 +396,9 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
                 continue
             _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
                   offset.data_ptr(), offset.stride(0), operand.data_ptr(), operand.stride(0), out.data_ptr(),
-                  out.stride(0), int(out.dtype != torch.float32), int(accumulate), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab,
-                  hidden_size, has_softcap, cap_in, cap_out, group_m, stream)  # fmt: skip
+                  out.stride(0), int(out.dtype != torch.float32), int(accumulate), coef.data_ptr(),
+                  target.data_ptr(), inv_scale, n_tokens, vocab, hidden_size, has_softcap, cap_in, cap_out, group_m,
+                  stream)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
