@@ -14,8 +14,11 @@ hidden = torch.randn(B, T, H, generator=g); weight = torch.randn(V, H, generator
 targets = torch.randint(0, V, (B, T), generator=g)
 lengths = torch.tensor([13, 9, 11, 7]); mask = torch.arange(T)[None] < lengths[:, None]
 adv = torch.randn(B, generator=g); old = -torch.rand(B, T, generator=g) * 8
-fused.ONE_PASS_LOGITS_BYTES = 12 * 4 * V  # 12 valid tokens per chunk: 4 chunks of the 40
+fused.ONE_PASS_LOGITS_BYTES = 12 * 4 * V  # at most 12 valid tokens per chunk: 4 chunks of the 40
 fused.ONE_PASS_CHUNK_TOKENS = 12  # the in-place schedules' chunks (sized by the goal, capped here) as well
+# DAPO is token-local: the 40 valid tokens run as 4 balanced chunks of 10 (function.balanced_chunk_tokens)
+CHUNK_ROWS = fused.balanced_chunk_tokens(int(mask.sum()), 12)
+assert CHUNK_ROWS == 10, CHUNK_ROWS
 fused.LOW_MEMORY_SLAB_BYTES = 1024 * (40 * 4 + H * 4)  # 1024-column slabs: 5 of V = 4099
 out = {}
 # fp32 every schedule; bf16 the kernel-A one-pass schedules, whose chunk logits are then fp16 differences and
@@ -31,7 +34,7 @@ for schedule, dtype in RUNS:
     res, peak, end = peak_allocated_bytes(call)
     e = x.element_size()
     model = schedule_memory(schedule, int(mask.sum()), H, V, e, logits_bytes=fused.ONE_PASS_LOGITS_BYTES,
-                            n_tokens=B * T)
+                            n_tokens=B * T, chunk_rows=CHUNK_ROWS)
     # gradients allocated inside the call: grad_hidden always; grad_weight by low_memory (written per
     # block in its final dtype) and the in-place schedules (the gradient buffer summed into); the other
     # schedules' fp32 accumulator is the fp32 gradient here, and in bf16 its cast is made after the logits
@@ -43,7 +46,7 @@ for schedule, dtype in RUNS:
     if dtype != torch.float32:  # CPU torch has no bf16 GEMM with an fp32 output: the grad_weight GEMM's
         # fallback makes an fp32 copy of the chunk's dz slab and an fp32 [V, H] product (triton.py
         # _grad_weight_accumulate), which a GPU's out_dtype GEMM does not
-        out[key]["cpu_upcast"] = 4 * V * H + 4 * fused.ONE_PASS_CHUNK_TOKENS * V
+        out[key]["cpu_upcast"] = 4 * V * H + 4 * CHUNK_ROWS * V
 # validation alone (the checks fused_linear_grpo_loss makes on hidden and weight), against its model
 flat = hidden.reshape(-1, H)
 valid = mask.reshape(-1)

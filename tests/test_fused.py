@@ -1,6 +1,8 @@
 """Tier 1: fused_linear_grpo_loss (hidden states -> loss, gradients inside the forward) equals the
 composition fused_linear_logprobs -> grpo_loss, whose pieces are tested against the references."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -244,8 +246,9 @@ def test_second_backward_through_one_call_says_why():
 
 
 def test_plan_token_chunks_fills_every_chunk_and_cuts_sequences():
-    """Token-local objectives: chunks of exactly `chunk_tokens` valid tokens (the last fewer), a
-    sequence cut where a chunk ends; each chunk names the sequences it holds pieces of."""
+    """Token-local objectives: chunks of at most `chunk_tokens` valid tokens (here 5 + 5 + 3: 3 chunks of 13
+    tokens cannot have a smaller largest one), a sequence cut where a chunk ends; each chunk names the
+    sequences it holds pieces of."""
     from grpo_kernels.ops.fused.function import plan_token_chunks
 
     cu = torch.tensor([0, 4, 6, 13, 14])  # sequences of 4, 2 (1 valid), 7, 1 tokens: 13 valid
@@ -257,6 +260,112 @@ def test_plan_token_chunks_fills_every_chunk_and_cuts_sequences():
     assert plan_token_chunks(cu, valid, 100) == [(0, 4, 0, 14)]
     assert len(plan_token_chunks(cu, valid, 1)) == 13  # one valid token each
     assert plan_token_chunks(cu, torch.zeros(14, dtype=torch.bool), 5) == [(0, 4, 0, 14)]  # all masked
+
+
+def _greedy_chunk_sizes(counts: list, budget: int) -> list:
+    """The planners' former packing, written out: whole sequences in order, a new chunk where the next would
+    overflow `budget` (valid tokens per chunk)."""
+    sizes, filled = [], 0
+    for k, count in enumerate(counts):
+        if filled + count > budget and k > 0:
+            sizes.append(filled)
+            filled = 0
+        filled += count
+    return sizes + [filled]
+
+
+def _min_largest_chunk(counts: list, n_chunks: int) -> int:
+    """The smallest possible largest chunk over every split of `counts` into at most `n_chunks` consecutive
+    runs (dynamic programming: best[k][i] = the answer for the first i sequences in k runs)."""
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (len(counts) + 1) for _ in range(n_chunks + 1)]
+    best[0][0] = 0
+    for k in range(1, n_chunks + 1):
+        for i in range(len(counts) + 1):
+            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(i + 1))
+    return best[n_chunks][len(counts)]
+
+
+def _layout(lengths: list, valid_counts: list):
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
+    valid = torch.zeros(int(cu[-1]), dtype=torch.bool)
+    for start, n in zip(cu[:-1].tolist(), valid_counts):
+        valid[start:start + n] = True
+    return cu, valid
+
+
+def test_balanced_chunk_tokens_keeps_the_count_and_evens_the_chunks():
+    """Over every total up to 3,000 valid tokens and caps below and above one tile: never above the cap, as
+    many chunks as chunks of the cap take, and the chunk the smallest whole 128-token tile multiple that
+    covers the total in that many chunks (64 where 128 overflows the cap; exact below 64)."""
+    from grpo_kernels.ops.fused.function import balanced_chunk_tokens
+
+    for cap in (1, 5, 12, 63, 64, 100, 128, 200, 640, 1664, 2432):
+        for total in range(1, 3001, 7):
+            size = balanced_chunk_tokens(total, cap)
+            n_chunks = -(-total // cap)
+            even = -(-total // n_chunks)
+            why = f"total {total}, cap {cap}: {size}"
+            assert size <= cap and -(-total // size) == n_chunks, why
+            if total <= cap:
+                assert size == cap, why
+            elif -(-even // 128) * 128 <= cap:
+                assert size == -(-even // 128) * 128, why
+            elif -(-even // 64) * 64 <= cap:
+                assert size == -(-even // 64) * 64, why
+            else:
+                assert size == even, why
+
+
+def test_token_chunks_at_the_target_shape_are_even():
+    """16 completions of 1,024 tokens (16,384 valid) in chunks of at most 4,608 (one_pass_dz_inplace's at the
+    1.5 GiB goal): 4 chunks of 4,096, not 3 x 4,608 + 2,560. Kernel C's grad_hidden GEMM (128 x 256 tiles, H =
+    4096: 16 column tiles; 132 SMs on an H100 / H200) then runs 4 x 4 waves of CTAs instead of 3 x 5 + 3."""
+    from grpo_kernels.ops.fused.function import plan_token_chunks
+
+    cu, valid = _layout([1024] * 16, [1024] * 16)
+    sizes = [int(valid[t0:t1].sum()) for _, _, t0, t1 in plan_token_chunks(cu, valid, 4608)]
+    assert sizes == [4096] * 4, sizes
+
+    def waves(chunk_sizes):
+        return sum(-(-(-(-n // 128) * 16) // 132) for n in chunk_sizes)
+
+    assert (waves(sizes), waves([4608, 4608, 4608, 2560])) == (16, 18)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_planners_on_random_layouts(seed):
+    """Random completion lengths and masks. Whole-sequence chunks: as many as greedy packing takes (the
+    fewest), the largest as small as any split into that many runs allows (against a brute-force search),
+    every sequence once, in order. Token chunks: as many as chunks of the cap take, every chunk but the
+    last of the same size, every token once."""
+    from grpo_kernels.ops.fused.function import host_index, plan_chunks, plan_token_chunks
+
+    g = torch.Generator().manual_seed(seed)
+    n_seqs = int(torch.randint(1, 24, (), generator=g))
+    lengths = torch.randint(1, 40, (n_seqs,), generator=g).tolist()
+    counts = [int(torch.randint(0, n + 1, (), generator=g)) for n in lengths]
+    cu, valid = _layout(lengths, counts)
+    total = sum(counts)
+    for cap in sorted({max(counts + [1]), max(counts + [1]) + 3, 50, 97, 400}):
+        chunks = plan_chunks(cu, valid, cap)
+        sizes = [int(valid[t0:t1].sum()) for _, _, t0, t1 in chunks]
+        why = f"seed {seed}, counts {counts}, cap {cap}: chunks {chunks}, sizes {sizes}"
+        assert len(chunks) == len(_greedy_chunk_sizes(counts, cap)), why
+        assert max(sizes) == _min_largest_chunk(counts, len(chunks)) <= cap, why
+        assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == n_seqs, why
+        assert all(t0 == int(cu[s0]) and t1 == int(cu[s1]) for s0, s1, t0, t1 in chunks), why
+        token_chunks = plan_token_chunks(cu, valid, cap, host=host_index(cu, valid))
+        sizes = [int(valid[t0:t1].sum()) for _, _, t0, t1 in token_chunks]
+        assert len(token_chunks) == max(1, -(-total // cap)) and sum(sizes) == total, (token_chunks, sizes)
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0] <= cap, sizes
+        assert [c[2] for c in token_chunks] == [0] + [c[3] for c in token_chunks[:-1]], token_chunks
+        assert token_chunks[-1][3] == len(valid), token_chunks
+    if max(counts) > 0:  # the longest sequence alone overflows a smaller budget
+        assert plan_chunks(cu, valid, max(counts) - 1) is None, counts
 
 
 @pytest.mark.parametrize(

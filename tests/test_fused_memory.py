@@ -2,8 +2,8 @@
 a run allocates, and the model at the target shape against the extra-memory goal.
 
 The run: fused_linear_grpo_loss on the Triton backend under the interpreter (fp32, H = 64, V = 4099,
-40 valid tokens in chunks of 12; and bf16 for the kernel-A one-pass schedules, whose chunk logits are fp16
-differences with fp32 offsets), its allocations counted by the profiler. Every big buffer of the
+40 valid tokens in 4 chunks of at most 12, balanced to 10; and bf16 for the kernel-A one-pass schedules,
+whose chunk logits are fp16 differences with fp32 offsets), its allocations counted by the profiler. Every big buffer of the
 model (the fp32 grad_weight accumulator, the chunk logits, the dz slab) is there at the peak; what the
 model leaves out is O(N) (per-token vectors, the forward's split partials): at most 64 bytes per token
 of the batch plus 16 KiB of small allocations.

@@ -325,35 +325,77 @@ def host_index(cu_seqlens: torch.Tensor, valid: torch.Tensor) -> HostIndex:
     return HostIndex(both[: cu_seqlens.numel()], [0] + both[cu_seqlens.numel():])
 
 
+# Balanced chunks align to this many tokens: the M tile of kernel C's grad_hidden GEMM and of cuBLAS's big tiles,
+# so that only the last chunk has a partly filled row tile.
+CHUNK_ALIGN_TOKENS = 128
+
+
+def balanced_chunk_tokens(total: int, chunk_tokens: int) -> int:
+    """The chunk size that covers `total` valid tokens in the fewest chunks of at most `chunk_tokens` (as many
+    as chunks of exactly `chunk_tokens` would take) with the chunks as even as whole 128-token tiles allow
+    (64 where 128 would not fit, none below 64 tokens): never more than `chunk_tokens`, never more chunks.
+    Filling every chunk but a short last one keeps buffers of the full size and runs the last chunk's GEMMs
+    mostly empty; at 16,384 tokens in chunks of at most 4,608, four chunks of 4,096 instead of 3 x 4,608 +
+    2,560: 11 % less chunk memory, and kernel C's grad_hidden (128 x 256 tiles, H = 4096, 132 SMs) in 16
+    waves of CTAs instead of 18 (docs/design.md §1)."""
+    if total <= chunk_tokens or chunk_tokens <= 0:
+        return chunk_tokens
+    n_chunks = -(-total // chunk_tokens)
+    even = -(-total // n_chunks)  # >= this keeps the count at n_chunks; <= chunk_tokens keeps it there too
+    for align in (CHUNK_ALIGN_TOKENS, 64):
+        aligned = -(-even // align) * align
+        if aligned <= chunk_tokens:
+            return aligned
+    return even
+
+
+def _greedy_sequence_starts(bounds: list, budget: int) -> list:
+    """Sequence indices where each chunk starts when whole sequences are packed in order, as many as fit
+    `budget` valid tokens: bounds[i] = valid tokens before sequence i (len S + 1); each chunk ends at the
+    last sequence boundary within budget of its start (sequences without valid tokens join the chunk)."""
+    starts, i, n_seqs = [0], 0, len(bounds) - 1
+    while True:
+        i = max(i + 1, bisect.bisect_right(bounds, bounds[i] + budget) - 1)
+        if i >= n_seqs:
+            return starts
+        starts.append(i)
+
+
 def plan_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int, *, host: HostIndex | None = None):
     """Consecutive runs of whole sequences with at most `chunk_tokens` valid tokens each, as
-    (first_seq, end_seq, first_token, end_token); None if one sequence alone exceeds the budget."""
+    (first_seq, end_seq, first_token, end_token); None if one sequence alone exceeds the budget. As few
+    chunks as packing greedily takes (the fewest possible), with the largest chunk as small as that count
+    allows (the smallest budget that packs into as many chunks: a bisection over budgets)."""
     host = host or host_index(cu_seqlens, valid)
     cu, prefix = host.cu, host.valid_before
-    counts = [prefix[cu[i + 1]] - prefix[cu[i]] for i in range(len(cu) - 1)]
-    if counts and max(counts) > chunk_tokens:
+    n_seqs = len(cu) - 1
+    if n_seqs == 0:
+        return []
+    bounds = [prefix[t] for t in cu]  # valid tokens before each sequence, [S + 1]
+    largest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if largest > chunk_tokens:
         return None
-    chunks, start, filled = [], 0, 0
-    for i, count in enumerate(counts):
-        if filled + count > chunk_tokens and i > start:
-            chunks.append((start, i, cu[start], cu[i]))
-            start, filled = i, 0
-        filled += count
-    if counts:
-        chunks.append((start, len(counts), cu[start], cu[-1]))
-    return chunks
+    starts = _greedy_sequence_starts(bounds, chunk_tokens)
+    lo, hi = max(largest, -(-bounds[-1] // len(starts))), chunk_tokens
+    while lo < hi:  # the chunk count only falls as the budget grows
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(_greedy_sequence_starts(bounds, mid)) <= len(starts) else (mid + 1, hi)
+    starts = _greedy_sequence_starts(bounds, lo) + [n_seqs]
+    return [(s0, s1, cu[s0], cu[s1]) for s0, s1 in zip(starts[:-1], starts[1:])]
 
 
 def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_tokens: int, *,
                       host: HostIndex | None = None):  # fmt: skip
-    """Consecutive token ranges of exactly `chunk_tokens` valid tokens (the last one fewer), cutting
-    sequences where a range ends, as (first_seq, end_seq, first_token, end_token): the sequences
-    first_seq..end_seq-1 each contribute the part of them inside [first_token, end_token). For
-    token-local objectives only (PolicyLossConfig.token_local): every chunk is full, so the fewest
-    chunks, whatever the completion lengths."""
+    """Consecutive token ranges of at most `chunk_tokens` valid tokens, as few as that allows and as even
+    as whole tiles allow (balanced_chunk_tokens: every range holds the same number of valid tokens but the
+    last, which holds fewer), cutting sequences where a range ends, as (first_seq, end_seq, first_token,
+    end_token): the sequences first_seq..end_seq-1 each contribute the part of them inside [first_token,
+    end_token). For token-local objectives only (PolicyLossConfig.token_local): the fewest chunks, whatever
+    the completion lengths."""
     host = host or host_index(cu_seqlens, valid)
     cu, valid_before = host.cu, host.valid_before  # valid tokens before each token position
     n_tokens, total = len(valid_before) - 1, valid_before[-1]
+    chunk_tokens = balanced_chunk_tokens(total, chunk_tokens)
     # chunk k starts at the token holding valid token number k * chunk_tokens
     starts = [0] + [bisect.bisect_left(valid_before, k * chunk_tokens + 1) - 1
                     for k in range(1, -(-total // chunk_tokens))]  # fmt: skip
@@ -364,6 +406,11 @@ def plan_token_chunks(cu_seqlens: torch.Tensor, valid: torch.Tensor, chunk_token
         s1 = bisect.bisect_left(cu, t1)  # one past the sequence holding token t1 - 1
         chunks.append((s0, s1, t0, t1))
     return chunks
+
+
+def largest_chunk(chunks, host: HostIndex) -> int:
+    """Valid tokens in the largest of `chunks` (as the planners return them)."""
+    return max((host.valid_before[t1] - host.valid_before[t0] for _, _, t0, t1 in chunks), default=0)
 
 
 def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int, host: HostIndex | None = None):
@@ -389,10 +436,13 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int,
     if why_not is None and chunk_tokens <= 0:
         why_not = "no chunk of logits fits the one-pass budget at this vocabulary size"
     elif why_not is None and cfg.token_local:
+        host = host or host_index(batch.cu_seqlens, batch.valid)
         chunks = plan_token_chunks(batch.cu_seqlens, batch.valid, chunk_tokens, host=host)
-        return "one_pass", chunks, (f"{len(chunks)} chunk(s) of {chunk_tokens} valid tokens, sequences cut "
-                                    "across chunks where one ends (token-local objective)")  # fmt: skip
+        return "one_pass", chunks, (f"{len(chunks)} chunk(s) of {largest_chunk(chunks, host)} valid tokens (at "
+                                    f"most {chunk_tokens}), sequences cut across chunks where one ends "
+                                    "(token-local objective)")  # fmt: skip
     elif why_not is None:
+        host = host or host_index(batch.cu_seqlens, batch.valid)
         chunks = plan_chunks(batch.cu_seqlens, batch.valid, chunk_tokens, host=host)
         if chunks is None:
             why_not = (f"a sequence has more valid tokens than a chunk holds ({chunk_tokens}) and this objective "
@@ -402,7 +452,8 @@ def choose_schedule(requested: str, backend: str, cfg, batch, chunk_tokens: int,
         if requested == "one_pass":
             raise ValueError(f"schedule='one_pass' is not valid here: {why_not}")
         return "two_pass", None, why_not
-    return "one_pass", chunks, f"{len(chunks)} chunk(s) of at most {chunk_tokens} valid tokens"
+    return "one_pass", chunks, (f"{len(chunks)} chunk(s) of at most {largest_chunk(chunks, host)} valid tokens "
+                                f"(budget {chunk_tokens})")  # fmt: skip
 
 
 def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, cfg, lm_impl, chunks,

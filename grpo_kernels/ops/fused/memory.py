@@ -63,7 +63,7 @@ def _build(schedule: str, buffers: dict[str, int], n_tokens: int, element_size: 
 def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, element_size: int = 2, *,
                     bias: bool = False, logits_bytes: int = ONE_PASS_LOGITS_BYTES,
                     workspace_bytes: int | None = None, block_m: int = 128, masked: bool = True,
-                    n_tokens: int | None = None) -> ScheduleMemory:  # fmt: skip
+                    n_tokens: int | None = None, chunk_rows: int | None = None) -> ScheduleMemory:  # fmt: skip
     """The peak of the Triton backend's fused forward (which computes every gradient) for `n_valid`
     valid tokens (`n_tokens` in the batch, default n_valid: what validation reads). One-pass family:
     the fp32 grad_weight accumulator (none in the in-place variants: the gradient buffer itself is
@@ -74,7 +74,9 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
     its fp32 grad_hidden. The cast of the accumulator to the weight's dtype (the gradient) happens after
     the logits buffer is released. low_memory: no V x H fp32 buffer; grad_hidden in fp32, and per
     vocabulary slab the dz rows and the slab's fp32 grad_weight block. `masked`: some tokens are masked,
-    so the two-pass schedules gather the valid hidden rows (a copy) first."""
+    so the two-pass schedules gather the valid hidden rows (a copy) first. `chunk_rows`: the valid tokens of
+    the largest one-pass chunk the call runs, where known (function.balanced_chunk_tokens for a token-local
+    objective); default the most a chunk may hold, an upper bound for every objective."""
     from ..lm_head.triton import DEFAULT_NUM_SMS, DEFAULT_WORKSPACE_BYTES, STREAM_TILES, plan_backward, plan_forward
 
     n_tokens = n_valid if n_tokens is None else n_tokens
@@ -102,6 +104,7 @@ def schedule_memory(schedule: str, n_valid: int, hidden: int, vocab: int, elemen
         buffers["grad_bias accumulator, fp32 [V]"] = 4 * vocab
     if schedule in ONE_PASS_VARIANTS:
         rows = min(n_valid, max(1, one_pass_capacity(vocab, logits_bytes, schedule, element_size)))
+        rows = rows if chunk_rows is None else min(rows, chunk_rows)
         buffers["chunk logits [chunk, V] (fp32; kernel A, 16-bit: fp16 + offsets)"] = stored_logits_bytes(
             schedule, rows, vocab, element_size)  # fmt: skip
         buffers["chunk hidden rows + chunk grad_hidden [chunk, H]"] = 2 * element_size * rows * hidden
