@@ -124,7 +124,7 @@ struct DzArgs {
   float const* inv_scale = nullptr; // [1] device scalar 1 / S multiplying the sums, or null (1)
   void* out = nullptr;              // grad_hidden [N, ld_out] fp32, or grad_weight [V, ld_out] fp32 / Element
   int64_t ld_out = 0;
-  int accumulate = 0;               // grad_hidden: add into out (grad_weight always adds)
+  int accumulate = 0;               // add into out; 0: out's content is ignored (ABI 5: grad_weight too)
   int n_tokens = 0, vocab = 0, hidden = 0;
   int has_softcap = 0;
   float cap_in = 0.f, cap_out = 1.f;
@@ -357,40 +357,54 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   static_assert(size<0, 0>(decltype(acc.layout()){}) == 2, "expected the sm90 WGMMA C fragment");
   constexpr int R = size<0, 1>(decltype(acc.layout()){}), V2 = size<0, 2>(decltype(acc.layout()){});
   constexpr int MM = size<1>(decltype(acc.layout()){}), MN = size<2>(decltype(acc.layout()){});
-  bool const add_old = GRAD_HIDDEN ? a.accumulate != 0 : true;
   using Out = cute::conditional_t<Cfg::IN_PLACE, Element, float>;
   using P16 = Pair16<Element>;
-  CUTLASS_PRAGMA_UNROLL
-  for (int mi = 0; mi < MM; ++mi) {
+  // ADD_OLD (a.accumulate): add into out, or overwrite it (the first chunk: no zero-fill, no read). Chosen once
+  // around two copies of the unrolled stores: a run-time test per element made ptxas spill 4 bytes in every
+  // grad_weight kernel at the 168-register cap (csrc/README.md, "Register budget")
+  auto store_tile = [&](auto add_old) {
+    constexpr bool ADD_OLD = decltype(add_old)::value;
     CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < R; ++r) {
-      int const row = m_blk * BM + int(get<0>(tCcC(make_coord(make_coord(0, r, 0), mi, 0))));
-      if (row >= M) continue;
-      Out* out_row = static_cast<Out*>(a.out) + int64_t(row) * a.ld_out;
+    for (int mi = 0; mi < MM; ++mi) {
       CUTLASS_PRAGMA_UNROLL
-      for (int ni = 0; ni < MN; ++ni) {
+      for (int r = 0; r < R; ++r) {
+        int const row = m_blk * BM + int(get<0>(tCcC(make_coord(make_coord(0, r, 0), mi, 0))));
+        if (row >= M) continue;
+        Out* out_row = static_cast<Out*>(a.out) + int64_t(row) * a.ld_out;
         CUTLASS_PRAGMA_UNROLL
-        for (int v2 = 0; v2 < V2; ++v2) {
-          int const col = n_blk * BN + int(get<1>(tCcC(make_coord(make_coord(0, r, v2), mi, ni))));
-          if (col >= N) continue;  // N is a multiple of 8: the pair (col, col + 1) is inside or outside together
-          float2 v = make_float2(acc(make_coord(make_coord(0, r, v2), mi, ni)) * inv_s,
-                                 acc(make_coord(make_coord(1, r, v2), mi, ni)) * inv_s);
-          if constexpr (Cfg::IN_PLACE) {
-            auto* at = reinterpret_cast<typename P16::T*>(out_row + col);
-            float2 const old = P16::widen(*at);
-            *at = P16::round(make_float2(old.x + v.x, old.y + v.y));
-          } else {
-            float2* at = reinterpret_cast<float2*>(out_row + col);
-            if (add_old) {
-              float2 const old = *at;
-              v.x += old.x;
-              v.y += old.y;
+        for (int ni = 0; ni < MN; ++ni) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            int const col = n_blk * BN + int(get<1>(tCcC(make_coord(make_coord(0, r, v2), mi, ni))));
+            if (col >= N) continue;  // N is a multiple of 8: the pair (col, col + 1) is inside or outside together
+            float2 v = make_float2(acc(make_coord(make_coord(0, r, v2), mi, ni)) * inv_s,
+                                   acc(make_coord(make_coord(1, r, v2), mi, ni)) * inv_s);
+            if constexpr (Cfg::IN_PLACE) {
+              auto* at = reinterpret_cast<typename P16::T*>(out_row + col);
+              if constexpr (ADD_OLD) {
+                float2 const old = P16::widen(*at);
+                v.x += old.x;
+                v.y += old.y;
+              }
+              *at = P16::round(v);
+            } else {
+              float2* at = reinterpret_cast<float2*>(out_row + col);
+              if constexpr (ADD_OLD) {
+                float2 const old = *at;
+                v.x += old.x;
+                v.y += old.y;
+              }
+              *at = v;
             }
-            *at = v;
           }
         }
       }
     }
+  };
+  if (a.accumulate != 0) {
+    store_tile(cute::true_type{});
+  } else {
+    store_tile(cute::false_type{});
   }
 }
 
@@ -491,11 +505,12 @@ GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* exp
 }
 
 // One dz GEMM. op 0: out = grad_hidden [N, H] fp32 (+= when accumulate), operand = W [V, H];
-// op 1: out = grad_weight [V, H] (always +=), operand = X [N, H]; fp32, or with out_16bit (ABI 4) the gradient
-// buffer in the operands' dtype, each element's fp32 sum rounded into it once. diff / offset: the HalfLogits store of
-// these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef / target from grpo_csrc_lm_head_bwd_token_coef;
-// inv_scale: device fp32 1 / S or null. Strides in elements; H, ld_diff and ld_operand multiples of 8 and
-// 16-byte aligned bases (TMA). Returns 0, or nonzero with grpo_csrc_last_error() set.
+// op 1: out = grad_weight [V, H] (+= when accumulate; ABI 5, before always +=), operand = X [N, H]; fp32, or
+// with out_16bit (ABI 4) the gradient buffer in the operands' dtype, each element's fp32 sum rounded into it
+// once. diff / offset: the HalfLogits store of these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef /
+// target from grpo_csrc_lm_head_bwd_token_coef; inv_scale: device fp32 1 / S or null. Strides in elements; H,
+// ld_diff and ld_operand multiples of 8 and 16-byte aligned bases (TMA). Returns 0, or nonzero with
+// grpo_csrc_last_error() set.
 GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, int64_t ld_diff, float const* offset,
                                            int64_t ld_offset, void const* operand, int64_t ld_operand, void* out,
                                            int64_t ld_out, int out_16bit, int accumulate, void const* coef, int const* target,

@@ -161,6 +161,37 @@ def main():
                 i = int(mismatch.reshape(-1).nonzero()[0])
                 entry[f"{who}_first_mismatch"] = [i, float(narrow.reshape(-1)[i]), float(wide.reshape(-1)[i])]
         report[name] = entry
+    # the first chunk's call (accumulate_grad_weight=False): grad_weight_acc's content is neither read nor kept,
+    # so a NaN-filled buffer ends exactly where the same call adding into zeros ends (0 + s = s in fp32, and
+    # rounded once to the same 16-bit value in place); through the dz GEMMs (Triton, and csrc's spec for
+    # 16-bit operands) and through the dz slab's cuBLAS GEMM (beta = 0); with no upstream gradient, zeros
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        index += 1
+        args, half, _ = stored_case(index, dtype, n, h, v, temperature, bias=False, cap=None)
+        store = half if dtype != torch.float32 else None
+        if store is None:  # fp32 inputs: kernel A keeps fp32 logits
+            store = torch.empty(n, v)
+            tri.lm_head_forward(*args[:5], logits_out=store)
+        runs = [("dz-triton", dict(dz_in_gemm=True)), ("slab", {})]
+        if dtype != torch.float32:
+            runs.append(("dz-spec", dict(dz_in_gemm=True, dz_gemms=cutlass.dz_gemms_reference)))
+        for acc_dtype in {torch.float32, dtype}:
+            for path, kwargs in runs:
+                name = "-".join(("overwrite", str(dtype).removeprefix("torch."), path, "acc",
+                                 str(acc_dtype).removeprefix("torch.")))  # fmt: skip
+                if not wanted(name):
+                    continue
+                fresh = torch.full((v, h), float("nan"), dtype=acc_dtype)
+                added = torch.zeros((v, h), dtype=acc_dtype)
+                for acc, accumulate in ((fresh, False), (added, True)):
+                    tri.lm_head_backward(*args, stored_logits=store, need_grad_hidden=False, grad_weight_acc=acc,
+                                         accumulate_grad_weight=accumulate, **kwargs)  # fmt: skip
+                silent = torch.full((v, h), float("nan"), dtype=acc_dtype)
+                tri.lm_head_backward(*args[:7], None, None, stored_logits=store, need_grad_hidden=False,
+                                     grad_weight_acc=silent, accumulate_grad_weight=False, **kwargs)  # fmt: skip
+                report[name] = dict(nan=int(fresh.isnan().sum()), mismatches=int((fresh != added).sum()),
+                                    nonzero=float((added != 0).float().mean()),
+                                    no_upstream_nonzero=int((silent != 0).sum()))  # fmt: skip
     print(json.dumps(report))
 
 

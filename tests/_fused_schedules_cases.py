@@ -3,7 +3,8 @@
 The schedules of issue 23 on the Triton backend: "one_pass_cublas" (forward GEMM by torch.addmm into the
 chunk's fp32 logits, statistics by lm_head_fwd_kernel_stats_from_logits), "one_pass_inplace" (grad_weight
 accumulated in the weight's dtype in the gradient buffer, once per chunk), "one_pass_cublas_inplace" and
-"one_pass_dz_inplace" (dz formed inside the backward GEMMs, grad_weight in place), in fp32, fp16 and bf16 (packed layout, chunks of at most 7 valid tokens: 4 chunks), against the PyTorch
+"one_pass_dz_inplace" (dz formed inside the backward GEMMs, grad_weight in place), in fp32, fp16 and bf16
+(packed layout, chunks of at most 7 valid tokens: 4 chunks; the gradient buffers start NaN-filled), against the PyTorch
 backend run in fp32 on the same (rounded) inputs. Every configuration of test_loss_head.CONFIGS runs once,
 its (dtype, schedule) pair taken in turn from the 3 x 4 grid (so each dtype and each schedule meets about
 14 configurations; the interpreter needs ~5 s per run); GRID_CONFIGS run the whole grid.
@@ -22,11 +23,15 @@ import torch
 
 import grpo_kernels as gk
 import grpo_kernels.ops.fused.function as fused
+import grpo_kernels.ops.lm_head.triton as lm_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_loss_head import CONFIGS  # noqa: E402
 
 fused.ONE_PASS_CHUNK_TOKENS = 7  # 22 valid tokens below: 4 chunks (sequences cut for token-local objectives)
+# grad_weight accumulators the first GEMM overwrites start NaN-filled (torch.empty's memory is whatever was there,
+# on the CPU often zeros): a schedule that read one before writing it fails every gradient check below
+lm_triton.uninitialized = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
 SCHEDULES = ("one_pass_cublas", "one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TEMPERATURE = 0.8

@@ -323,8 +323,9 @@ def test_kernel_c_bound_catches_a_wrong_offset():
 
 
 def test_kernel_c_reference_accumulates_as_the_triton_contract():
-    """grad_hidden_out is overwritten unless accumulate_hidden, grad_weight_acc always added into (the
-    contract of triton.lm_head_backward's dz GEMMs, which the csrc launcher follows)."""
+    """grad_hidden_out is overwritten unless accumulate_hidden, grad_weight_acc unless accumulate_weight (the
+    contract of triton.lm_head_backward's dz GEMMs, which the csrc launcher follows); an overwritten buffer's
+    content is not read (NaN-filled, it ends as the fresh result)."""
     c = _kernel_c_case(torch.bfloat16, False)
     h1, w1 = _run_reference(c, c["store"])
     base_h, base_w = torch.full_like(h1, 0.5), torch.full_like(w1, -0.25)
@@ -335,6 +336,10 @@ def test_kernel_c_reference_accumulates_as_the_triton_contract():
     h3 = base_h.clone()
     _run_reference(c, c["store"], grad_hidden_out=h3, grad_weight_acc=None)
     assert torch.equal(h3, h1)
+    for dtype in (torch.float32, torch.bfloat16):  # the first chunk's call: fp32 or in place
+        w4 = torch.full_like(w1, float("nan"), dtype=dtype)
+        _run_reference(c, c["store"], grad_hidden_out=None, grad_weight_acc=w4, accumulate_weight=False)
+        assert torch.equal(w4, w1.to(dtype)), f"{dtype}: {int((w4 != w1.to(dtype)).sum())} elements differ"
 
 
 # ---- 2. the committed build ---------------------------------------------------------------------------
@@ -388,7 +393,8 @@ def test_sass_has_wgmma_and_tma():
             assert instruction in f, f"{head}: no {what} ({instruction})"
     # the in-place epilogue (a template flag: DzConfig<..., true> in the mangled name, "Lb1E") reads and writes
     # the 16-bit gradient buffer 4 bytes at a time (two columns) and packs the rounded pair (F2FP); the fp32 one
-    # moves 8 bytes; each thread's 64 column pairs add 64 packs to the dz chunks' (measured: 96 against 32)
+    # moves 8 bytes; each thread's 64 column pairs add 64 packs per epilogue copy to the dz chunks' (added into and
+    # written over: measured 160 against 32)
     heads = {f.split("\n", 1)[0]: f for f in dz_gemms}
     in_place = {h: f for h, f in heads.items() if "Lb1E" in h}
     assert len(in_place) == 2, f"expected the bf16 and fp16 in-place grad_weight kernels, got {len(in_place)}"
@@ -398,7 +404,8 @@ def test_sass_has_wgmma_and_tma():
         assert "STG.E.64" not in f, f"{head[:80]}: an 8-byte (fp32 pair) store in the in-place epilogue"
         assert "STG.E.64" in fp32_twin, f"{head[:80]}: its fp32 twin has no 8-byte store"
         packs, twin_packs = f.count("F2FP"), fp32_twin.count("F2FP")
-        assert packs >= twin_packs + 64, f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: no rounding epilogue"
+        assert packs >= twin_packs + 2 * 64, (
+            f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: not two rounding epilogues (added into, written over)")
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 

@@ -38,6 +38,11 @@ CASES += [f"csrc-{d}-bias-both{c}" for d in ("float16", "bfloat16") for c in (""
 # grad_weight summed in place into a 16-bit buffer (schedule="one_pass_dz_inplace"), by the Triton kernel and by
 # kernel C's spec: each exactly its fp32-accumulator run rounded once (test_grad_weight_in_place_rounds_once)
 IN_PLACE_CASES = [f"inplace-{d}" for d in ("float16", "bfloat16")]
+# the first chunk's call overwrites grad_weight_acc (test_first_call_overwrites_the_accumulator): operand dtype x
+# backward path (the dz GEMMs by Triton or by csrc's spec, the dz slab's cuBLAS GEMM) x accumulator dtype
+OVERWRITE_CASES = [f"overwrite-{d}-{p}-acc-{a}" for d in ("float32", "float16", "bfloat16")
+                   for p in ("dz-triton", "slab", *(("dz-spec",) if d != "float32" else ()))
+                   for a in sorted({"float32", d})]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +62,18 @@ def test_grad_weight_in_place_rounds_once(case, report):
             f"in place, fp32): {r.get(f'{who}_first_mismatch')}"
         )
         assert r[f"{who}_changed"] > 0.5, f"{case}: {who}: only {r[f'{who}_changed']:.2f} of the buffer changed"
+
+
+@pytest.mark.parametrize("case", OVERWRITE_CASES)
+def test_first_call_overwrites_the_accumulator(case, report):
+    """accumulate_grad_weight=False (the one-pass schedules' first chunk, whose buffer is not zero-filled): a
+    NaN-filled grad_weight_acc ends exactly as the same call adding into zeros, so nothing read it; with no
+    upstream gradient (no GEMM runs) it ends all zeros. A call that read the buffer would leave NaNs."""
+    r = report[case]
+    assert r["nan"] == 0 and r["mismatches"] == 0, (
+        f"{case}: {r['nan']} NaNs and {r['mismatches']} elements differ from the call adding into zeros")
+    assert r["nonzero"] > 0.5, f"{case}: only {r['nonzero']:.2f} of the gradient is nonzero (a vacuous case)"
+    assert r["no_upstream_nonzero"] == 0, f"{case}: {r['no_upstream_nonzero']} elements left nonzero without upstream"
 
 
 @pytest.mark.parametrize("case", CASES)

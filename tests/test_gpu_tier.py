@@ -48,6 +48,8 @@ _saved_chunk = fused.ONE_PASS_CHUNK_TOKENS
 import _fused_interpreter_cases as fused_cases  # noqa: E402  (its inputs() and run(); it sets the chunk size)
 
 fused.ONE_PASS_CHUNK_TOKENS = _saved_chunk  # restored: each test below sets what it needs
+# kept from the case module: grad_weight buffers the first GEMM overwrites start NaN-filled
+# (lm_head.triton.uninitialized), so every fused test here also shows that no schedule reads one before writing it
 
 pytestmark = [
     pytest.mark.gpu,
@@ -288,6 +290,32 @@ def check_against_truth(label, d, cfg, truth, ours, softcap=None):
     baseline = pytorch_16bit(d, cfg, softcap)
     for name, a, b, t in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), ours, baseline, truth):
         assert_no_worse_than(f"{label} {name}", a, b, t, factor=2.0, floor=1e-6 * t.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_first_gemm_overwrites_grad_weight_by_cublas(dtype):
+    """The dz slab's grad_weight GEMM for the first chunk (accumulate_grad_weight=False): into an fp32 accumulator
+    by torch.mm(out_dtype=float32, out=) and into a 16-bit buffer by addmm_(beta=0), a NaN-filled buffer ends
+    exactly as the same call adding into zeros; and the fp32-out GEMM took the call (not the zero-fill fallback)."""
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, h, v = 300, 512, 4099
+    x = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) * 0.05).to(dtype)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    stats = tri.lm_head_forward(x, w, None, y, 1.0)
+    g_lp, g_h = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    for acc_dtype in (torch.float32, dtype):
+        fresh = torch.full((v, h), float("nan"), dtype=acc_dtype, device="cuda")
+        added = torch.zeros((v, h), dtype=acc_dtype, device="cuda")
+        for acc, accumulate in ((fresh, False), (added, True)):
+            tri.lm_head_backward(x, w, None, y, 1.0, stats.lse, stats.expected_logit, g_lp, g_h,
+                                 need_grad_hidden=False, grad_weight_acc=acc, accumulate_grad_weight=accumulate)
+        differ = (fresh != added) & ~(fresh.isnan() & added.isnan())
+        assert not fresh.isnan().any() and not differ.any(), (
+            f"{dtype} into {acc_dtype}: {int(fresh.isnan().sum())} NaNs, {int(differ.sum())} elements differ")
+    assert tri._MM_INTO_FP32_OK.get("cuda") is True, "torch.mm(out_dtype=float32, out=) failed: zero-fill fallback"
 
 
 @pytest.mark.parametrize("schedule", AUTO_SCHEDULES)

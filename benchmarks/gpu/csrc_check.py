@@ -16,7 +16,7 @@ Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16
   torch.mm (cuBLAS, bf16 out [N, V]), and the training forward storing fp16 logits (csrc cooperative, Triton
   kernel A), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
   TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
-Kernel C (the backward's dz GEMMs, ABI 4; judged apart from kernel A): backward_checks, csrc against its torch spec
+Kernel C (the backward's dz GEMMs, ABI 5; judged apart from kernel A): backward_checks, csrc against its torch spec
   (cutlass.dz_gemms_reference) on the device on the same fp16 store, small heads and the target head (N = 512),
   per element within a derived bound, and the in-place grad_weight (16-bit buffer) exactly the fp32 sum rounded
   once; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass chunk at the target head):
@@ -187,13 +187,14 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
 
 
 def backward_checks(lib, device):
-    """Kernel C (ABI 4): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
+    """Kernel C (ABI 5): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
     same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
     fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
     K products in fp32 in different orders: per element |csrc - spec| <= (u_op + 2 K u32) (|dz| @ |operand|) + 2 u32
     |result|, |dz| bounded in float64 from the store (the interpreter test's bound). Also: a token without
     upstream gradient gets exactly 0 in grad_hidden; grad_hidden added into (accumulate) gives twice the sum; the
-    in-place grad_weight (a 16-bit gradient buffer) is exactly the fp32 run's sum added to it and rounded once."""
+    in-place grad_weight (a 16-bit gradient buffer) is exactly the fp32 run's sum added to it and rounded once; a
+    grad_weight overwritten (accumulate_weight=False) from NaN is exactly the sum (fp32; in place rounded once)."""
     rows = []
     g = torch.Generator(device=device).manual_seed(2)
     cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
@@ -250,7 +251,18 @@ def backward_checks(lib, device):
         differ = narrow["grad_weight_acc"] != expect
         row["in_place_rounds_once"] = {"mismatches": int(differ.sum()),
                                        "changed": float((narrow["grad_weight_acc"] != start).float().mean())}  # fmt: skip
+        # the first chunk's call (ABI 5, accumulate_weight=False): a NaN-filled buffer, fp32 or in place, ends
+        # exactly as the fp32 run that added into zeros (rounded once in place): nothing read it
+        overwrite_mismatches = 0
+        for dtype in (torch.float32, weight.dtype):
+            fresh = dict(got, grad_hidden_out=None, accumulate_weight=False,
+                         grad_weight_acc=torch.full(weight.shape, float("nan"), dtype=dtype, device=device))  # fmt: skip
+            cutlass.dz_gemms_csrc(lib, **fresh)
+            torch.cuda.synchronize()
+            overwrite_mismatches += int((fresh["grad_weight_acc"] != got["grad_weight_acc"].to(dtype)).sum())
+        row["overwrite_mismatches"] = overwrite_mismatches
         row["ok"] &= row["zero_row_exact"] and row["accumulate_doubles"] and not bool(differ.any())
+        row["ok"] &= overwrite_mismatches == 0
         rows.append(row)
         del mag
     return rows

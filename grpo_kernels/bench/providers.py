@@ -187,7 +187,7 @@ def _ours_csrc(schedule: str = "auto") -> dict:
     fused_linear_grpo_loss at `schedule`: the kernel-A one-pass schedules' forward stores the chunk's fp16 logits
     from the same epilogue (csrc ABI 2); with "one_pass_dz" the backward's two GEMMs are csrc's kernel C, dz
     formed in their operand load from that store (ABI 3), and with "one_pass_dz_inplace" its grad_weight GEMM sums
-    into the 16-bit gradient buffer (ABI 4); the rest is Triton's / cuBLAS's. A library that does
+    into the 16-bit gradient buffer (ABI 4; the first chunk's written over it, ABI 5); the rest is Triton's / cuBLAS's. A library that does
     not load, or a call it does not apply to, is a skipped row with the reason (never Triton's time under
     csrc's name)."""
     import grpo_kernels as gk

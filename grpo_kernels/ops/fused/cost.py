@@ -108,8 +108,9 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
         chunks = plan_backward(n_valid, vocab, hidden, e, 128, DEFAULT_WORKSPACE_BYTES, store_dlogits=True,
                                need_bias_grad=False, need_hidden_grad=True).num_chunks  # fmt: skip
         # A reads W once; per backward chunk the recompute and the grad_hidden GEMM read W and the fp32
-        # accumulator is read and written; dz written and read twice
-        traffic = vh * e + chunks * (2 * vh * e + 8 * vh) + nv * sum(logit_bytes(schedule, e).values())
+        # accumulator is read and written (the first chunk's GEMM only writes it: no zero-fill, no read); dz
+        # written and read twice
+        traffic = vh * e + chunks * (2 * vh * e + 8 * vh) - 4 * vh + nv * sum(logit_bytes(schedule, e).values())
         return ScheduleTime(schedule, 2 * unit, 2 * unit, traffic)
     cublas_forward = schedule.startswith("one_pass_cublas")
     in_place = schedule.endswith("_inplace")
@@ -117,11 +118,14 @@ def schedule_time(schedule: str, n_valid: int, hidden: int, vocab: int, element_
         raise ValueError(f"no time model for schedule {schedule!r}")
     chunks = math.ceil(n_valid / max(chunk_rows, 1))
     # per chunk: W read by A and by the grad_hidden GEMM, the accumulator read and written (fp32: 8 bytes per
-    # element; in place: the gradient buffer in the weight's dtype)
+    # element; in place: the gradient buffer in the weight's dtype); the first chunk's GEMM only writes it (beta
+    # = 0 into an unfilled buffer: neither a zero-fill nor its read)
     per_chunk = 2 * vh * e + vh * (2 * e if in_place else 8)
+    first_read = vh * (e if in_place else 4)
     # logits stored and read back (fp32, or fp16 + offsets), dz slab written and read twice; the streaming
     # statistics kernel reads the logits once more (and writes z back when a bias or soft-cap changes it):
     # logit_bytes
-    traffic = chunks * per_chunk + nv * sum(logit_bytes(schedule, e, transform_writes=transform_writes).values())
+    logits = nv * sum(logit_bytes(schedule, e, transform_writes=transform_writes).values())
+    traffic = chunks * per_chunk - first_read + logits
     cublas = 3 * unit if cublas_forward else 2 * unit
     return ScheduleTime(schedule, cublas, 0.0 if cublas_forward else unit, traffic)

@@ -37,8 +37,9 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 4  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
-# grad_weight summed in place into a 16-bit gradient buffer (out_16bit)
+ABI_VERSION = 5  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
+# grad_weight summed in place into a 16-bit gradient buffer (out_16bit); 5: grad_weight overwritten where accumulate
+# is 0 (a 4 library would add into the caller's uninitialised buffer: refused)
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -285,13 +286,14 @@ def lm_head_backward(*args, **kwargs):
 # torch (the spec: the tests run it on the CPU against float64, the GPU check against the device). Both take
 # triton.lm_head_backward's prepared operands (DZ_GEMMS_ARGS) and write the same outputs:
 #   grad_hidden_out [N, H] fp32 = (grad_hidden_out if accumulate_hidden else 0) + dz W / S
-#   grad_weight_acc [V, H] += dz^T X / S   (fp32, or in the operands' dtype: the fp32 sum rounded into it once)
+#   grad_weight_acc [V, H] = (grad_weight_acc if accumulate_weight else 0) + dz^T X / S   (fp32, or in the
+#                            operands' dtype: the fp32 sum rounded into it once; not read where not accumulated)
 # dz from the stored fp16 logits and the per-token coefficients (csrc/lm_head_bwd_sm90.cu's header), rounded to
 # the operands' dtype; S the fp16 dz scale (dz_scale[0]; 1 without).
 
 DZ_GEMMS_ARGS = ("stored_logits", "hidden", "weight", "targets", "lse", "expected_logit", "grad_logprobs",
                  "grad_entropy", "inv_temperature", "softcap", "dz_scale", "grad_hidden_out", "accumulate_hidden",
-                 "grad_weight_acc")  # fmt: skip
+                 "grad_weight_acc", "accumulate_weight")  # fmt: skip
 DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
 
 
@@ -338,7 +340,8 @@ def dz_magnitude(z, coef, target) -> torch.Tensor:
 
 
 def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
-                       inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc) -> bool:  # fmt: skip
+                       inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc,
+                       accumulate_weight=True) -> bool:  # fmt: skip
     """Kernel C's arithmetic in torch on any device: fp32 dz from the stored fp16 logits, rounded to the
     operands' dtype, products summed in fp32 (the WGMMA's accumulate), the sums divided by S."""
     coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
@@ -351,7 +354,7 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
         grad_hidden_out.copy_(grad_hidden_out + part if accumulate_hidden else part)
     if grad_weight_acc is not None:  # in place (16-bit): old + part summed in fp32, rounded once
         part = (dz.t() @ hidden.float()) * inv_s
-        grad_weight_acc.copy_((grad_weight_acc.float() + part).to(grad_weight_acc.dtype))
+        grad_weight_acc.copy_((grad_weight_acc.float() + part if accumulate_weight else part).to(grad_weight_acc.dtype))
     return True  # the hook's answer: it ran them
 
 
@@ -370,7 +373,7 @@ def dz_gemms_if_applies(**args) -> bool:
 
 def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
                   inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc,
-                  group_m: int = 8):  # fmt: skip
+                  accumulate_weight=True, group_m: int = 8):  # fmt: skip
     """csrc's kernel C: token_coef_kernel, then one dz GEMM per wanted gradient, on torch's current stream."""
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -391,7 +394,7 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
               target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
         for op, operand, out, accumulate in ((0, weight, grad_hidden_out, accumulate_hidden),
-                                             (1, hidden, grad_weight_acc, True)):  # fmt: skip
+                                             (1, hidden, grad_weight_acc, accumulate_weight)):  # fmt: skip
             if out is None:
                 continue
             _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),

@@ -924,16 +924,41 @@ def dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor: float) ->
     return torch.stack([scale, 1.0 / scale]).float()
 
 
+def uninitialized(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty, for a buffer whose first writer ignores its content (a grad_weight accumulator the first
+    GEMM overwrites). Tests substitute NaN-filled buffers to show that nothing reads one before writing it."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# Whether torch.mm(out_dtype=float32, out=...) has written into a given buffer on this device type (the overwrite
+# of an fp32 grad_weight accumulator by half-precision operands); where it fails, the buffer is zeroed and added
+# into instead, and the fp32-out GEMMs stay in use.
+_MM_INTO_FP32_OK: dict[str, bool] = {}
+
+
 def _grad_weight_accumulate(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor,
-                            alpha: float = 1.0) -> None:  # fmt: skip
+                            alpha: float = 1.0, overwrite: bool = False) -> None:  # fmt: skip
     """acc[V, H] += alpha dlogits[n, V].T @ hidden[n, H]: the GEMM sums in fp32; an fp32 acc is never rounded
     to the inputs' dtype, an acc in the inputs' dtype (the in-place schedules' gradient buffer) is rounded
     once per call (cuBLAS: fp32 epilogue alpha A B + beta C, one rounding to C's dtype). alpha != 1 only
-    for that in-place buffer (1 / S of a scaled fp16 slab, a power of two: exact)."""
+    for that in-place buffer (1 / S of a scaled fp16 slab, a power of two: exact). overwrite: acc = the
+    product, acc's content ignored (beta = 0: cuBLAS neither reads it nor carries a NaN from it), so the
+    caller's buffer needs no zero-fill."""
+    beta = 0.0 if overwrite else 1.0
     if dlogits.dtype == torch.float32 or acc.dtype == dlogits.dtype:
-        acc.addmm_(dlogits.T, hidden, alpha=alpha)
+        acc.addmm_(dlogits.T, hidden, beta=beta, alpha=alpha)
         return
     assert alpha == 1.0, "alpha is for an accumulator in the inputs' dtype"
+    if overwrite:
+        key = acc.device.type
+        if _MM_INTO_FP32_OK.get(key, True) and _MM_OUT_DTYPE_OK.get(key, True):
+            try:
+                torch.mm(dlogits.T, hidden, out_dtype=torch.float32, out=acc)
+                _MM_INTO_FP32_OK[key] = True
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                _MM_INTO_FP32_OK[key] = False
+        acc.zero_()
     if _mm_out_fp32(dlogits.T, hidden, acc) is not None:
         return
     hidden32 = hidden.float()
@@ -988,6 +1013,7 @@ def lm_head_backward(
     softcap: tuple[float, float] | None = None,
     dz_in_gemm: bool = False,
     dz_gemms=None,
+    accumulate_grad_weight: bool = True,
 ):
     """dL/dlogit_j = [g_lp (1[j=y] - p_j) + g_H p_j (E_p[z] - z_j)] / T, streamed through tile by tile:
 
@@ -1003,6 +1029,9 @@ def lm_head_backward(
     the weight's dtype gets each call's fp32 sum rounded into it once); `dz_gemms` (set by
     cutlass.lm_head_backward with the switch on) is offered those two GEMMs first, with cutlass.DZ_GEMMS_ARGS,
     and returns whether it ran them.
+    accumulate_grad_weight=False: grad_weight_acc's content is ignored and overwritten (it may be uninitialised
+    memory: the one-pass schedules' first chunk), so no zero-fill writes it and no GEMM reads it first; without
+    a grad_weight_acc the call allocates one that way.
     """
     _check_common(hidden, weight, bias, targets, temperature)
     device = hidden.device
@@ -1053,8 +1082,9 @@ def lm_head_backward(
     else:
         grad_hidden_acc = None
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
-    if need_grad_weight and grad_weight_acc is None:
-        grad_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+    if need_grad_weight and grad_weight_acc is None:  # written by the call's first GEMM, not zero-filled
+        grad_weight_acc = uninitialized(weight.shape, torch.float32, device)
+        accumulate_grad_weight = False
     if need_grad_bias and grad_bias_acc is None:
         grad_bias_acc = torch.zeros(vocab, dtype=torch.float32, device=device)
     result = (grad_hidden, grad_weight_acc if need_grad_weight else None, grad_bias_acc)
@@ -1062,6 +1092,8 @@ def lm_head_backward(
     if no_upstream or n_tokens == 0 or not (need_grad_hidden or need_grad_weight or need_grad_bias):
         if grad_hidden is not None and grad_hidden_acc is None:
             grad_hidden.zero_()
+        if need_grad_weight and not accumulate_grad_weight:  # no GEMM runs to write it
+            grad_weight_acc.zero_()
         return result
 
     hidden = _unit_stride_rows(hidden)
@@ -1134,6 +1166,7 @@ def lm_head_backward(
                 expected_logit=expected_logit, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy,
                 inv_temperature=per_row["inv_temperature"], softcap=softcap, dz_scale=scales, grad_hidden_out=out,
                 accumulate_hidden=grad_hidden_acc is not None, grad_weight_acc=grad_weight_acc if need_grad_weight else None,
+                accumulate_weight=accumulate_grad_weight,
             )  # fmt: skip
             if need_grad_hidden and not ran:
                 grid = (triton.cdiv(n_tokens, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
@@ -1147,7 +1180,8 @@ def lm_head_backward(
                 grid = (triton.cdiv(vocab, tile.block_m) * triton.cdiv(hidden_size, tile.block_n),)
                 _launch(lm_head_bwd_kernel_grad_weight_dz, grid,
                         dict(stored_ptr=stored_z, hidden_ptr=hidden, acc_ptr=grad_weight_acc,
-                             stride_hidden=hidden.stride(0), stride_acc=grad_weight_acc.stride(0), **per_row),
+                             stride_hidden=hidden.stride(0), stride_acc=grad_weight_acc.stride(0),
+                             accumulate=int(accumulate_grad_weight), **per_row),
                         tile.num_warps, tile.num_stages)  # fmt: skip
         if not need_grad_bias:  # else the loop below adds the bias sums (its kernel stores no slab here)
             return result
@@ -1157,7 +1191,7 @@ def lm_head_backward(
     # takes alpha = 1 / S instead, read once per call (fp16 in place is opt-in: auto never picks it)
     acc_rescaled = slab_scaled and need_grad_weight and grad_weight_acc.dtype == torch.float32
     weight_alpha = float(scales[1]) if slab_scaled and need_grad_weight and not acc_rescaled else 1.0
-    if acc_rescaled:
+    if acc_rescaled and accumulate_grad_weight:  # (an accumulator the first GEMM overwrites has nothing to scale)
         grad_weight_acc.mul_(scales[0])
     with _device_ctx(device):
         for r0 in range(0, n_tokens, rows):
@@ -1222,7 +1256,8 @@ def lm_head_backward(
                         grad_hidden[chunk] = _grad_hidden_chunk(dlogits, weight)
                 if need_grad_weight:
                     # [V, n] @ [n, H] added into the fp32 [V, H] accumulator
-                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk], alpha=weight_alpha)
+                    _grad_weight_accumulate(grad_weight_acc, dlogits, hidden[chunk], alpha=weight_alpha,
+                                            overwrite=r0 == 0 and not accumulate_grad_weight)  # fmt: skip
             if need_grad_bias:
                 grad_bias_acc += bias_part[: triton.cdiv(n, tile.block_m)].sum(0)
     if acc_rescaled:

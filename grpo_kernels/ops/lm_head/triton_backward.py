@@ -221,23 +221,24 @@ def lm_head_bwd_kernel_grad_hidden_dz(
     tl.store(out, acc, mask=out_ok)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "accumulate"])
 def lm_head_bwd_kernel_grad_weight_dz(
     stored_ptr,  # [n, V] logits stored by the forward (row stride stride_stored; fp32, or fp16 z - m)
     offset_ptr,  # [n, cdiv(V, STORED_GROUP)] fp32 m of the fp16 differences (HALF_LOGITS), or None
     hidden_ptr,  # [n, H], unit stride along H
     targets_ptr, lse_ptr, expected_logit_ptr, grad_logprobs_ptr, grad_entropy_ptr,  # [n] each
-    acc_ptr,  # [V, H] grad_weight accumulator, fp32 or (in place) the weight's dtype: read, added to, written
+    acc_ptr,  # [V, H] grad_weight accumulator, fp32 or (in place) the weight's dtype: (read, added to,) written
     dz_scale_ptr,  # [2] fp32 (S, 1 / S) when SCALE_DZ
-    n_rows, vocab, hidden_size, stride_stored, stride_offset, stride_hidden, stride_acc,
+    n_rows, vocab, hidden_size, stride_stored, stride_offset, stride_hidden, stride_acc, accumulate,
     inv_temperature, cap_in, cap_out,
     HAS_SOFTCAP: tl.constexpr, HALF_LOGITS: tl.constexpr, HAS_GRAD_LOGPROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     SCALE_DZ: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """grad_weight[v, h] += sum_rows dz[rows, v] X[rows, h]: BLOCK_M vocabulary rows x BLOCK_N hidden
+    """grad_weight[v, h] (+)= sum_rows dz[rows, v] X[rows, h]: BLOCK_M vocabulary rows x BLOCK_N hidden
     columns, the token rows as the K loop, dz formed from the stored logits and transposed in registers.
-    The accumulator is fp32, or for schedule="one_pass_dz_inplace" the gradient buffer in the weight's dtype."""
+    The accumulator is fp32, or for schedule="one_pass_dz_inplace" the gradient buffer in the weight's dtype;
+    accumulate = 0: its content is neither read nor kept (the first chunk's call: no zero-fill before it)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(vocab, BLOCK_M), tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
     offs_v = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -271,6 +272,9 @@ def lm_head_bwd_kernel_grad_weight_dz(
         acc = acc * tl.load(dz_scale_ptr + 1)
     out = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
     out_ok = v_ok[:, None] & h_ok[None, :]
-    # the sum in fp32, rounded once to the accumulator's dtype (in place: as cuBLAS's beta = 1 addmm rounds)
-    total = acc + tl.load(out, mask=out_ok, other=0.0).to(tl.float32)
+    # the sum in fp32, rounded once to the accumulator's dtype (in place: as cuBLAS's beta = 1 addmm rounds).
+    # `accumulate` is a run-time predicate on the load (0: no byte read, acc + 0 stored), not a constexpr: one
+    # compiled kernel for every chunk, and the same code as the accumulating one (on sm_100 a constexpr branch
+    # without the load compiled to 128 registers with an 8-byte stack)
+    total = acc + tl.load(out, mask=out_ok & (accumulate != 0), other=0.0).to(tl.float32)
     tl.store(out, total.to(acc_ptr.dtype.element_ty), mask=out_ok)
