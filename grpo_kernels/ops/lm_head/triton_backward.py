@@ -275,6 +275,8 @@ def lm_head_bwd_kernel_grad_weight_dz(
     # the sum in fp32, rounded once to the accumulator's dtype (in place: as cuBLAS's beta = 1 addmm rounds).
     # `accumulate` is a run-time predicate on the load (0: no byte read, acc + 0 stored), not a constexpr: one
     # compiled kernel for every chunk, and the same code as the accumulating one (on sm_100 a constexpr branch
-    # without the load compiled to 128 registers with an 8-byte stack)
-    total = acc + tl.load(out, mask=out_ok & (accumulate != 0), other=0.0).to(tl.float32)
+    # without the load compiled to 128 registers with an 8-byte stack). Splat to the tile before the compare:
+    # Triton 3.9's interpreter refuses a mask made with a scalar comparison
+    add_old = tl.full((BLOCK_M, BLOCK_N), accumulate, tl.int32) != 0
+    total = acc + tl.load(out, mask=out_ok & add_old, other=0.0).to(tl.float32)
     tl.store(out, total.to(acc_ptr.dtype.element_ty), mask=out_ok)
