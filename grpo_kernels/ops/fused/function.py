@@ -511,7 +511,7 @@ def fused_grpo_forward_one_pass(flat_hidden, weight, bias, flat_targets, batch, 
     row_edges = [host.valid_before[e] for e in edges]
     logits = None  # A's logits of the current chunk, read by C (only when gradients are needed)
     if (needs_grad or forward_gemm == "cublas") and chunks:  # cuBLAS writes its GEMM output there in any case
-        capacity = max(b - a for a, b in zip(row_edges[:-1], row_edges[1:]))
+        capacity = largest_chunk(chunks, host)  # the buffers' rows: the balanced planners' largest chunk
         if forward_gemm == "cublas":  # fp32 [n, V] row-major (cuBLAS's ldc = V): each chunk's rows contiguous
             logits = torch.empty((capacity, vocab), dtype=torch.float32, device=device)
         elif half_logits(flat_hidden.dtype):  # kernel A, 16-bit inputs: fp16 differences from the running row
