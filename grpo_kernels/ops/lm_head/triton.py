@@ -1339,7 +1339,9 @@ def logprobs_backward(
     rows = logits_chunk_rows(n_tokens, vocab, hidden_size, hidden.element_size())
     logits = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_grad_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if need_grad_weight else None
+    # written by the first chunk's grad_weight GEMM (accumulate_grad_weight=False), added into by the others:
+    # no zero-fill of the [V, H] accumulator and no read of one
+    grad_weight = uninitialized(weight.shape, torch.float32, hidden.device) if need_grad_weight else None
     inv_t = 1.0 / float(temperature)
     weight_rows = _unit_stride_rows(weight)
     for r0 in range(0, n_tokens, rows):
@@ -1353,7 +1355,7 @@ def logprobs_backward(
             None if grad_entropy is None else grad_entropy[chunk],
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=False,
             grad_weight_acc=grad_weight, workspace_bytes=max(1, DEFAULT_WORKSPACE_BYTES - 4 * rows * vocab),
-            stored_logits=z,
+            stored_logits=z, accumulate_grad_weight=r0 > 0,
         )  # fmt: skip
         if need_grad_hidden:
             grad_hidden[chunk] = gh
