@@ -12,7 +12,7 @@ fp32 reference (tests/test_gpu_tier_structure.py checks on CPU that no interpret
     chunks, "auto" over and within the memory goal, and the TMA kernel A;
   * GPU only: every schedule "auto" can pick, at a small head and at Qwen3-8B's (H = 4096, V = 151936,
     320 tokens), in bf16; and the input variants (bias, soft-cap, temperature != 1, fp16, fp32 inputs,
-    packed layout, batch_invariant) at the target head.
+    packed layout, batch_invariant) at the target head; fused_linear_logprobs' opt-in cuBLAS logits path there.
 
 Tolerances. fp32 inputs (the interpreter cases): the kernels' fp32 products run as tf32x3 (about fp32's
 rounding), so only summation order differs, as under the interpreter: the interpreter tier's bounds,
@@ -316,6 +316,44 @@ def test_first_gemm_overwrites_grad_weight_by_cublas(dtype):
         assert not fresh.isnan().any() and not differ.any(), (
             f"{dtype} into {acc_dtype}: {int(fresh.isnan().sum())} NaNs, {int(differ.sum())} elements differ")
     assert tri._MM_INTO_FP32_OK.get("cuda") is True, "torch.mm(out_dtype=float32, out=) failed: zero-fill fallback"
+
+
+def test_logprobs_cublas_logits_path_at_the_target_head(monkeypatch):
+    """fused_linear_logprobs' opt-in cuBLAS logits GEMM (use_logits_gemm("cublas")) at the Qwen3-8B head in bf16,
+    320 tokens in chunks of 128 (two full, one ragged), forward and backward: its fp32 grad_weight accumulator
+    starts NaN-filled (uninitialized, kept from the case module) and is written by the first chunk's GEMM (beta =
+    0), the others add. Log-probs, entropy and both gradients no worse than PyTorch's own bf16 path (bf16 logits,
+    fp32 log-softmax) against the fp32 truth on the same bf16 inputs: this path keeps fp32 logits, so the bar is
+    test_gpu.py's (factor 1)."""
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    monkeypatch.setattr(tri, "logits_chunk_rows", lambda *args, **kwargs: 128)
+    h, v = HEADS["qwen3-8b"]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x0 = torch.randn(TARGET_TOKENS, h, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(v, h, device="cuda", generator=g) * (3.0 / h**0.5)).bfloat16()
+    y = torch.randint(0, v, (TARGET_TOKENS,), device="cuda", generator=g)
+    g_lp = torch.randn(TARGET_TOKENS, device="cuda", generator=g)
+    g_h = torch.randn(TARGET_TOKENS, device="cuda", generator=g)
+
+    def run(backend, x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = gk.fused_linear_logprobs(x, w, y, backend=backend)
+        (out.logprobs * g_lp + out.entropy * g_h).sum().backward()
+        return out.logprobs.detach(), out.entropy.detach(), x.grad.float(), w.grad.float()
+
+    truth = run("torch", x0.float(), w0.float())
+    with tri.use_logits_gemm("cublas"):
+        assert tri._cublas_logits(x0, None), "bf16 without a bias must take the cuBLAS logits path"
+        ours = run("triton", x0, w0)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    log_p = torch.log_softmax((x @ w.T).float(), -1)
+    lp = log_p.gather(-1, y[:, None]).squeeze(-1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    (lp * g_lp + ent * g_h).sum().backward()
+    baseline = (lp.detach(), ent.detach(), x.grad.float(), w.grad.float())
+    for name, a, b, t in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), ours, baseline, truth):
+        assert_no_worse_than(f"cuBLAS logits {name}", a, b, t, factor=1.0, floor=1e-6 * t.abs().max().item())
 
 
 @pytest.mark.parametrize("schedule", AUTO_SCHEDULES)
