@@ -16,17 +16,14 @@ import torch
 
 import grpo_kernels as gk
 import grpo_kernels.ops.fused.function as fused
-import grpo_kernels.ops.lm_head.triton as lm_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from interpreter_runner import wanted  # noqa: E402
+from interpreter_runner import nan_fill_uninitialized, wanted  # noqa: E402
 from test_loss_head import CONFIGS  # noqa: E402
 
 # at most 7 valid tokens per chunk: the 5 sequences below (1..7 valid tokens) make 4 chunks
 fused.ONE_PASS_CHUNK_TOKENS = 7
-# grad_weight accumulators the first GEMM overwrites start NaN-filled (torch.empty's memory is whatever was there,
-# on the CPU often zeros): a schedule that read one before writing it fails every gradient check below
-lm_triton.uninitialized = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+nan_fill_uninitialized()  # a schedule that read a grad_weight accumulator before writing it fails every check below
 
 
 def inputs(seed=0, bias=True):

@@ -23,15 +23,13 @@ import torch
 
 import grpo_kernels as gk
 import grpo_kernels.ops.fused.function as fused
-import grpo_kernels.ops.lm_head.triton as lm_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
+from interpreter_runner import nan_fill_uninitialized  # noqa: E402
 from test_loss_head import CONFIGS  # noqa: E402
 
 fused.ONE_PASS_CHUNK_TOKENS = 7  # 22 valid tokens below: 4 chunks (sequences cut for token-local objectives)
-# grad_weight accumulators the first GEMM overwrites start NaN-filled (torch.empty's memory is whatever was there,
-# on the CPU often zeros): a schedule that read one before writing it fails every gradient check below
-lm_triton.uninitialized = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+nan_fill_uninitialized()  # a schedule that read a grad_weight accumulator before writing it fails every check below
 SCHEDULES = ("one_pass_cublas", "one_pass_inplace", "one_pass_cublas_inplace", "one_pass_dz_inplace")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TEMPERATURE = 0.8

@@ -440,14 +440,9 @@ def main(argv):
 
     warnings.simplefilter("ignore")  # numpy warnings from masked-out lanes the interpreter evaluates
     np.seterr(all="ignore")
-    import torch
-    from interpreter_runner import wanted
+    from interpreter_runner import nan_fill_uninitialized, wanted
 
-    from grpo_kernels.ops.lm_head import triton as tri
-
-    # grad_weight accumulators the first GEMM overwrites start NaN-filled (torch.empty's memory is whatever was
-    # there, on the CPU often zeros): a path that read one before writing it fails the grad_weight checks
-    tri.uninitialized = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    nan_fill_uninitialized()  # lm_head_backward's own accumulator and the cuBLAS-logits backward's
 
     named = set(argv)  # case ids on the command line, else the selected tests' (GRPO_KERNELS_CASES), else all
     results = {}

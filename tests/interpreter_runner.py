@@ -16,6 +16,17 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+def nan_fill_uninitialized() -> None:
+    """In this process, the buffers lm_head.triton.uninitialized hands out (grad_weight accumulators the first GEMM
+    overwrites) start NaN-filled: torch.empty's memory is whatever was there (on a CPU often zeros), so a path that
+    read one before writing it would pass unseen; with NaN its gradient checks fail."""
+    import torch
+
+    from grpo_kernels.ops.lm_head import triton as tri
+
+    tri.uninitialized = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 def selected_params(request, name: str) -> list | None:
     """The values of parameter `name` of the requesting module's selected tests; None when the whole module is
     selected or a selected test has no such parameter (then a module fixture does all its work)."""

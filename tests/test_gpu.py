@@ -36,32 +36,38 @@ def make(n, h, v, seed=0):
     return hidden, weight, targets
 
 
+def logprobs_and_grads(backend, x, w, targets, g_lp, g_ent):
+    """fused_linear_logprobs' (log-probs, entropy, grad_hidden, grad_weight) under sum(logp g_lp + H g_ent), fp32
+    gradients; backend None: PyTorch's own path in the inputs' dtype (logits in that dtype, fp32 log-softmax,
+    autograd), the baseline of TRL / verl users."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    if backend is None:
+        log_p = torch.log_softmax((x @ w.T).float(), -1)
+        lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+        ent = -(log_p.exp() * log_p).sum(-1)
+    else:
+        out = gk.fused_linear_logprobs(x, w, targets, backend=backend)
+        lp, ent = out.logprobs, out.entropy
+    (lp * g_lp + ent * g_ent).sum().backward()
+    return lp.detach(), ent.detach(), x.grad.float(), w.grad.float()
+
+
+def assert_logprobs_no_worse_than_pytorch(label, hidden, weight, targets, g_lp, g_ent, factor=1.0):
+    """The Triton backend's log-probs, entropy and gradients (what runs at the call: the caller picks the path) no
+    worse than `factor` x PyTorch's own 16-bit path against the fp32 truth on the same rounded inputs."""
+    truth = logprobs_and_grads("torch", hidden.float(), weight.float(), targets, g_lp, g_ent)
+    ours = logprobs_and_grads("triton", hidden, weight, targets, g_lp, g_ent)
+    baseline = logprobs_and_grads(None, hidden, weight, targets, g_lp, g_ent)
+    for name, a, b, t in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), ours, baseline, truth):
+        assert_no_worse_than(f"{label}{name}", a, b, t, factor=factor, floor=1e-6 * t.abs().max().item())
+
+
 @pytest.mark.parametrize("n,h,v", SHAPES)
 def test_bf16_logprobs_and_gradients_no_worse_than_pytorch(n, h, v):
     hidden, weight, targets = make(n, h, v)
     g_lp = torch.randn(n, device="cuda")
     g_ent = torch.randn(n, device="cuda") * 0.1
-
-    def run(backend, x, w):
-        x = x.clone().requires_grad_()
-        w = w.clone().requires_grad_()
-        out = gk.fused_linear_logprobs(x, w, targets, backend=backend)
-        (out.logprobs * g_lp + out.entropy * g_ent).sum().backward()
-        return out.logprobs.detach(), out.entropy.detach(), x.grad.float(), w.grad.float()
-
-    truth = run("torch", hidden.float(), weight.float())  # fp32 on the same bf16 values
-    ours = run("triton", hidden, weight)
-    # PyTorch's bf16 baseline: bf16 logits, fp32 log-softmax, autograd
-    x = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    logits = (x @ w.T).float()
-    log_p = torch.log_softmax(logits, -1)
-    lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
-    ent = -(log_p.exp() * log_p).sum(-1)
-    (lp * g_lp + ent * g_ent).sum().backward()
-    baseline = (lp.detach(), ent.detach(), x.grad.float(), w.grad.float())
-    for name, a, b, t in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), ours, baseline, truth):
-        assert_no_worse_than(name, a, b, t, factor=1.0, floor=1e-6 * t.abs().max().item())
+    assert_logprobs_no_worse_than_pytorch("", hidden, weight, targets, g_lp, g_ent)
 
 
 @pytest.mark.parametrize("config", [C.dapo(), C.grpo(), C.gspo()], ids=["dapo", "grpo", "gspo"])

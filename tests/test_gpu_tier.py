@@ -43,6 +43,7 @@ from grpo_kernels.testing import assert_no_worse_than
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_loss_head import CONFIGS, UNSCORED_CASES, batch  # noqa: E402
+from test_gpu import assert_logprobs_no_worse_than_pytorch  # noqa: E402
 
 _saved_chunk = fused.ONE_PASS_CHUNK_TOKENS
 import _fused_interpreter_cases as fused_cases  # noqa: E402  (its inputs() and run(); it sets the chunk size)
@@ -330,30 +331,14 @@ def test_logprobs_cublas_logits_path_at_the_target_head(monkeypatch):
     monkeypatch.setattr(tri, "logits_chunk_rows", lambda *args, **kwargs: 128)
     h, v = HEADS["qwen3-8b"]
     g = torch.Generator(device="cuda").manual_seed(5)
-    x0 = torch.randn(TARGET_TOKENS, h, device="cuda", generator=g).bfloat16()
-    w0 = (torch.randn(v, h, device="cuda", generator=g) * (3.0 / h**0.5)).bfloat16()
+    x = torch.randn(TARGET_TOKENS, h, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=g) * (3.0 / h**0.5)).bfloat16()
     y = torch.randint(0, v, (TARGET_TOKENS,), device="cuda", generator=g)
     g_lp = torch.randn(TARGET_TOKENS, device="cuda", generator=g)
     g_h = torch.randn(TARGET_TOKENS, device="cuda", generator=g)
-
-    def run(backend, x, w):
-        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = gk.fused_linear_logprobs(x, w, y, backend=backend)
-        (out.logprobs * g_lp + out.entropy * g_h).sum().backward()
-        return out.logprobs.detach(), out.entropy.detach(), x.grad.float(), w.grad.float()
-
-    truth = run("torch", x0.float(), w0.float())
     with tri.use_logits_gemm("cublas"):
-        assert tri._cublas_logits(x0, None), "bf16 without a bias must take the cuBLAS logits path"
-        ours = run("triton", x0, w0)
-    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-    log_p = torch.log_softmax((x @ w.T).float(), -1)
-    lp = log_p.gather(-1, y[:, None]).squeeze(-1)
-    ent = -(log_p.exp() * log_p).sum(-1)
-    (lp * g_lp + ent * g_h).sum().backward()
-    baseline = (lp.detach(), ent.detach(), x.grad.float(), w.grad.float())
-    for name, a, b, t in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), ours, baseline, truth):
-        assert_no_worse_than(f"cuBLAS logits {name}", a, b, t, factor=1.0, floor=1e-6 * t.abs().max().item())
+        assert tri._cublas_logits(x, None), "bf16 without a bias must take the cuBLAS logits path"
+        assert_logprobs_no_worse_than_pytorch("cuBLAS logits ", x, w, y, g_lp, g_h)
 
 
 @pytest.mark.parametrize("schedule", AUTO_SCHEDULES)
