@@ -206,15 +206,14 @@ CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, in
   }
 }
 
+// One output tile (`tile`: its index in the GEMM's grouped raster) of one dz GEMM, by the whole CTA.
 template <class Cfg, class TmaL, class TmaB>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
-    dz_gemm_kernel(CUTE_GRID_CONSTANT TmaL const tma_l, CUTE_GRID_CONSTANT TmaB const tma_b,
-                   CUTE_GRID_CONSTANT DzArgs const a) {
+CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs const& a, int const tile,
+                                 char* smem_raw) {
   using Element = typename Cfg::Element;
   using SS = typename Cfg::SharedStorage;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   constexpr bool GRAD_HIDDEN = Cfg::OP == Op::GradHidden;
-  extern __shared__ __align__(1024) char smem_raw[];
   SS& ss = *reinterpret_cast<SS*>(smem_raw);
 
   int const M = GRAD_HIDDEN ? a.n_tokens : a.vocab;
@@ -223,11 +222,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   // grouped raster: group_m M tiles share each band of N tiles (consecutive CTAs reuse B tiles in L2)
   int const tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   int const per_group = a.group_m * tiles_n;
-  int const group = int(blockIdx.x) / per_group;
+  int const group = tile / per_group;
   int const first_m = group * a.group_m;
   int const group_size = min(tiles_m - first_m, a.group_m);
-  int const m_blk = first_m + (int(blockIdx.x) % per_group) % group_size;
-  int const n_blk = (int(blockIdx.x) % per_group) / group_size;
+  int const m_blk = first_m + (tile % per_group) % group_size;
+  int const n_blk = (tile % per_group) / group_size;
   int const k_tiles = (K + BK - 1) / BK;
 
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -408,6 +407,29 @@ __global__ void __launch_bounds__(Cfg::THREADS, 1)
   }
 }
 
+// Both dz GEMMs of a call in one launch: CTAs [0, hidden_tiles) compute grad_hidden's tiles, the rest grad_weight's.
+// A grad_hidden tile runs over the whole vocabulary (K = V: 2,374 K tiles at V = 151,936) and there are few of them
+// (ceil(N / 128) x H / 256: 304 for a 2,432-token chunk at H = 4,096), so launched alone they end in a partial wave
+// (304 CTAs, one per SM, on 132 SMs: a third wave on 40 SMs while 92 wait); grad_weight's tiles are many and short
+// (K = N: 38 K tiles). CTAs are dispatched in index order, so with grad_hidden's first, the SMs its last wave leaves
+// free take grad_weight's tiles: longest first, then the short ones fill (cutlass.dz_gemms_makespan counts it).
+template <class CfgH, class CfgW, class TmaLH, class TmaBH, class TmaLW, class TmaBW>
+__global__ void __launch_bounds__(CfgH::THREADS, 1)
+    dz_gemms_kernel(CUTE_GRID_CONSTANT TmaLH const tma_lh, CUTE_GRID_CONSTANT TmaBH const tma_bh,
+                    CUTE_GRID_CONSTANT DzArgs const ah, int const hidden_tiles,
+                    CUTE_GRID_CONSTANT TmaLW const tma_lw, CUTE_GRID_CONSTANT TmaBW const tma_bw,
+                    CUTE_GRID_CONSTANT DzArgs const aw) {
+  static_assert(CfgH::OP == Op::GradHidden && CfgW::OP == Op::GradWeight, "grad_hidden's tiles, then grad_weight's");
+  static_assert(CfgH::THREADS == CfgW::THREADS, "one CTA shape");
+  extern __shared__ __align__(1024) char smem_raw[];
+  int const tile = int(blockIdx.x);  // uniform over the CTA: the branch splits no warp
+  if (tile < hidden_tiles) {
+    dz_gemm_tile<CfgH>(tma_lh, tma_bh, ah, tile, smem_raw);
+  } else {
+    dz_gemm_tile<CfgW>(tma_lw, tma_bw, aw, tile - hidden_tiles, smem_raw);
+  }
+}
+
 // Per-token coefficients of dz, one thread per token (O(N), once per backward call).
 __global__ void token_coef_kernel(float const* lse, float const* expected_logit, float const* grad_logprobs,
                                   float const* grad_entropy, int64_t const* targets, float inv_temperature,
@@ -424,34 +446,52 @@ __global__ void token_coef_kernel(float const* lse, float const* expected_logit,
   target[t] = (grad_logprobs != nullptr && y >= 0 && y < (int64_t(1) << 31)) ? int(y) : -1;
 }
 
+// The TMA descriptors of one dz GEMM: the stored fp16 differences as its (M, K) operand (rows are tokens, V
+// contiguous) and B (N = H, K): W [V, H] or X [N, H], H contiguous.
 template <class Cfg>
-int run_dz_gemm(void const* diff, int64_t ld_diff, void const* operand, int64_t ld_operand, DzArgs const& args,
-                cudaStream_t stream) {
+auto dz_gemm_tmas(void const* diff, int64_t ld_diff, void const* operand, int64_t ld_operand, DzArgs const& args) {
   using Element = typename Cfg::Element;
   using Stored = typename Cfg::Stored;
   constexpr bool GRAD_HIDDEN = Cfg::OP == Op::GradHidden;
   int const M = GRAD_HIDDEN ? args.n_tokens : args.vocab;
   int const K = GRAD_HIDDEN ? args.vocab : args.n_tokens;
   int const N = args.hidden;
-  // the stored logits as the GEMM's (M, K) operand: rows are tokens, V contiguous
   auto layout_l = [&] {
     if constexpr (GRAD_HIDDEN) return make_layout(make_shape(M, K), make_stride(ld_diff, Int<1>{}));
     else return make_layout(make_shape(M, K), make_stride(Int<1>{}, ld_diff));
   }();
   Tensor gL = make_tensor(make_gmem_ptr(reinterpret_cast<Stored const*>(diff)), layout_l);
-  // B (N = H, K): W [V, H] or X [N, H], H contiguous
   Tensor gB = make_tensor(make_gmem_ptr(reinterpret_cast<Element const*>(operand)),
                           make_layout(make_shape(N, K), make_stride(Int<1>{}, ld_operand)));
   auto tma_l = make_tma_atom(SM90_TMA_LOAD{}, gL, typename Cfg::SmemLayoutL{}(_, _, 0),
                              make_shape(Int<Cfg::BM>{}, Int<Cfg::BK>{}));
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, gB, typename Cfg::SmemLayoutB{}(_, _, 0),
                              make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}));
-  auto kernel = &dz_gemm_kernel<Cfg, decltype(tma_l), decltype(tma_b)>;
-  int const smem = int(sizeof(typename Cfg::SharedStorage));
+  return cute::make_tuple(tma_l, tma_b);
+}
+
+template <class Cfg>
+int dz_gemm_tiles(DzArgs const& args) {
+  int const M = Cfg::OP == Op::GradHidden ? args.n_tokens : args.vocab;
+  return ((M + Cfg::BM - 1) / Cfg::BM) * ((args.hidden + Cfg::BN - 1) / Cfg::BN);
+}
+
+// One launch of dz_gemms_kernel: grad_hidden's tiles where want_hidden, then grad_weight's where want_weight. The
+// descriptors of a GEMM not wanted are still built (from real operands: the kernel never uses them).
+template <class CfgH, class CfgW>
+int run_dz_gemms(void const* diff, int64_t ld_diff, void const* weight, int64_t ld_weight, void const* hidden,
+                 int64_t ld_hidden, DzArgs const& args_h, bool want_hidden, DzArgs const& args_w, bool want_weight,
+                 cudaStream_t stream) {
+  auto [tma_lh, tma_bh] = dz_gemm_tmas<CfgH>(diff, ld_diff, weight, ld_weight, args_h);
+  auto [tma_lw, tma_bw] = dz_gemm_tmas<CfgW>(diff, ld_diff, hidden, ld_hidden, args_w);
+  auto kernel = &dz_gemms_kernel<CfgH, CfgW, decltype(tma_lh), decltype(tma_bh), decltype(tma_lw), decltype(tma_bw)>;
+  int const smem = int(cute::max(sizeof(typename CfgH::SharedStorage), sizeof(typename CfgW::SharedStorage)));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return fail(cudaGetErrorString(err));
-  int const tiles = ((M + Cfg::BM - 1) / Cfg::BM) * ((N + Cfg::BN - 1) / Cfg::BN);
-  kernel<<<tiles, Cfg::THREADS, smem, stream>>>(tma_l, tma_b, args);
+  int const hidden_tiles = want_hidden ? dz_gemm_tiles<CfgH>(args_h) : 0;
+  int const weight_tiles = want_weight ? dz_gemm_tiles<CfgW>(args_w) : 0;
+  kernel<<<hidden_tiles + weight_tiles, CfgH::THREADS, smem, stream>>>(tma_lh, tma_bh, args_h, hidden_tiles, tma_lw,
+                                                                       tma_bw, args_w);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail(cudaGetErrorString(err));
   return 0;
@@ -504,56 +544,71 @@ GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* exp
   return 0;
 }
 
-// One dz GEMM. op 0: out = grad_hidden [N, H] fp32 (+= when accumulate), operand = W [V, H];
-// op 1: out = grad_weight [V, H] (+= when accumulate; ABI 5, before always +=), operand = X [N, H]; fp32, or
-// with out_16bit (ABI 4) the gradient buffer in the operands' dtype, each element's fp32 sum rounded into it
-// once. diff / offset: the HalfLogits store of these N rows (fp16 [N, ld_diff], fp32 [N, ld_offset]); coef /
-// target from grpo_csrc_lm_head_bwd_token_coef; inv_scale: device fp32 1 / S or null. Strides in elements; H,
-// ld_diff and ld_operand multiples of 8 and 16-byte aligned bases (TMA). Returns 0, or nonzero with
-// grpo_csrc_last_error() set.
-GRPO_API int grpo_csrc_lm_head_bwd_dz_gemm(int op, int dtype, void const* diff, int64_t ld_diff, float const* offset,
-                                           int64_t ld_offset, void const* operand, int64_t ld_operand, void* out,
-                                           int64_t ld_out, int out_16bit, int accumulate, void const* coef, int const* target,
-                                           float const* inv_scale, int64_t n_tokens, int64_t vocab,
-                                           int64_t hidden_size, int has_softcap, float cap_in, float cap_out,
-                                           int group_m, uint64_t stream) {
+// Both dz GEMMs of a call in one launch (ABI 6; before, one call per GEMM): grad_hidden [N, H] fp32 = dz W
+// (+= when accumulate_hidden), or null; grad_weight [V, H] = dz^T X (+= when accumulate_weight, else written over
+// without being read), or null: fp32, or with grad_weight_16bit the gradient buffer in the operands' dtype, each
+// element's fp32 sum rounded into it once. diff / offset: the HalfLogits store of these N rows (fp16 [N, ld_diff],
+// fp32 [N, ld_offset]); weight [V, H] and hidden [N, H] the operands (both always given: each GEMM's descriptors are
+// built); coef / target from grpo_csrc_lm_head_bwd_token_coef; inv_scale: device fp32 1 / S or null. Strides in
+// elements; H, ld_diff, ld_weight and ld_hidden multiples of 8 and 16-byte aligned bases (TMA). Returns 0, or
+// nonzero with grpo_csrc_last_error() set.
+GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t ld_diff, float const* offset,
+                                            int64_t ld_offset, void const* weight, int64_t ld_weight,
+                                            void const* hidden, int64_t ld_hidden, float* grad_hidden,
+                                            int64_t ld_grad_hidden, int accumulate_hidden, void* grad_weight,
+                                            int64_t ld_grad_weight, int grad_weight_16bit, int accumulate_weight,
+                                            void const* coef, int const* target, float const* inv_scale,
+                                            int64_t n_tokens, int64_t vocab, int64_t hidden_size, int has_softcap,
+                                            float cap_in, float cap_out, int group_m, uint64_t stream) {
   if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
   if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
     return fail("sizes must be below 2^31");
-  if (hidden_size % 8 || ld_diff % 8 || ld_operand % 8 || ld_out % 2)
-    return fail("H, ld_diff and ld_operand must be multiples of 8 elements, ld_out even (TMA, paired stores)");
-  if (out_16bit && op != 1) return fail("out_16bit is for grad_weight (op 1) only: grad_hidden is fp32");
-  if (reinterpret_cast<uintptr_t>(diff) % 16 || reinterpret_cast<uintptr_t>(operand) % 16 ||
-      reinterpret_cast<uintptr_t>(out) % (out_16bit ? 4 : 8) || reinterpret_cast<uintptr_t>(coef) % 16)
-    return fail("misaligned pointer (diff / operand / coef 16 bytes, out 8 bytes fp32 or 4 bytes 16-bit)");
-  DzArgs args;
-  args.offset = offset;
-  args.ld_offset = ld_offset;
-  args.coef = reinterpret_cast<TokenCoef const*>(coef);
-  args.target = target;
-  args.inv_scale = inv_scale;
-  args.out = out;
-  args.ld_out = ld_out;
-  args.accumulate = accumulate;
-  args.n_tokens = int(n_tokens);
-  args.vocab = int(vocab);
-  args.hidden = int(hidden_size);
-  args.has_softcap = has_softcap;
-  args.cap_in = has_softcap ? cap_in : 0.f;
-  args.cap_out = has_softcap ? cap_out : 1.f;
-  args.group_m = group_m > 0 ? group_m : 8;
+  if (grad_hidden == nullptr && grad_weight == nullptr) return fail("no output: grad_hidden and grad_weight are null");
+  if (hidden_size % 8 || ld_diff % 8 || ld_weight % 8 || ld_hidden % 8 || ld_grad_hidden % 2 || ld_grad_weight % 2)
+    return fail("H, ld_diff, ld_weight and ld_hidden must be multiples of 8 elements, the outputs' strides even (TMA, "
+                "paired stores)");
+  if (reinterpret_cast<uintptr_t>(diff) % 16 || reinterpret_cast<uintptr_t>(weight) % 16 ||
+      reinterpret_cast<uintptr_t>(hidden) % 16 || reinterpret_cast<uintptr_t>(grad_hidden) % 8 ||
+      reinterpret_cast<uintptr_t>(grad_weight) % (grad_weight_16bit ? 4 : 8) ||
+      reinterpret_cast<uintptr_t>(coef) % 16)
+    return fail("misaligned pointer (diff / weight / hidden / coef 16 bytes, grad_hidden 8 bytes, grad_weight 8 bytes "
+                "fp32 or 4 bytes 16-bit)");
+  DzArgs h;
+  h.offset = offset;
+  h.ld_offset = ld_offset;
+  h.coef = reinterpret_cast<TokenCoef const*>(coef);
+  h.target = target;
+  h.inv_scale = inv_scale;
+  h.n_tokens = int(n_tokens);
+  h.vocab = int(vocab);
+  h.hidden = int(hidden_size);
+  h.has_softcap = has_softcap;
+  h.cap_in = has_softcap ? cap_in : 0.f;
+  h.cap_out = has_softcap ? cap_out : 1.f;
+  h.group_m = group_m > 0 ? group_m : 8;
+  DzArgs w = h;
+  h.out = grad_hidden;
+  h.ld_out = ld_grad_hidden;
+  h.accumulate = accumulate_hidden;
+  w.out = grad_weight;
+  w.ld_out = ld_grad_weight;
+  w.accumulate = accumulate_weight;
+  bool const want_h = grad_hidden != nullptr, want_w = grad_weight != nullptr;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (dtype == 1 && op == 0) return run_dz_gemm<GradHiddenBf16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 1 && op == 1 && !out_16bit)
-    return run_dz_gemm<GradWeightBf16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 1 && op == 1) return run_dz_gemm<GradWeightBf16InPlace>(diff, ld_diff, operand, ld_operand, args, s);
+#define GRPO_DZ_GEMMS(CfgH, CfgW) \
+  run_dz_gemms<CfgH, CfgW>(diff, ld_diff, weight, ld_weight, hidden, ld_hidden, h, want_h, w, want_w, s)
+  if (dtype == 1) {
+    return grad_weight_16bit ? GRPO_DZ_GEMMS(GradHiddenBf16, GradWeightBf16InPlace)
+                             : GRPO_DZ_GEMMS(GradHiddenBf16, GradWeightBf16);
+  }
 #ifndef GRPO_CSRC_ONE_VARIANT
-  if (dtype == 2 && op == 0) return run_dz_gemm<GradHiddenFp16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 2 && op == 1 && !out_16bit)
-    return run_dz_gemm<GradWeightFp16>(diff, ld_diff, operand, ld_operand, args, s);
-  if (dtype == 2 && op == 1) return run_dz_gemm<GradWeightFp16InPlace>(diff, ld_diff, operand, ld_operand, args, s);
+  if (dtype == 2) {
+    return grad_weight_16bit ? GRPO_DZ_GEMMS(GradHiddenFp16, GradWeightFp16InPlace)
+                             : GRPO_DZ_GEMMS(GradHiddenFp16, GradWeightFp16);
+  }
 #endif
-  return fail("unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)");
+#undef GRPO_DZ_GEMMS
+  return fail("unsupported dtype (1 bf16, 2 fp16)");
 }
 
 }  // extern "C"

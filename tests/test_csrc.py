@@ -342,6 +342,29 @@ def test_kernel_c_reference_accumulates_as_the_triton_contract():
         assert torch.equal(w4, w1.to(dtype)), f"{dtype}: {int((w4 != w1.to(dtype)).sum())} elements differ"
 
 
+def test_kernel_c_one_launch_fills_the_tail_of_grad_hidden():
+    """Why both dz GEMMs run in one launch (ABI 6), counted in K-tile steps (`dz_gemms_makespan`): grad_hidden has
+    few tiles over the whole vocabulary, grad_weight many short ones. At the target head (H 4096, V 151,936) on
+    132 SMs, a 2,432-token chunk: grad_hidden 19 x 16 = 304 tiles of 2,374 steps (3 waves, the third on 40 SMs),
+    grad_weight 1,187 x 16 = 18,992 tiles of 38 steps (144 waves). Two launches: 3 x 2,374 + 144 x 38 steps; one:
+    within a step or two of the work bound, since grad_weight's tiles start on the 92 SMs the third wave leaves."""
+    v, h, sms = 151936, 4096, 132
+    two = cutlass.dz_gemms_makespan(2432, v, h, sms, one_launch=False)
+    one = cutlass.dz_gemms_makespan(2432, v, h, sms)
+    assert two == 3 * 2374 + 144 * 38
+    work = (304 * 2374 + 18992 * 38) / sms  # every SM busy to the end
+    assert work <= one <= work + 38, (one, work)
+    assert two / one > 1.15
+    # never worse, over chunk sizes of the schedules (a single M tile to the in-place chunks) and SM counts
+    for n in (1, 64, 200, 1664, 2341, 2560, 4096, 4608):
+        for count in (108, 132, 148):
+            one, two = (cutlass.dz_gemms_makespan(n, v, h, count, one_launch=x) for x in (True, False))
+            tiles_h, tiles_w = -(-n // 128) * 16, -(-v // 128) * 16
+            assert two == -(-tiles_h // count) * -(-v // 64) + -(-tiles_w // count) * -(-n // 64), (n, count)
+            bound = max(-(-v // 64), (tiles_h * -(-v // 64) + tiles_w * -(-n // 64)) / count)  # longest tile, work
+            assert bound <= one <= min(two, bound + -(-n // 64)), (n, count, one, two, bound)  # within a short tile
+
+
 # ---- 2. the committed build ---------------------------------------------------------------------------
 
 
@@ -355,7 +378,7 @@ def test_committed_library_matches_the_sources():
 def test_ptxas_report_no_spills_and_within_sm90_limits():
     report = (BIN / "ptxas.txt").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'\n(.*?)(?=Compiling entry|\Z)", report, re.S)
-    assert len(kernels) >= 12, f"expected kernel A's 4 GEMMs and merge, kernel C's 6 dz GEMMs and coefficients, got {len(kernels)}"
+    assert len(kernels) >= 10, f"expected kernel A's 4 GEMMs and merge, kernel C's 4 dz GEMM kernels and coefficients, got {len(kernels)}"
     for name, body in kernels:
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
         regs = re.search(r"Used (\d+) registers", body)
@@ -380,10 +403,10 @@ def test_sass_has_wgmma_and_tma():
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
         assert "F2FP" in f, f"{head}: no fp32 -> fp16 pack (F2FP): the training forward's fp16 store is missing"
-    # kernel C: bf16 / fp16 x grad_hidden / grad_weight / grad_weight in place, dz formed in the kernel from the
-    # fp16 store
-    dz_gemms = [f for f in functions if "dz_gemm_kernel" in f.split("\n", 1)[0]]
-    assert len(dz_gemms) == 6, f"expected 6 dz GEMM kernels, got {len(dz_gemms)}"
+    # kernel C: bf16 / fp16 x (grad_weight in fp32, in place), each kernel holding both dz GEMMs (grad_hidden's tiles,
+    # then grad_weight's, in one launch), dz formed in the kernel from the fp16 store
+    dz_gemms = [f for f in functions if "dz_gemms_kernel" in f.split("\n", 1)[0]]
+    assert len(dz_gemms) == 4, f"expected 4 dz GEMM kernels, got {len(dz_gemms)}"
     for f in dz_gemms:
         head = f.split("\n", 1)[0][:80]
         for instruction, what in (("HGMMA", "WGMMA"), ("UTMALDG", "TMA load"), ("MUFU.EX2", "exp2 of dz's p"),
@@ -391,18 +414,23 @@ def test_sass_has_wgmma_and_tma():
                                   ("FENCE.VIEW.ASYNC.S", "the proxy fence before WGMMA reads dz"),
                                   ("LDS.128", "16-byte load of the fp16 logits chunk")):  # fmt: skip
             assert instruction in f, f"{head}: no {what} ({instruction})"
+        # both GEMMs' main loops are there: four m64n256k16 WGMMAs per K tile in each (measured: 8 lines)
+        assert f.count("HGMMA") >= 8, f"{head}: {f.count('HGMMA')} HGMMA lines, not two GEMMs' worth"
     # the in-place epilogue (a template flag: DzConfig<..., true> in the mangled name, "Lb1E") reads and writes
-    # the 16-bit gradient buffer 4 bytes at a time (two columns) and packs the rounded pair (F2FP); the fp32 one
-    # moves 8 bytes; each thread's 64 column pairs add 64 packs per epilogue copy to the dz chunks' (added into and
-    # written over: measured 160 against 32)
+    # the 16-bit gradient buffer 4 bytes at a time (two columns) and packs the rounded pair (F2FP); fp32 outputs
+    # move 8 bytes (grad_hidden's in every kernel: measured 128 8-byte stores per GEMM, two epilogue copies of 64
+    # column pairs); each thread's 64 column pairs add 64 packs per epilogue copy to the dz chunks' (added into and
+    # written over: measured 192 against 64)
     heads = {f.split("\n", 1)[0]: f for f in dz_gemms}
     in_place = {h: f for h, f in heads.items() if "Lb1E" in h}
     assert len(in_place) == 2, f"expected the bf16 and fp16 in-place grad_weight kernels, got {len(in_place)}"
     for head, f in in_place.items():
         fp32_twin = heads[head.replace("Lb1E", "Lb0E")]
-        assert re.search(r"STG\.E ", f), f"{head[:80]}: no 4-byte store of the rounded pair"
-        assert "STG.E.64" not in f, f"{head[:80]}: an 8-byte (fp32 pair) store in the in-place epilogue"
-        assert "STG.E.64" in fp32_twin, f"{head[:80]}: its fp32 twin has no 8-byte store"
+        four, twin_four = len(re.findall(r"STG\.E ", f)), len(re.findall(r"STG\.E ", fp32_twin))
+        eight, twin_eight = f.count("STG.E.64"), fp32_twin.count("STG.E.64")
+        assert four > 0 and twin_four == 0, f"{head[:80]}: 4-byte stores {four}, its fp32 twin {twin_four}"
+        assert 0 < eight < twin_eight, (
+            f"{head[:80]}: {eight} 8-byte stores against its fp32 twin's {twin_eight}: grad_hidden's alone expected")
         packs, twin_packs = f.count("F2FP"), fp32_twin.count("F2FP")
         assert packs >= twin_packs + 2 * 64, (
             f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: not two rounding epilogues (added into, written over)")
@@ -580,23 +608,25 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     lib = cutlass.load(LIB, CSRC)
     assert lib is not None
 
-    def dz_gemm(n=256, vocab=1000, hidden=64, ld_diff=1000, ld_operand=64, ld_out=64, diff=16, operand=16, out=16,
-                coef=16, op=0, dtype=1, out_16bit=0):  # fmt: skip
-        code = lib.grpo_csrc_lm_head_bwd_dz_gemm(op, dtype, diff, ld_diff, 16, 16, operand, ld_operand, out, ld_out,
-                                                 out_16bit, 0, coef, 16, None, n, vocab, hidden, 0, 0.0, 1.0, 8, 0)  # fmt: skip
+    def dz_gemms(n=256, vocab=1000, hidden=64, ld_diff=1000, ld_weight=64, ld_hidden=64, ld_gh=64, ld_gw=64,
+                 diff=16, weight=16, x=16, gh=16, gw=16, coef=16, dtype=1, gw_16bit=0):  # fmt: skip
+        code = lib.grpo_csrc_lm_head_bwd_dz_gemms(dtype, diff, ld_diff, 16, 16, weight, ld_weight, x, ld_hidden, gh,
+                                                  ld_gh, 0, gw, ld_gw, gw_16bit, 0, coef, 16, None, n, vocab, hidden,
+                                                  0, 0.0, 1.0, 8, 0)  # fmt: skip
         return code, lib.grpo_csrc_last_error().decode()
 
-    assert dz_gemm(n=0) == (1, "empty problem")
-    assert dz_gemm(vocab=0) == (1, "empty problem")
-    assert dz_gemm(n=2**31) == (1, "sizes must be below 2^31")
-    for bad in ({"hidden": 60}, {"ld_diff": 1001}, {"ld_operand": 68}, {"ld_out": 63}):
-        code, why = dz_gemm(**bad)
-        assert code == 1 and why.startswith("H, ld_diff and ld_operand must be multiples of 8"), (bad, why)
-    for bad in ({"diff": 8}, {"operand": 24}, {"out": 4}, {"coef": 8}, {"op": 1, "out_16bit": 1, "out": 2}):
-        code, why = dz_gemm(**bad)
+    assert dz_gemms(n=0) == (1, "empty problem")
+    assert dz_gemms(vocab=0) == (1, "empty problem")
+    assert dz_gemms(n=2**31) == (1, "sizes must be below 2^31")
+    assert dz_gemms(gh=None, gw=None) == (1, "no output: grad_hidden and grad_weight are null")
+    for bad in ({"hidden": 60}, {"ld_diff": 1001}, {"ld_weight": 68}, {"ld_hidden": 68}, {"ld_gh": 63},
+                {"ld_gw": 63}):  # fmt: skip
+        code, why = dz_gemms(**bad)
+        assert code == 1 and why.startswith("H, ld_diff, ld_weight and ld_hidden must be multiples of 8"), (bad, why)
+    for bad in ({"diff": 8}, {"weight": 24}, {"x": 24}, {"gh": 4}, {"gw": 4}, {"coef": 8},
+                {"gw_16bit": 1, "gw": 2}):  # fmt: skip
+        code, why = dz_gemms(**bad)
         assert code == 1 and why.startswith("misaligned pointer"), (bad, why)
-    assert dz_gemm(out_16bit=1) == (1, "out_16bit is for grad_weight (op 1) only: grad_hidden is fp32")
-    assert dz_gemm(op=2) == (1, "unsupported op / dtype (op 0 grad_hidden, 1 grad_weight; dtype 1 bf16, 2 fp16)")
-    assert dz_gemm(dtype=3)[0] == 1
+    assert dz_gemms(dtype=3) == (1, "unsupported dtype (1 bf16, 2 fp16)")
     code = lib.grpo_csrc_lm_head_bwd_token_coef(16, 16, None, None, 16, 1.0, None, 0, 16, 16, 0)
     assert code == 1 and lib.grpo_csrc_last_error().decode() == "n_tokens must be in [1, 2^31)"

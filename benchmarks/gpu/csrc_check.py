@@ -16,13 +16,15 @@ Timing (only if every check passed): N = --n (16384), H = 4096, V = 151936, bf16
   torch.mm (cuBLAS, bf16 out [N, V]), and the training forward storing fp16 logits (csrc cooperative, Triton
   kernel A), each timed with CUDA events after a warm-up; median / p20 / p80 ms and
   TF/s (2 N H V flops); summary: the best csrc row and its ratio to the cuBLAS GEMM (the target: <= 1.0).
-Kernel C (the backward's dz GEMMs, ABI 5; judged apart from kernel A): backward_checks, csrc against its torch spec
-  (cutlass.dz_gemms_reference) on the device on the same fp16 store, small heads and the target head (N = 512),
-  per element within a derived bound, and the in-place grad_weight (16-bit buffer) exactly the fp32 sum rounded
-  once; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass chunk at the target head):
-  csrc's two dz GEMMs against the two cuBLAS GEMMs of the same shapes (the floor, dz given in bf16), and the
-  in-place grad_weight GEMM against cuBLAS's addmm into the bf16 buffer, interleaved the same way (the whole
-  fused loss is the headline's grpo_kernels-csrc-one-pass-dz-inplace and grpo_kernels-csrc-one-pass-dz).
+Kernel C (the backward's dz GEMMs, ABI 6: both in one launch; judged apart from kernel A): backward_checks, csrc
+  against its torch spec (cutlass.dz_gemms_reference) on the device on the same fp16 store, small heads and the
+  target head (N = 512), per element within a derived bound, and the in-place grad_weight (16-bit buffer) exactly
+  the fp32 sum rounded once; then backward_timings at one chunk (--backward-n 2432 tokens, the one-pass chunk at
+  the target head): csrc's two dz GEMMs against the two cuBLAS GEMMs of the same shapes (the floor, dz given in
+  bf16), each alone (two launches, against one: csrc_two_launches_to_one beside the count of
+  cutlass.dz_gemms_makespan), and the in-place grad_weight GEMM against cuBLAS's addmm into the bf16 buffer,
+  interleaved the same way (the whole fused loss is the headline's grpo_kernels-csrc-one-pass-dz-inplace and
+  grpo_kernels-csrc-one-pass-dz).
 Expected duration on an H100 / H200: ~1-2 min (build-free: the library is loaded, no compile).
 """
 
@@ -187,7 +189,7 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
 
 
 def backward_checks(lib, device):
-    """Kernel C (ABI 5): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
+    """Kernel C (ABI 6): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
     same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
     fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
     K products in fp32 in different orders: per element |csrc - spec| <= (u_op + 2 K u32) (|dz| @ |operand|) + 2 u32
@@ -274,6 +276,7 @@ def backward_timings(lib, device, n, repeats):
     No Triton row (its JIT would cost the part ~10-20 s): today's default against kernel C is the headline's
     `grpo_kernels` against `grpo_kernels-csrc-one-pass-dz` (the whole fused loss)."""
     h, v = 4096, 151936
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     hidden = (torch.randn(n, h, device=device) * 0.5).bfloat16()
     weight = (torch.randn(v, h, device=device) * 0.02).bfloat16()
     targets = torch.randint(0, v, (n,), device=device)
@@ -302,7 +305,13 @@ def backward_timings(lib, device, n, repeats):
                "csrc_grad_hidden_to_cublas": out["csrc_dz_grad_hidden"]["median_ms"] / out["cublas_grad_hidden"]["median_ms"],
                "csrc_grad_weight_to_cublas": out["csrc_dz_grad_weight"]["median_ms"] / out["cublas_grad_weight"]["median_ms"],
                "csrc_grad_weight_in_place_to_cublas": out["csrc_dz_grad_weight_in_place"]["median_ms"]
-               / out["cublas_grad_weight_in_place"]["median_ms"]}  # fmt: skip
+               / out["cublas_grad_weight_in_place"]["median_ms"],
+               # ABI 6 runs both GEMMs in one launch: the two alone (two launches) over both, against the count of
+               # cutlass.dz_gemms_makespan on this GPU's SMs (the tail of grad_hidden's last wave filled)
+               "csrc_two_launches_to_one": (out["csrc_dz_grad_hidden"]["median_ms"]
+                                            + out["csrc_dz_grad_weight"]["median_ms"]) / out["csrc_dz_both"]["median_ms"],
+               "counted_two_launches_to_one": cutlass.dz_gemms_makespan(n, v, h, sms, one_launch=False)
+               / cutlass.dz_gemms_makespan(n, v, h, sms)}  # fmt: skip
     return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
 
 

@@ -37,9 +37,10 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 5  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
+ABI_VERSION = 6  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
 # grad_weight summed in place into a 16-bit gradient buffer (out_16bit); 5: grad_weight overwritten where accumulate
-# is 0 (a 4 library would add into the caller's uninitialised buffer: refused)
+# is 0 (a 4 library would add into the caller's uninitialised buffer: refused); 6: both dz GEMMs in one launch
+# (grpo_csrc_lm_head_bwd_dz_gemms, in place of one grpo_csrc_lm_head_bwd_dz_gemm call per GEMM)
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -123,13 +124,15 @@ def _declare(lib) -> None:
         c_i64, c_p, c_p, c_u64,  # N coef target stream
     ]
     lib.grpo_csrc_lm_head_bwd_token_coef.restype = c_int
-    lib.grpo_csrc_lm_head_bwd_dz_gemm.argtypes = [
-        c_int, c_int, c_p, c_i64, c_p, c_i64,  # op dtype diff ld_diff offset ld_offset
-        c_p, c_i64, c_p, c_i64, c_int, c_int,  # operand ld_operand out ld_out out_16bit accumulate
+    lib.grpo_csrc_lm_head_bwd_dz_gemms.argtypes = [
+        c_int, c_p, c_i64, c_p, c_i64,  # dtype diff ld_diff offset ld_offset
+        c_p, c_i64, c_p, c_i64,  # weight ld_weight hidden ld_hidden
+        c_p, c_i64, c_int,  # grad_hidden ld_grad_hidden accumulate_hidden
+        c_p, c_i64, c_int, c_int,  # grad_weight ld_grad_weight grad_weight_16bit accumulate_weight
         c_p, c_p, c_p,  # coef target inv_scale
         c_i64, c_i64, c_i64, c_int, c_f, c_f, c_int, c_u64,  # N V H has_softcap cap_in cap_out group_m stream
     ]
-    lib.grpo_csrc_lm_head_bwd_dz_gemm.restype = c_int
+    lib.grpo_csrc_lm_head_bwd_dz_gemms.restype = c_int
 
 
 def load(path: Path | None = None, src_dir: Path = _SRC_DIR):
@@ -374,7 +377,10 @@ def dz_gemms_if_applies(**args) -> bool:
 def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_logit, grad_logprobs, grad_entropy,
                   inv_temperature, softcap, dz_scale, grad_hidden_out, accumulate_hidden, grad_weight_acc,
                   accumulate_weight=True, group_m: int = 8):  # fmt: skip
-    """csrc's kernel C: token_coef_kernel, then one dz GEMM per wanted gradient, on torch's current stream."""
+    """csrc's kernel C: token_coef_kernel, then the wanted dz GEMMs in one launch (grad_hidden's tiles first, so
+    grad_weight's short tiles fill the SMs its last wave leaves: `dz_gemms_makespan`), on torch's current stream."""
+    if grad_hidden_out is None and grad_weight_acc is None:
+        return
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -393,15 +399,39 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
               ptr(grad_entropy), targets.data_ptr(), inv_temperature, ptr(dz_scale), n_tokens, coef.data_ptr(),
               target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
-        for op, operand, out, accumulate in ((0, weight, grad_hidden_out, accumulate_hidden),
-                                             (1, hidden, grad_weight_acc, accumulate_weight)):  # fmt: skip
-            if out is None:
-                continue
-            _call(lib, "grpo_csrc_lm_head_bwd_dz_gemm", op, DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
-                  offset.data_ptr(), offset.stride(0), operand.data_ptr(), operand.stride(0), out.data_ptr(),
-                  out.stride(0), int(out.dtype != torch.float32), int(accumulate), coef.data_ptr(),
-                  target.data_ptr(), inv_scale, n_tokens, vocab, hidden_size, has_softcap, cap_in, cap_out, group_m,
-                  stream)  # fmt: skip
+        gh, gw = grad_hidden_out, grad_weight_acc
+        _call(lib, "grpo_csrc_lm_head_bwd_dz_gemms", DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
+              offset.data_ptr(), offset.stride(0), weight.data_ptr(), weight.stride(0), hidden.data_ptr(),
+              hidden.stride(0), ptr(gh), 0 if gh is None else gh.stride(0), int(accumulate_hidden), ptr(gw),
+              0 if gw is None else gw.stride(0), int(gw is not None and gw.dtype != torch.float32),
+              int(accumulate_weight), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab, hidden_size,
+              has_softcap, cap_in, cap_out, group_m, stream)  # fmt: skip
+
+
+def dz_gemms_makespan(n_tokens: int, vocab: int, hidden_size: int, sms: int = 132, *, one_launch: bool = True,
+                      tile: tuple[int, int, int] = (128, 256, 64)) -> int:
+    """Kernel C's time in K-tile steps of one CTA (one 128 x 256 x 64 WGMMA tile: ~1,024 tensor-core cycles),
+    counted, not measured: each CTA holds one SM (230 KB of shared memory) for as many steps as its GEMM's K has
+    tiles; CTAs start in index order on the first free SM (a greedy list schedule). grad_hidden's tiles (ceil(N / BM)
+    x ceil(H / BN), each over K = V) come first, grad_weight's (ceil(V / BM) x ceil(H / BN), K = N) after them: in
+    one launch (`one_launch`, what csrc does since ABI 6) grad_weight's tiles start on the SMs grad_hidden's last
+    wave leaves free; as two launches on one stream the second starts when the first has ended. Prologue and
+    epilogue time are not counted (the same CTAs either way)."""
+    import heapq
+
+    bm, bn, bk = tile
+    tiles_n = -(-hidden_size // bn)
+    gemms = [(-(-n_tokens // bm) * tiles_n, -(-vocab // bk)), (-(-vocab // bm) * tiles_n, -(-n_tokens // bk))]
+    end = 0
+    free = [0] * sms  # when each SM is next free, a min-heap
+    for count, steps in gemms:
+        if not one_launch:
+            free = [end] * sms  # stream order: the launch waits for the previous one to end
+        for _ in range(count):
+            start = heapq.heappop(free)
+            heapq.heappush(free, start + steps)
+            end = max(end, start + steps)
+    return end
 
 
 # ---------------------------------------------------------------------------------------------------------
