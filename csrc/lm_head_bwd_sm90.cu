@@ -361,6 +361,12 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   // ADD_OLD (a.accumulate): add into out, or overwrite it (the first chunk: no zero-fill, no read). Chosen once
   // around two copies of the unrolled stores: a run-time test per element made ptxas spill 4 bytes in every
   // grad_weight kernel at the 168-register cap (csrc/README.md, "Register budget")
+  // One output row's pairs as stored: two fp32 values, or two 16-bit ones in place.
+  using StoredPair = cute::conditional_t<Cfg::IN_PLACE, typename P16::T, float2>;
+  auto widen = [](StoredPair p) {
+    if constexpr (Cfg::IN_PLACE) return P16::widen(p);
+    else return p;
+  };
   auto store_tile = [&](auto add_old) {
     constexpr bool ADD_OLD = decltype(add_old)::value;
     CUTLASS_PRAGMA_UNROLL
@@ -369,32 +375,42 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
       for (int r = 0; r < R; ++r) {
         int const row = m_blk * BM + int(get<0>(tCcC(make_coord(make_coord(0, r, 0), mi, 0))));
         if (row >= M) continue;
-        Out* out_row = static_cast<Out*>(a.out) + int64_t(row) * a.ld_out;
+        StoredPair* out_row = reinterpret_cast<StoredPair*>(static_cast<Out*>(a.out) + int64_t(row) * a.ld_out);
+        auto col_of = [&](int ni, int v2) {
+          return n_blk * BN + int(get<1>(tCcC(make_coord(make_coord(0, r, v2), mi, ni))));
+        };
+        // ADD_OLD: the old pairs are loaded in batches of BATCH before the batch's first store, so BATCH loads are in
+        // flight together. Loaded and stored pair by pair, each load waited behind the previous store (ptxas cannot
+        // prove two rows' addresses apart: ld_out is a run-time value): 64 memory round trips in sequence per
+        // thread, about as long as a 38-step grad_weight main loop. BATCH: as many as the 168-register allocation
+        // holds beside the fp32 accumulators without a spill (a whole row, 32 fp32 pairs, spilled 28 bytes)
+        constexpr int PAIRS = MN * V2;
+        constexpr int BATCH = Cfg::IN_PLACE ? 32 : 16;
+        static_assert(PAIRS % BATCH == 0 || PAIRS < BATCH, "whole batches");
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < MN; ++ni) {
+        for (int b0 = 0; b0 < PAIRS; b0 += BATCH) {
+          StoredPair old[BATCH];
+          if constexpr (ADD_OLD) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < BATCH && b0 + j < PAIRS; ++j) {
+              int const col = col_of((b0 + j) / V2, (b0 + j) % V2);
+              if (col < N) old[j] = out_row[col / 2];
+            }
+          }
           CUTLASS_PRAGMA_UNROLL
-          for (int v2 = 0; v2 < V2; ++v2) {
-            int const col = n_blk * BN + int(get<1>(tCcC(make_coord(make_coord(0, r, v2), mi, ni))));
+          for (int j = 0; j < BATCH && b0 + j < PAIRS; ++j) {
+            int const ni = (b0 + j) / V2, v2 = (b0 + j) % V2;
+            int const col = col_of(ni, v2);
             if (col >= N) continue;  // N is a multiple of 8: the pair (col, col + 1) is inside or outside together
             float2 v = make_float2(acc(make_coord(make_coord(0, r, v2), mi, ni)) * inv_s,
                                    acc(make_coord(make_coord(1, r, v2), mi, ni)) * inv_s);
-            if constexpr (Cfg::IN_PLACE) {
-              auto* at = reinterpret_cast<typename P16::T*>(out_row + col);
-              if constexpr (ADD_OLD) {
-                float2 const old = P16::widen(*at);
-                v.x += old.x;
-                v.y += old.y;
-              }
-              *at = P16::round(v);
-            } else {
-              float2* at = reinterpret_cast<float2*>(out_row + col);
-              if constexpr (ADD_OLD) {
-                float2 const old = *at;
-                v.x += old.x;
-                v.y += old.y;
-              }
-              *at = v;
+            if constexpr (ADD_OLD) {
+              float2 const o = widen(old[j]);
+              v.x += o.x;
+              v.y += o.y;
             }
+            if constexpr (Cfg::IN_PLACE) out_row[col / 2] = P16::round(v);
+            else out_row[col / 2] = v;
           }
         }
       }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import gzip
+import itertools
 import os
 import re
 import shutil
@@ -416,6 +417,19 @@ def test_sass_has_wgmma_and_tma():
             assert instruction in f, f"{head}: no {what} ({instruction})"
         # both GEMMs' main loops are there: four m64n256k16 WGMMAs per K tile in each (measured: 8 lines)
         assert f.count("HGMMA") >= 8, f"{head}: {f.count('HGMMA')} HGMMA lines, not two GEMMs' worth"
+    # the accumulating epilogues load the old values in batches before storing (csrc/README.md, "Adding into the
+    # output"): every run of 8-byte global loads (fp32 pairs: grad_hidden, and grad_weight in fp32) is 16 long, and
+    # the in-place kernels load 32 16-bit pairs (4-byte loads) in a row before their 4-byte stores. Alternating one
+    # by one (the seventh session's build: runs of 1) made a thread wait for 64 memory round trips in sequence.
+    for f in dz_gemms:
+        head = f.split("\n", 1)[0][:80]
+        ops = re.findall(r"\b(LDG\.E(?:\.64|\.128)?|STG\.E(?:\.64)?)\s", f)
+        runs = [(op, len(list(group))) for op, group in itertools.groupby(ops)]
+        wide_loads = [k for op, k in runs if op == "LDG.E.64"]
+        assert wide_loads and min(wide_loads) >= 16, f"{head}: runs of 8-byte loads {wide_loads}, not batches of 16"
+        if "Lb1E" in head:
+            batched = [k for (op, k), (nxt, _) in zip(runs, runs[1:]) if op == "LDG.E" and nxt == "STG.E"]
+            assert batched and min(batched) >= 32, f"{head}: runs of 4-byte loads before 4-byte stores {batched}"
     # the in-place epilogue (a template flag: DzConfig<..., true> in the mangled name, "Lb1E") reads and writes
     # the 16-bit gradient buffer 4 bytes at a time (two columns) and packs the rounded pair (F2FP); fp32 outputs
     # move 8 bytes (grad_hidden's in every kernel: measured 128 8-byte stores per GEMM, two epilogue copies of 64
