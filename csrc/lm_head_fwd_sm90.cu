@@ -194,31 +194,46 @@ class StatsEpilogue {
         mx[mi][r] = RUN_MAX_INIT;
       }
     }
+    // This thread's columns c = (ni V2 + v2) V0 + v0, in the order of the loops they replaced. With a bias, its
+    // values are loaded BIAS_BATCH columns at a time before their elements are formed: loaded column by column,
+    // each load waited behind the previous column's (possible) target-logit store, its latency paid 64 times in
+    // sequence per thread (the SASS: loads and stores alternating one by one).
+    constexpr int COLS = MN * V2 * V0;
+    constexpr int BIAS_BATCH = 8;
+    static_assert(COLS % BIAS_BATCH == 0, "whole batches");
     CUTLASS_PRAGMA_UNROLL
-    for (int ni = 0; ni < MN; ++ni) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int v2 = 0; v2 < V2; ++v2) {
+    for (int c0 = 0; c0 < COLS; c0 += BIAS_BATCH) {
+      float bias_batch[BIAS_BATCH];
+      if constexpr (MODE != 0) {
         CUTLASS_PRAGMA_UNROLL
-        for (int v0 = 0; v0 < V0; ++v0) {
-          int const col = int(get<1>(tCcD(make_coord(make_coord(v0, 0, v2), 0, ni))));
+        for (int j = 0; j < BIAS_BATCH; ++j) {
+          int const c = c0 + j;
+          int const col = int(get<1>(tCcD(make_coord(make_coord(c % V0, 0, (c / V0) % V2), 0, c / (V0 * V2)))));
           bool const col_ok = col < p.vocab;
-          float b = 0.f;
-          if constexpr (MODE == 1) b = col_ok ? fmaxf(load_bias(p, col) * p.inv_temperature, NEG_BIG) : 0.f;
-          if constexpr (MODE == 2) b = (p.bias && col_ok) ? load_bias(p, col) : 0.f;
+          if constexpr (MODE == 1) bias_batch[j] = col_ok ? fmaxf(load_bias(p, col) * p.inv_temperature, NEG_BIG) : 0.f;
+          if constexpr (MODE == 2) bias_batch[j] = (p.bias && col_ok) ? load_bias(p, col) : 0.f;
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < BIAS_BATCH; ++j) {
+        int const c = c0 + j;
+        int const v0 = c % V0, v2 = (c / V0) % V2, ni = c / (V0 * V2);
+        int const col = int(get<1>(tCcD(make_coord(make_coord(v0, 0, v2), 0, ni))));
+        bool const col_ok = col < p.vocab;
+        float const b = MODE == 0 ? 0.f : bias_batch[j];
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < MM; ++mi) {
           CUTLASS_PRAGMA_UNROLL
-          for (int mi = 0; mi < MM; ++mi) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < R; ++r) {
-              auto idx = make_coord(make_coord(v0, r, v2), mi, ni);
-              float zz;
-              if constexpr (MODE == 2) zz = softcap(z(idx) + b, p.cap_in, p.cap_out);
-              else if constexpr (MODE == 1) zz = fmaf(z(idx), p.inv_temperature, b);
-              else zz = z(idx) * p.inv_temperature;
-              zz = col_ok ? zz : PAD_LOGIT;
-              if (col_ok && col == target[mi][r]) p.target_logit[get<0>(tCcD(idx))] = zz;  // one element of the grid
-              z(idx) = zz;
-              mx[mi][r] = fmaxf(mx[mi][r], zz);
-            }
+          for (int r = 0; r < R; ++r) {
+            auto idx = make_coord(make_coord(v0, r, v2), mi, ni);
+            float zz;
+            if constexpr (MODE == 2) zz = softcap(z(idx) + b, p.cap_in, p.cap_out);
+            else if constexpr (MODE == 1) zz = fmaf(z(idx), p.inv_temperature, b);
+            else zz = z(idx) * p.inv_temperature;
+            zz = col_ok ? zz : PAD_LOGIT;
+            if (col_ok && col == target[mi][r]) p.target_logit[get<0>(tCcD(idx))] = zz;  // one element of the grid
+            z(idx) = zz;
+            mx[mi][r] = fmaxf(mx[mi][r], zz);
           }
         }
       }

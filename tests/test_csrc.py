@@ -404,6 +404,13 @@ def test_sass_has_wgmma_and_tma():
         assert "HGMMA" in f, f"{head}: no WGMMA (HGMMA) instruction"
         assert "UTMALDG" in f, f"{head}: no TMA load (UTMALDG)"
         assert "F2FP" in f, f"{head}: no fp32 -> fp16 pack (F2FP): the training forward's fp16 store is missing"
+        # the bias is loaded 8 columns at a time (two 16-bit loads per column: the bf16 and fp16 branches of
+        # load_bias) between the target-logit stores, not one column per store (csrc/README.md, kernel A)
+        ops = re.findall(r"\b(LDG\.E(?:\.U16|\.64|\.128)?|STG\.E(?:\.64)?)\s", f)
+        between_stores = [[op for op in group] for is_store, group in itertools.groupby(ops, lambda o: o[0] == "S")
+                          if not is_store]  # fmt: skip
+        bias_runs = [run.count("LDG.E.U16") for run in between_stores if "LDG.E.U16" in run]
+        assert bias_runs and min(bias_runs) >= 16, f"{head}: 16-bit bias loads between stores {bias_runs[:8]}"
     # kernel C: bf16 / fp16 x (grad_weight in fp32, in place), each kernel holding both dz GEMMs (grad_hidden's tiles,
     # then grad_weight's, in one launch), dz formed in the kernel from the fp16 store
     dz_gemms = [f for f in functions if "dz_gemms_kernel" in f.split("\n", 1)[0]]
