@@ -348,7 +348,8 @@ def test_kernel_c_one_launch_fills_the_tail_of_grad_hidden():
     few tiles over the whole vocabulary, grad_weight many short ones. At the target head (H 4096, V 151,936) on
     132 SMs, a 2,432-token chunk: grad_hidden 19 x 16 = 304 tiles of 2,374 steps (3 waves, the third on 40 SMs),
     grad_weight 1,187 x 16 = 18,992 tiles of 38 steps (144 waves). Two launches: 3 x 2,374 + 144 x 38 steps; one:
-    within a step or two of the work bound, since grad_weight's tiles start on the 92 SMs the third wave leaves."""
+    within one grad_weight tile (38 steps) of the work bound, since grad_weight's tiles start on the 92 SMs the
+    third wave leaves."""
     v, h, sms = 151936, 4096, 132
     two = cutlass.dz_gemms_makespan(2432, v, h, sms, one_launch=False)
     one = cutlass.dz_gemms_makespan(2432, v, h, sms)
@@ -407,7 +408,7 @@ def test_sass_has_wgmma_and_tma():
         # the bias is loaded 8 columns at a time (two 16-bit loads per column: the bf16 and fp16 branches of
         # load_bias) between the target-logit stores, not one column per store (csrc/README.md, kernel A)
         ops = re.findall(r"\b(LDG\.E(?:\.U16|\.64|\.128)?|STG\.E(?:\.64)?)\s", f)
-        between_stores = [[op for op in group] for is_store, group in itertools.groupby(ops, lambda o: o[0] == "S")
+        between_stores = [list(group) for is_store, group in itertools.groupby(ops, lambda o: o[0] == "S")
                           if not is_store]  # fmt: skip
         bias_runs = [run.count("LDG.E.U16") for run in between_stores if "LDG.E.U16" in run]
         assert bias_runs and min(bias_runs) >= 16, f"{head}: 16-bit bias loads between stores {bias_runs[:8]}"

@@ -293,7 +293,7 @@ def backward_timings(lib, device, n, repeats):
         "csrc_dz_grad_hidden": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_weight_acc=None)),
         "csrc_dz_grad_weight": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_hidden_out=None)),
         # the first chunk's epilogue (written over, nothing read): against the row above, the cost of adding into the
-        # fp32 accumulator (its loads batched since the eighth session: csrc/README.md)
+        # fp32 accumulator (its loads batched: csrc/README.md, "Adding into the output")
         "csrc_dz_grad_weight_overwrite": lambda: cutlass.dz_gemms_csrc(lib, **dict(args, grad_hidden_out=None,
                                                                                    accumulate_weight=False)),
         "cublas_grad_hidden": lambda: torch.mm(dz, weight, out=out_h),
@@ -310,10 +310,11 @@ def backward_timings(lib, device, n, repeats):
                "csrc_grad_weight_to_cublas": out["csrc_dz_grad_weight"]["median_ms"] / out["cublas_grad_weight"]["median_ms"],
                "csrc_grad_weight_in_place_to_cublas": out["csrc_dz_grad_weight_in_place"]["median_ms"]
                / out["cublas_grad_weight_in_place"]["median_ms"],
-               # ABI 6 runs both GEMMs in one launch: the two alone (two launches) over both, against the count of
-               # cutlass.dz_gemms_makespan on this GPU's SMs (the tail of grad_hidden's last wave filled)
+               # what adding into the fp32 accumulator costs over writing it (every chunk after a call's first)
                "csrc_grad_weight_add_to_overwrite": out["csrc_dz_grad_weight"]["median_ms"]
                / out["csrc_dz_grad_weight_overwrite"]["median_ms"],
+               # ABI 6 runs both GEMMs in one launch: the two alone (two launches) over both, against the count of
+               # cutlass.dz_gemms_makespan on this GPU's SMs (the tail of grad_hidden's last wave filled)
                "csrc_two_launches_to_one": (out["csrc_dz_grad_hidden"]["median_ms"]
                                             + out["csrc_dz_grad_weight"]["median_ms"]) / out["csrc_dz_both"]["median_ms"],
                "counted_two_launches_to_one": cutlass.dz_gemms_makespan(n, v, h, sms, one_launch=False)

@@ -24,6 +24,7 @@ spec that tests/test_csrc.py pins against the full-row float64 softmax and that 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import importlib.util
 import math
 import os
@@ -417,8 +418,6 @@ def dz_gemms_makespan(n_tokens: int, vocab: int, hidden_size: int, sms: int = 13
     one launch (`one_launch`, what csrc does since ABI 6) grad_weight's tiles start on the SMs grad_hidden's last
     wave leaves free; as two launches on one stream the second starts when the first has ended. Prologue and
     epilogue time are not counted (the same CTAs either way)."""
-    import heapq
-
     bm, bn, bk = tile
     tiles_n = -(-hidden_size // bn)
     gemms = [(-(-n_tokens // bm) * tiles_n, -(-vocab // bk)), (-(-vocab // bm) * tiles_n, -(-n_tokens // bk))]
