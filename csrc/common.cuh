@@ -1,7 +1,8 @@
 // What kernels A (lm_head_fwd_sm90.cu) and C (lm_head_bwd_sm90.cu) share: the exp they use, the fp16 store's
-// group width, and the library's one error buffer behind grpo_csrc_last_error().
+// group width, the library's one error buffer behind grpo_csrc_last_error() and the entry points' size check.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 
 #include "cutlass/cutlass.h"
@@ -24,6 +25,15 @@ inline thread_local char g_error[512] = "";
 inline int fail(char const* what) {
   std::snprintf(g_error, sizeof(g_error), "%s", what);
   return 1;
+}
+
+// The LM-head problem's sizes (tokens, vocabulary, hidden) as the kernels index them (int): nonzero, with the
+// refusal recorded, unless each is in [1, 2^31).
+inline int check_problem_size(int64_t n_tokens, int64_t vocab, int64_t hidden_size) {
+  if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
+  if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
+    return fail("sizes must be below 2^31");
+  return 0;
 }
 
 }  // namespace grpo_csrc

@@ -45,6 +45,7 @@ namespace grpo_csrc_bwd {
 
 using namespace cute;
 using grpo_csrc::ex2_approx;
+using grpo_csrc::check_problem_size;
 using grpo_csrc::fail;
 using grpo_csrc::LOG2E;
 using grpo_csrc::STORED_GROUP;
@@ -358,15 +359,15 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   constexpr int MM = size<1>(decltype(acc.layout()){}), MN = size<2>(decltype(acc.layout()){});
   using Out = cute::conditional_t<Cfg::IN_PLACE, Element, float>;
   using P16 = Pair16<Element>;
-  // ADD_OLD (a.accumulate): add into out, or overwrite it (the first chunk: no zero-fill, no read). Chosen once
-  // around two copies of the unrolled stores: a run-time test per element made ptxas spill 4 bytes in every
-  // grad_weight kernel at the 168-register cap (csrc/README.md, "Register budget")
   // One output row's pairs as stored: two fp32 values, or two 16-bit ones in place.
   using StoredPair = cute::conditional_t<Cfg::IN_PLACE, typename P16::T, float2>;
   auto widen = [](StoredPair p) {
     if constexpr (Cfg::IN_PLACE) return P16::widen(p);
     else return p;
   };
+  // ADD_OLD (a.accumulate): add into out, or overwrite it (the first chunk: no zero-fill, no read). Chosen once
+  // around two copies of the unrolled stores: a run-time test per element made ptxas spill 4 bytes in every
+  // grad_weight kernel at the 168-register cap (csrc/README.md, "Register budget")
   auto store_tile = [&](auto add_old) {
     constexpr bool ADD_OLD = decltype(add_old)::value;
     CUTLASS_PRAGMA_UNROLL
@@ -576,9 +577,7 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t
                                             void const* coef, int const* target, float const* inv_scale,
                                             int64_t n_tokens, int64_t vocab, int64_t hidden_size, int has_softcap,
                                             float cap_in, float cap_out, int group_m, uint64_t stream) {
-  if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
-  if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
-    return fail("sizes must be below 2^31");
+  if (check_problem_size(n_tokens, vocab, hidden_size)) return 1;
   if (grad_hidden == nullptr && grad_weight == nullptr) return fail("no output: grad_hidden and grad_weight are null");
   if (hidden_size % 8 || ld_diff % 8 || ld_weight % 8 || ld_hidden % 8 || ld_grad_hidden % 2 || ld_grad_weight % 2)
     return fail("H, ld_diff, ld_weight and ld_hidden must be multiples of 8 elements, the outputs' strides even (TMA, "

@@ -414,9 +414,7 @@ GRPO_API int grpo_csrc_lm_head_fwd_partials(int variant, int dtype, void const* 
                                    float* part_dev, float* target_logit, void* diff, int64_t ld_diff, float* offset,
                                    int64_t ld_offset, int raster, int swizzle, void* workspace,
                                    size_t workspace_bytes, uint64_t stream) {
-  if (n_tokens <= 0 || vocab <= 0 || hidden_size <= 0) return fail("empty problem");
-  if (n_tokens >= (int64_t(1) << 31) || vocab >= (int64_t(1) << 31) || hidden_size >= (int64_t(1) << 31))
-    return fail("sizes must be below 2^31");
+  if (check_problem_size(n_tokens, vocab, hidden_size)) return 1;
   StatsArgs stats;
   stats.part_max = part_max;
   stats.part_sum = part_sum;
