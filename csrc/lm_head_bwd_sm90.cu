@@ -40,6 +40,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "common.cuh"
+#include "tiles_sm90.cuh"
 
 namespace grpo_csrc_bwd {
 
@@ -48,7 +49,6 @@ using grpo_csrc::ex2_approx;
 using grpo_csrc::check_problem_size;
 using grpo_csrc::fail;
 using grpo_csrc::LOG2E;
-using grpo_csrc::STORED_GROUP;
 
 constexpr float DEAD_LSE = 0x1p105f;  // triton_common.py DEAD_LSE: p = exp(z - DEAD_LSE) = 0 for every stored z
 
@@ -58,50 +58,6 @@ struct alignas(16) TokenCoef {
   float c_lp;    // S g_lp / T (0 without grad_logprobs)
   float c_h;     // S g_H / T (0 without grad_entropy)
   float mean_z;  // E_p[z] (0 without grad_entropy)
-};
-
-enum class Op { GradHidden = 0, GradWeight = 1 };
-
-template <class Element_, Op OP_, int BN_, int STAGES_, bool IN_PLACE_ = false>
-struct DzConfig {
-  using Element = Element_;          // cutlass::bfloat16_t or cutlass::half_t: the operands and dz
-  using Stored = cutlass::half_t;    // the fp16 differences
-  static constexpr Op OP = OP_;
-  // grad_weight only: the output is the gradient buffer in Element, summed into in place (a compile-time path:
-  // a runtime branch in the epilogue costs the 168-register kernel a spill)
-  static constexpr bool IN_PLACE = IN_PLACE_;
-  static_assert(!IN_PLACE || OP == Op::GradWeight, "grad_hidden is always fp32");
-  // BK is the fp16 store's offset group: one offset per row per grad_hidden K tile (load_rows relies on it)
-  static constexpr int BM = 128, BN = BN_, BK = STORED_GROUP, STAGES = STAGES_, DZ_BUFFERS = 2;
-  static constexpr int THREADS = 384;
-  // grad_hidden: A = dz [tokens, vocab], K (vocabulary) contiguous in the stored rows -> K-major.
-  // grad_weight: A = dz^T [vocab, tokens], M (vocabulary) contiguous -> MN-major. B is MN-major in both:
-  // W [V, H] and X [N, H] have H (the GEMM's N) contiguous.
-  static constexpr bool A_K_MAJOR = OP == Op::GradHidden;
-  template <class T>
-  using AtomA = cute::conditional_t<A_K_MAJOR, GMMA::Layout_K_SW128_Atom<T>, GMMA::Layout_MN_SW128_Atom<T>>;
-  // MN-major atoms (64 x 8) are stacked along K first: a TMA box is then 64 x BK (8 KB), not 64 x 8
-  using OrderA = cute::conditional_t<A_K_MAJOR, Step<_1, _2, _3>, Step<_2, _1, _3>>;
-  using SmemLayoutL = decltype(tile_to_shape(AtomA<Stored>{}, make_shape(Int<BM>{}, Int<BK>{}, Int<STAGES>{}),
-                                             OrderA{}));
-  using SmemLayoutA = decltype(tile_to_shape(AtomA<Element>{}, make_shape(Int<BM>{}, Int<BK>{}, Int<DZ_BUFFERS>{}),
-                                             OrderA{}));
-  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                             make_shape(Int<BN>{}, Int<BK>{}, Int<STAGES>{}), Step<_2, _1, _3>{}));
-  static constexpr GMMA::Major MAJOR_A = A_K_MAJOR ? GMMA::Major::K : GMMA::Major::MN;
-  // two consumer warpgroups along M, each a 64 x BN x 16 WGMMA per k step
-  using TiledMma = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN>, Int<BK>>, MAJOR_A, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  static constexpr uint32_t TMA_BYTES = BM * BK * sizeof(Stored) + BN * BK * sizeof(Element);
-
-  struct SharedStorage {
-    cute::array_aligned<Stored, cosize_v<SmemLayoutL>, 1024> logits;
-    cute::array_aligned<Element, cosize_v<SmemLayoutA>, 1024> dz;
-    cute::array_aligned<Element, cosize_v<SmemLayoutB>, 1024> b;
-    alignas(16) uint64_t full[STAGES];
-    uint64_t empty[STAGES];
-  };
 };
 
 // Two adjacent 16-bit outputs as one 4-byte access: the in-place grad_weight epilogue's load and rounded store.
@@ -183,7 +139,7 @@ CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, float offset, TokenCoef const& c, in
   return out;
 }
 
-// The four tokens a consumer thread serves in one K tile (rows ct / 8 + 16 i of its warpgroup's 64): their
+// The four tokens a consumer thread serves in one K tile (first_token + chunk_token(wt, i), tiles_sm90.cuh): their
 // coefficients, targets and fp16-store offsets. Tokens past N are dead (p = 0, no target).
 struct TokenRows {
   TokenCoef coef[4];
@@ -191,13 +147,13 @@ struct TokenRows {
   float offset[4];
 };
 
-CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, int group, bool load_coef) {
+CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, int wt, int group, bool load_coef) {
   // a group past the vocabulary (grad_weight's last M tile, its second warpgroup when V % 128 <= 64) has no
   // offset: its columns are all >= V and masked, so 0 is read instead of the next row's first offset
   bool const group_ok = group * STORED_GROUP < a.vocab;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < 4; ++i) {
-    int const token = first_token + 16 * i;
+    int const token = first_token + chunk_token(wt, i);
     bool const ok = token < a.n_tokens;
     if (load_coef) {
       r.coef[i] = ok ? a.coef[token] : TokenCoef{DEAD_LSE, 0.f, 0.f, 0.f};
@@ -273,9 +229,7 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   cutlass::arch::warpgroup_reg_alloc<232>();
   int const cw = warpgroup - 1;              // rows [64 cw, 64 cw + 64) of the tile
   int const ct = int(threadIdx.x) - 128;     // 0..255, the tiled MMA's thread index
-  int const wt = ct % 128;                   // thread in the warpgroup
-  int const chunk = wt % 8;                  // its 8-column (16-byte) chunk of each row it serves
-  int const row0 = wt / 8;                   // its rows: row0 + 16 i, i < 4
+  int const wt = ct % 128;                   // thread in the warpgroup: its tokens and columns (tiles_sm90.cuh)
 
   typename Cfg::TiledMma mma;
   auto thr = mma.get_thread_slice(ct);
@@ -294,9 +248,9 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   int const tile_row0 = m_blk * BM + 64 * cw;  // first M index of this warpgroup
   TokenRows rows, next;
   if constexpr (GRAD_HIDDEN) {
-    load_rows(rows, a, tile_row0 + row0, 0, true);  // offsets of K tile 0 (group 0)
+    load_rows(rows, a, tile_row0, wt, 0, true);  // offsets of K tile 0 (group 0)
   } else {
-    load_rows(rows, a, row0, tile_row0 / STORED_GROUP, true);
+    load_rows(rows, a, 0, wt, tile_row0 / STORED_GROUP, true);
   }
 
   int stage = 0;
@@ -305,26 +259,27 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   for (int k = 0; k < k_tiles; ++k) {
     // the next K tile's per-token data, loaded while this one is transformed
     if (k + 1 < k_tiles) {
-      if constexpr (GRAD_HIDDEN) load_rows(next, a, tile_row0 + row0, k + 1, false);
-      else load_rows(next, a, (k + 1) * BK + row0, tile_row0 / STORED_GROUP, true);
+      if constexpr (GRAD_HIDDEN) load_rows(next, a, tile_row0, wt, k + 1, false);
+      else load_rows(next, a, (k + 1) * BK, wt, tile_row0 / STORED_GROUP, true);
     }
     int const buf = k & 1;  // the dz buffer: the WGMMA that read it (k - 2) has completed (wait<1> below)
     FullBarrier::wait(&ss.full[stage], phase);
-    // (m, k) of chunk i's first element in the tile: grad_hidden (token row, column), grad_weight (column, token)
-    auto m_of = [&](int i) { return GRAD_HIDDEN ? 64 * cw + row0 + 16 * i : 64 * cw + 8 * chunk; };
-    auto k_of = [&](int i) { return GRAD_HIDDEN ? 8 * chunk : row0 + 16 * i; };
     uint4 stored[4];  // the four loads issued together, then the arithmetic
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 4; ++i) stored[i] = load_shared_16(&sL(m_of(i), k_of(i), stage));
+    for (int i = 0; i < 4; ++i) {
+      ChunkCoord const c = consumer_chunk<Cfg>(cw, wt, i);
+      stored[i] = load_shared_16(&sL(c.m, c.k, stage));
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 4; ++i) {
-      int const col0 = GRAD_HIDDEN ? k * BK + 8 * chunk : tile_row0 + 8 * chunk;
+      int const col0 = (GRAD_HIDDEN ? k * BK : tile_row0) + chunk_column(wt);
       uint4 const dz = a.has_softcap
           ? dz_chunk<true, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
                                     cap_scale, inv_cap_out)
           : dz_chunk<false, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
                                      cap_scale, inv_cap_out);
-      store_shared_16(&sA(m_of(i), k_of(i), buf), dz);
+      ChunkCoord const c = consumer_chunk<Cfg>(cw, wt, i);
+      store_shared_16(&sA(c.m, c.k, buf), dz);
     }
     cutlass::arch::fence_view_async_shared();             // generic-proxy stores -> visible to WGMMA
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);       // the warpgroup's 64 rows are all written

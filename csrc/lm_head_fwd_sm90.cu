@@ -41,6 +41,7 @@
 #include "cutlass/util/packed_stride.hpp"
 
 #include "common.cuh"
+#include "tiles_sm90.cuh"
 
 #ifndef GRPO_CSRC_STAMP
 #define GRPO_CSRC_STAMP "unstamped"
@@ -298,29 +299,18 @@ class StatsEpilogue {
   Params p;
 };
 
-// The GEMM: A = hidden [N, H] (row-major, K contiguous), B = weight [V, H] (K contiguous: "column-major" KxN).
+// The GEMM: kernel A's mainloop (tiles_sm90.cuh: A = hidden [N, H] row-major, B = weight [V, H] K contiguous) with
+// the statistics epilogue, on CUTLASS's persistent tile scheduler.
 template <class Element, class TileShape, class KernelSchedule>
 struct StatsGemm {
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
-  static constexpr int Alignment = 16 / sizeof(Element);
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<StatsEpilogue<StrideCD>>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, Alignment, Element, LayoutB, Alignment,
-      float, TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<0>,
-      KernelSchedule>::CollectiveOp;
+  using Mainloop = StatsMainloop<Element, TileShape, KernelSchedule>;  // tiles_sm90.cuh
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kBlockN = cute::size<1>(TileShape{});
 };
-
-using Coop128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
-using Ping64x256 = cute::Shape<cute::_64, cute::_256, cute::_64>;
-using CoopSched = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using PingSched = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 
 template <class G>
 int run_stats_gemm(void const* hidden, void const* weight, int64_t n_tokens, int64_t hidden_size, int64_t vocab,

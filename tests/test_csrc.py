@@ -12,7 +12,8 @@
 2. The library's build: the committed csrc/bin/ matches the sources (stamp) and its ptxas report shows no spills
    and registers / shared memory within sm_90's limits; with the toolchain present (csrc/build.sh), its SASS
    holds WGMMA (HGMMA), TMA (UTMALDG) and the training store's fp16 packs (F2FP) (marker `compile`); the
-   store's arithmetic (`tile_half_logits`, ABI 2) reconstructs float64 logits within the HalfLogits bound.
+   store's arithmetic (`tile_half_logits`, ABI 2) reconstructs float64 logits within the HalfLogits bound; the
+   kernels' index maps (csrc/tiles_sm90.cuh) checked by a host program built with the same toolchain (`compile`).
 3. The loader: importing grpo_kernels loads nothing; a missing or stale library falls back with one warning.
 """
 
@@ -458,6 +459,31 @@ def test_sass_has_wgmma_and_tma():
             f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: not two rounding epilogues (added into, written over)")
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
+
+
+@pytest.mark.compile
+def test_tile_maps_hold_on_the_host(tmp_path):
+    """csrc/tests/tile_layouts.cu, compiled with the toolchain's nvcc and run on the CPU: the index maps of
+    csrc/tiles_sm90.cuh that the kernels compile (the accumulator fragments kernels A and C reduce and store; the
+    16-byte chunks kernel C's consumers read from the fp16 logits tile and write into the dz tile: each element once,
+    aligned, conflict-free per shared-memory phase, written by the warpgroup whose WGMMAs read it; the TMA stage's
+    byte count). A wrong map would show on a GPU only as wrong numbers or a hang; the program prints the first
+    violated check with its coordinates (its header lists the checks; remapping the chunks breaks them)."""
+    nvcc = TOOLCHAIN / "nvidia" / "cu13" / "bin" / "nvcc"
+    if not nvcc.is_file():
+        pytest.skip(f"no toolchain at {TOOLCHAIN} (run `bash csrc/build.sh`, .ci/steps/csrc.sh)")
+    cutlass_include = TOOLCHAIN / "cutlass_library" / "source" / "include"
+    exe = tmp_path / "tile_layouts"
+    env = dict(os.environ, PATH=f"{nvcc.parent}:{os.environ['PATH']}")
+    build = subprocess.run([str(nvcc), "-std=c++17", "-O1", "-arch=sm_90a", "--expt-relaxed-constexpr",
+                            f"-I{cutlass_include}", f"-L{nvcc.parent.parent / 'lib'}", "-o", str(exe),
+                            str(CSRC / "tests" / "tile_layouts.cu")], env=env, capture_output=True, text=True)  # fmt: skip
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    ok = [line for line in run.stdout.splitlines() if line.startswith("ok  ")]
+    # 4 kernel A fragments, 2 kernel C epilogue fragments, kernel C's chunk maps for 2 GEMMs x 2 dtypes
+    assert len(ok) == 10, run.stdout
 
 
 # ---- 3. the loader ------------------------------------------------------------------------------------
