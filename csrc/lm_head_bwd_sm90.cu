@@ -11,7 +11,8 @@
 //     soft cap: dz *= cap_in cap_out (1 - t^2), t = clamp(z / cap_out, -1, 1)   (then T = 1)
 // and dz rounded to the operand dtype before the MMA (the slab path's rounding). A token without an upstream
 // gradient contributes exactly 0 (its lse is replaced by DEAD_LSE so p = 0). The per-token coefficients are
-// packed once per call by `token_coef_kernel` (fp16: the dz scale S folded in; the epilogue multiplies by 1/S).
+// packed once per call by `token_coef_kernel` (fp16: the dz scale S folded in; the epilogue multiplies by 1/S), in
+// the form that makes an element two FMAs, one MUFU.EX2 and one product (TokenCoef, RowShift, dz_chunk).
 //
 // The CTA (384 threads) is warp-specialized: warpgroup 0 is the producer (one thread issues the TMA loads of
 // the fp16 logits tile and the B tile into a ring of STAGES buffers, mbarrier full / empty), warpgroups 1 and 2
@@ -52,12 +53,16 @@ using grpo_csrc::LOG2E;
 
 constexpr float DEAD_LSE = 0x1p105f;  // triton_common.py DEAD_LSE: p = exp(z - DEAD_LSE) = 0 for every stored z
 
-// One token's coefficients of dz, packed by token_coef_kernel (16 bytes: one vector load per token).
+// One token's coefficients of dz, packed by token_coef_kernel (16 bytes: one vector load per token), in the form the
+// transform uses (dz_chunk): with c_lp = S g_lp / T and c_H = S g_H / T,
+//     dz = p (c_H (E_p[z] - z) - c_lp) = p (neg_c_h z + k),   p = 2^(z log2 e - lse_log2)
+// A token without upstream gradient has lse_log2 = DEAD_LSE log2 e (p = 0) and neg_c_h = k = 0 (its dz exactly 0,
+// whatever its E_p[z]).
 struct alignas(16) TokenCoef {
-  float lse;     // the row's lse, DEAD_LSE where the token has no upstream gradient
-  float c_lp;    // S g_lp / T (0 without grad_logprobs)
-  float c_h;     // S g_H / T (0 without grad_entropy)
-  float mean_z;  // E_p[z] (0 without grad_entropy)
+  float lse_log2;  // lse log2 e
+  float c_lp;      // S g_lp / T (0 without grad_logprobs): the target column's term
+  float neg_c_h;   // -S g_H / T (0 without grad_entropy)
+  float k;         // c_H E_p[z] - c_lp
 };
 
 // Two adjacent 16-bit outputs as one 4-byte access: the in-place grad_weight epilogue's load and rounded store.
@@ -75,7 +80,7 @@ template <> struct Pair16<cutlass::half_t> {
 
 struct DzArgs {
   float const* offset = nullptr;    // [N, ld_offset] fp32 offsets of the fp16 differences
-  int64_t ld_offset = 0;
+  int ld_offset = 0;                // N ld_offset < 2^31 (the entry point checks): 32-bit index arithmetic
   TokenCoef const* coef = nullptr;  // [N]
   int const* target = nullptr;      // [N], -1: no target term
   float const* inv_scale = nullptr; // [1] device scalar 1 / S multiplying the sums, or null (1)
@@ -88,65 +93,114 @@ struct DzArgs {
   int group_m = 8;                  // tile raster: GROUP_M M tiles per column band, for L2 reuse of B
 };
 
-// 16-byte shared-memory accesses by address (a generic pointer into the swizzled tile compiles to LD.E / ST.E).
-// volatile + "memory": ordered after the mbarrier wait that makes the TMA's bytes visible, and before the fence.
-CUTLASS_DEVICE uint4 load_shared_16(void const* ptr) {
-  uint32_t const addr = cute::cast_smem_ptr_to_uint(ptr);
+// 16-byte shared-memory accesses by shared-window address (a generic pointer into the swizzled tile compiles to
+// LD.E / ST.E). volatile + "memory": ordered after the mbarrier wait that makes the TMA's bytes visible, and before
+// the fence.
+CUTLASS_DEVICE uint4 load_shared_16(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
   return v;
 }
 
-CUTLASS_DEVICE void store_shared_16(void* ptr, uint4 v) {
-  uint32_t const addr = cute::cast_smem_ptr_to_uint(ptr);
+CUTLASS_DEVICE void store_shared_16(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
 
-// dz of 8 adjacent vocabulary columns of one token, as 16-bit values, packed into a 16-byte chunk.
+// ex2.approx with denormal results flushed to 0 (one MUFU.EX2; without .ftz ptxas wraps it in a range test and two
+// predicated multiplies). A p below 2^-126 times any coefficient is below what a bf16 / fp16 dz operand holds, and
+// next to the row's largest p (>= 1 / V) below fp32's resolution of the sums.
+CUTLASS_DEVICE float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One token's shifts for one K tile: the offset m of the tile's 64-column group of the fp16 store (z = m + d) folded
+// into its TokenCoef, so that an element takes one FFMA for p's exponent and one for its coefficient:
+//     p = 2^(d log2 e + exp_shift)         exp_shift = m log2 e - lse_log2
+//     dz = p (neg_c_h d + coef_shift)      coef_shift = neg_c_h m + k
+struct RowShift {
+  float exp_shift, coef_shift;
+};
+
+CUTLASS_DEVICE RowShift row_shift(TokenCoef const& c, float offset) {
+  return RowShift{fmaf(offset, LOG2E, -c.lse_log2), fmaf(c.neg_c_h, offset, c.k)};
+}
+
+// The soft cap's factor of dz at logit z = m + d: cap_in cap_out (1 - t^2), t = clamp(z / cap_out, -1, 1).
+CUTLASS_DEVICE float softcap_factor(float offset, float d, float cap_scale, float inv_cap_out) {
+  float const t = fminf(fmaxf((offset + d) * inv_cap_out, -1.f), 1.f);
+  return cap_scale * (1.f - t * t);
+}
+
+// dz of 8 adjacent vocabulary columns col0.. of one token, from their fp16 differences, as 16-bit values packed into
+// a 16-byte chunk. Per element (no soft cap): the fp16 widening, two FFMAs, MUFU.EX2, one FMUL, half a pack. The
+// target term (this chunk holds the token's target: one chunk in V / 8 of a row) and the mask past V (`edge`: the
+// tile's columns reach past V, only in the last vocabulary tile) are branches the other chunks skip.
 template <bool SOFTCAP, class Element>
-CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, float offset, TokenCoef const& c, int target, int col0, int vocab,
-                              float cap_scale, float inv_cap_out) {
+CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, RowShift const& shift, TokenCoef const& c, int target, float offset,
+                              int col0, bool edge, int vocab, float cap_scale, float inv_cap_out) {
   __half2 const* d2 = reinterpret_cast<__half2 const*>(&stored);
+  float g[8];
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    float2 const d = __half22float2(d2[q]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      float const dd = h == 0 ? d.x : d.y;
+      float const p = ex2_approx_ftz(fmaf(dd, LOG2E, shift.exp_shift));
+      float v = p * fmaf(dd, c.neg_c_h, shift.coef_shift);
+      if constexpr (SOFTCAP) v *= softcap_factor(offset, dd, cap_scale, inv_cap_out);
+      g[2 * q + h] = v;
+    }
+  }
+  int const rel = target - col0;  // the target's place in the chunk; -1 (no target term) is never in [0, 8)
+  if (static_cast<unsigned>(rel) < 8u) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      if (j == rel) {
+        float add = c.c_lp;
+        if constexpr (SOFTCAP) {
+          float const dj = __half2float(reinterpret_cast<__half const*>(&stored)[j]);
+          add *= softcap_factor(offset, dj, cap_scale, inv_cap_out);
+        }
+        g[j] += add;
+      }
+    }
+  }
+  if (edge) {  // TMA fills columns past V with 0 differences: not probabilities
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 8; ++j) g[j] = col0 + j < vocab ? g[j] : 0.f;
+  }
   uint4 out;
   uint32_t* o = reinterpret_cast<uint32_t*>(&out);
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < 4; ++q) {
-    float2 const d = __half22float2(d2[q]);
-    float g[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      int const col = col0 + 2 * q + h;
-      float const z = offset + (h == 0 ? d.x : d.y);
-      float const p = ex2_approx((z - c.lse) * LOG2E);
-      float v = p * (c.c_h * (c.mean_z - z) - c.c_lp);
-      v = col == target ? v + c.c_lp : v;
-      if constexpr (SOFTCAP) {
-        float const t = fminf(fmaxf(z * inv_cap_out, -1.f), 1.f);
-        v = v * cap_scale * (1.f - t * t);
-      }
-      g[h] = col < vocab ? v : 0.f;  // TMA fills columns past V with 0 logits: not probabilities
-    }
     if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
-      __nv_bfloat162 const b = __floats2bfloat162_rn(g[0], g[1]);
+      __nv_bfloat162 const b = __floats2bfloat162_rn(g[2 * q], g[2 * q + 1]);
       o[q] = *reinterpret_cast<uint32_t const*>(&b);
     } else {
-      __half2 const b = __floats2half2_rn(g[0], g[1]);
+      __half2 const b = __floats2half2_rn(g[2 * q], g[2 * q + 1]);
       o[q] = *reinterpret_cast<uint32_t const*>(&b);
     }
   }
   return out;
 }
 
-// The four tokens a consumer thread serves in one K tile (first_token + chunk_token(wt, i), tiles_sm90.cuh): their
-// coefficients, targets and fp16-store offsets. Tokens past N are dead (p = 0, no target).
+// The per-token data of the four tokens a consumer thread serves in one K tile (tiles_sm90.cuh: chunk_token(wt, i)):
+// their coefficients, targets and fp16-store offsets. Tokens past N are dead (p = 0, no target).
 struct TokenRows {
   TokenCoef coef[4];
   int target[4];
   float offset[4];
 };
 
+// Loads them: grad_hidden (first_token: the warpgroup's first row, fixed) one offset per row for the K tile's 64-column
+// group; grad_weight (first_token: the K tile's first token, group: the warpgroup's 64 vocabulary columns) also the
+// coefficients and targets. 32-bit index arithmetic (the entry point checks N ld_offset < 2^31): the 64-bit products
+// took 108 instructions per K tile of grad_weight's loop (read in the SASS).
 CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, int wt, int group, bool load_coef) {
   // a group past the vocabulary (grad_weight's last M tile, its second warpgroup when V % 128 <= 64) has no
   // offset: its columns are all >= V and masked, so 0 is read instead of the next row's first offset
@@ -156,15 +210,17 @@ CUTLASS_DEVICE void load_rows(TokenRows& r, DzArgs const& a, int first_token, in
     int const token = first_token + chunk_token(wt, i);
     bool const ok = token < a.n_tokens;
     if (load_coef) {
-      r.coef[i] = ok ? a.coef[token] : TokenCoef{DEAD_LSE, 0.f, 0.f, 0.f};
+      r.coef[i] = ok ? a.coef[token] : TokenCoef{DEAD_LSE * LOG2E, 0.f, 0.f, 0.f};
       r.target[i] = ok ? a.target[token] : -1;
     }
-    r.offset[i] = ok && group_ok ? a.offset[int64_t(token) * a.ld_offset + group] : 0.f;
+    r.offset[i] = ok && group_ok ? a.offset[token * a.ld_offset + group] : 0.f;
   }
 }
 
-// One output tile (`tile`: its index in the GEMM's grouped raster) of one dz GEMM, by the whole CTA.
-template <class Cfg, class TmaL, class TmaB>
+// One output tile (`tile`: its index in the GEMM's grouped raster) of one dz GEMM, by the whole CTA. SOFTCAP: the
+// call's soft-cap mode, a template argument so that the K loop holds one transform (branching per chunk put both in
+// the loop body; one loop per mode feeding a shared epilogue made ptxas serialize the WGMMAs, C7515).
+template <class Cfg, bool SOFTCAP, class TmaL, class TmaB>
 CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs const& a, int const tile,
                                  char* smem_raw) {
   using Element = typename Cfg::Element;
@@ -238,9 +294,6 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   Tensor sB = make_tensor(make_smem_ptr(ss.b.data()), typename Cfg::SmemLayoutB{});       // (BN, BK, STAGES)
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // WGMMA descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, make_shape(Int<BM>{}, Int<BN>{}));  // (MMA, MMA_M, MMA_N) fp32
-  clear(acc);
-
   float const cap_scale = a.cap_in * a.cap_out;
   float const inv_cap_out = 1.f / a.cap_out;
   // Which tokens / columns this thread transforms. grad_hidden: tokens fixed per tile, columns move with k;
@@ -253,6 +306,24 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
     load_rows(rows, a, 0, wt, tile_row0 / STORED_GROUP, true);
   }
 
+  // The shared-window addresses of this thread's chunk 0 in stage 0 of the logits ring and in dz buffer 0, computed
+  // once: chunk i is CHUNK_STRIDE i bytes further (16 rows / tokens on: two 1 KB swizzle atoms, the same swizzle) and
+  // stage (buffer) s a whole tile's bytes further (a multiple of the swizzle's 1 KB period). csrc/tests/tile_layouts.cu
+  // checks both for every element; the loop's addresses are then a register plus constants.
+  constexpr uint32_t L_TILE_BYTES = BM * BK * sizeof(typename Cfg::Stored), A_TILE_BYTES = BM * BK * sizeof(Element);
+  constexpr uint32_t CHUNK_STRIDE = Cfg::CHUNK_STRIDE_BYTES;
+  ChunkCoord const c0 = consumer_chunk<Cfg>(cw, wt, 0);
+  uint32_t const l_addr = cute::cast_smem_ptr_to_uint(&sL(c0.m, c0.k, 0));
+  uint32_t const a_addr = cute::cast_smem_ptr_to_uint(&sA(c0.m, c0.k, 0));
+
+  // the rows' shifts for K tile 0; each K tile forms those of the next from the offsets (grad_weight: the tokens) it
+  // loads while it transforms
+  RowShift shift[4];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 4; ++i) shift[i] = row_shift(rows.coef[i], rows.offset[i]);
+
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<BM>{}, Int<BN>{}));  // (MMA, MMA_M, MMA_N) fp32
+  clear(acc);
   int stage = 0;
   uint32_t phase = 0;
   int prev_stage = -1;
@@ -262,24 +333,21 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
       if constexpr (GRAD_HIDDEN) load_rows(next, a, tile_row0, wt, k + 1, false);
       else load_rows(next, a, (k + 1) * BK, wt, tile_row0 / STORED_GROUP, true);
     }
+    int const col_base = (GRAD_HIDDEN ? k * BK : tile_row0);  // the tile's 64 vocabulary columns start here
+    bool const edge = col_base + BK > a.vocab;                 // uniform: only the last vocabulary tile
     int const buf = k & 1;  // the dz buffer: the WGMMA that read it (k - 2) has completed (wait<1> below)
     FullBarrier::wait(&ss.full[stage], phase);
-    uint4 stored[4];  // the four loads issued together, then the arithmetic
+    // each chunk's load issued one chunk ahead of its arithmetic (two in flight: all four at once held 16 more
+    // registers than the 232 of a consumer thread had room for beside the accumulators, and spilled)
+    uint4 stored[4];
+    stored[0] = load_shared_16(l_addr + stage * L_TILE_BYTES);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 4; ++i) {
-      ChunkCoord const c = consumer_chunk<Cfg>(cw, wt, i);
-      stored[i] = load_shared_16(&sL(c.m, c.k, stage));
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      int const col0 = (GRAD_HIDDEN ? k * BK : tile_row0) + chunk_column(wt);
-      uint4 const dz = a.has_softcap
-          ? dz_chunk<true, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
-                                    cap_scale, inv_cap_out)
-          : dz_chunk<false, Element>(stored[i], rows.offset[i], rows.coef[i], rows.target[i], col0, a.vocab,
-                                     cap_scale, inv_cap_out);
-      ChunkCoord const c = consumer_chunk<Cfg>(cw, wt, i);
-      store_shared_16(&sA(c.m, c.k, buf), dz);
+      if (i + 1 < 4) stored[i + 1] = load_shared_16(l_addr + stage * L_TILE_BYTES + (i + 1) * CHUNK_STRIDE);
+      uint4 const dz = dz_chunk<SOFTCAP, Element>(stored[i], shift[i], rows.coef[i], rows.target[i], rows.offset[i],
+                                                  col_base + chunk_column(wt), edge, a.vocab,
+                                                  cap_scale, inv_cap_out);
+      store_shared_16(a_addr + buf * A_TILE_BYTES + i * CHUNK_STRIDE, dz);
     }
     cutlass::arch::fence_view_async_shared();             // generic-proxy stores -> visible to WGMMA
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);       // the warpgroup's 64 rows are all written
@@ -292,13 +360,15 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
     if (prev_stage >= 0 && wt == 0) EmptyBarrier::arrive(&ss.empty[prev_stage]);
     prev_stage = stage;
     if (++stage == STAGES) { stage = 0; phase ^= 1; }
-    if (k + 1 < k_tiles) {
+    if (k + 1 < k_tiles) {  // grad_hidden: the tile's tokens with the next group's offsets; grad_weight: the next tokens
       if constexpr (GRAD_HIDDEN) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < 4; ++i) rows.offset[i] = next.offset[i];
       } else {
         rows = next;
       }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) shift[i] = row_shift(rows.coef[i], rows.offset[i]);
     }
   }
   warpgroup_wait<0>();
@@ -395,10 +465,13 @@ __global__ void __launch_bounds__(CfgH::THREADS, 1)
   static_assert(CfgH::THREADS == CfgW::THREADS, "one CTA shape");
   extern __shared__ __align__(1024) char smem_raw[];
   int const tile = int(blockIdx.x);  // uniform over the CTA: the branch splits no warp
+  bool const softcap = ah.has_softcap != 0;  // the same in both GEMMs' arguments
   if (tile < hidden_tiles) {
-    dz_gemm_tile<CfgH>(tma_lh, tma_bh, ah, tile, smem_raw);
+    if (softcap) dz_gemm_tile<CfgH, true>(tma_lh, tma_bh, ah, tile, smem_raw);
+    else dz_gemm_tile<CfgH, false>(tma_lh, tma_bh, ah, tile, smem_raw);
   } else {
-    dz_gemm_tile<CfgW>(tma_lw, tma_bw, aw, tile - hidden_tiles, smem_raw);
+    if (softcap) dz_gemm_tile<CfgW, true>(tma_lw, tma_bw, aw, tile - hidden_tiles, smem_raw);
+    else dz_gemm_tile<CfgW, false>(tma_lw, tma_bw, aw, tile - hidden_tiles, smem_raw);
   }
 }
 
@@ -412,8 +485,10 @@ __global__ void token_coef_kernel(float const* lse, float const* expected_logit,
   float const c_lp = grad_logprobs != nullptr ? grad_logprobs[t] * inv_temperature : 0.f;
   float const c_h = grad_entropy != nullptr ? grad_entropy[t] * inv_temperature : 0.f;
   bool const live = c_lp != 0.f || c_h != 0.f;
-  coef[t] = TokenCoef{live ? lse[t] : DEAD_LSE, c_lp * s, c_h * s,
-                      grad_entropy != nullptr ? expected_logit[t] : 0.f};
+  float const c_lp_s = c_lp * s, c_h_s = c_h * s;
+  // k = c_H E_p[z] - c_lp: only where the token has an entropy gradient (E_p[z] is not read otherwise)
+  float const k = c_h != 0.f ? fmaf(c_h_s, expected_logit[t], -c_lp_s) : -c_lp_s;
+  coef[t] = live ? TokenCoef{lse[t] * LOG2E, c_lp_s, -c_h_s, k} : TokenCoef{DEAD_LSE * LOG2E, 0.f, 0.f, 0.f};
   int64_t const y = targets[t];
   target[t] = (grad_logprobs != nullptr && y >= 0 && y < (int64_t(1) << 31)) ? int(y) : -1;
 }
@@ -537,6 +612,8 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t
   if (hidden_size % 8 || ld_diff % 8 || ld_weight % 8 || ld_hidden % 8 || ld_grad_hidden % 2 || ld_grad_weight % 2)
     return fail("H, ld_diff, ld_weight and ld_hidden must be multiples of 8 elements, the outputs' strides even (TMA, "
                 "paired stores)");
+  if (ld_offset <= 0 || n_tokens * ld_offset >= (int64_t(1) << 31))
+    return fail("the offsets [N, ld_offset] must have N ld_offset < 2^31 elements (32-bit indices)");
   if (reinterpret_cast<uintptr_t>(diff) % 16 || reinterpret_cast<uintptr_t>(weight) % 16 ||
       reinterpret_cast<uintptr_t>(hidden) % 16 || reinterpret_cast<uintptr_t>(grad_hidden) % 8 ||
       reinterpret_cast<uintptr_t>(grad_weight) % (grad_weight_16bit ? 4 : 8) ||
@@ -545,7 +622,7 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t
                 "fp32 or 4 bytes 16-bit)");
   DzArgs h;
   h.offset = offset;
-  h.ld_offset = ld_offset;
+  h.ld_offset = int(ld_offset);
   h.coef = reinterpret_cast<TokenCoef const*>(coef);
   h.target = target;
   h.inv_scale = inv_scale;

@@ -70,6 +70,9 @@ struct DzConfig {
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN>, Int<BK>>, MAJOR_A, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
   static constexpr uint32_t TMA_BYTES = BM * BK * sizeof(Stored) + BN * BK * sizeof(Element);
+  // a consumer thread's chunk i + 1 lies this many bytes after its chunk i, in the logits and the dz tiles alike
+  // (16 tokens on: two 1 KB swizzle atoms of 8 rows of 128 bytes; checked by csrc/tests/tile_layouts.cu)
+  static constexpr uint32_t CHUNK_STRIDE_BYTES = 16 * 128;
 
   struct SharedStorage {
     cute::array_aligned<Stored, cosize_v<SmemLayoutL>, 1024> logits;

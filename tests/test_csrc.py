@@ -184,7 +184,9 @@ def test_kernel_c_dz_is_the_float64_gradient(grads, capped):
     lse = torch.logsumexp(z, -1)
     mean_z = (torch.softmax(z, -1) * z).sum(-1)
     coef, target = cutlass.token_coefficients(lse, mean_z, g_lp, g_h, targets, 1.0 if capped else inv_t)
-    got = cutlass.dz_from_stored(z, coef, target, softcap)
+    # z split as the kernel reads it (an offset per 64 columns, here each group's max, and the differences)
+    offset = torch.stack([g.max(1).values for g in z.split(64, 1)], 1).repeat_interleave(64, 1)[:, :vocab]
+    got = cutlass.dz_from_stored(z - offset, offset, coef, target, softcap)
     assert torch.equal(got[4], torch.zeros(vocab, dtype=torch.float64)), "a dead token's dz is not exactly 0"
     err = (got - want).abs()
     worst = int(err.argmax())
@@ -236,8 +238,9 @@ def _float64_dz(c):
     coef, target = cutlass.token_coefficients(c["lse64"], c["mean64"], c["g_lp"].double(), c["g_h"].double(),
                                               c["y"], c["inv_t"])  # fmt: skip
     z = c["z64"]
-    dz = cutlass.dz_from_stored(z, coef, target, c["softcap"])
-    return dz, cutlass.dz_magnitude(z, coef, target), torch.exp(z - coef[:, :1]) * coef[:, 2:3].abs()
+    dz = cutlass.dz_from_stored(z, torch.zeros_like(z), coef, target, c["softcap"])
+    p = torch.exp2(z * cutlass.LOG2E - coef[:, :1])
+    return dz, cutlass.dz_magnitude(z, coef, target), p * coef[:, 2:3].abs()
 
 
 def _kernel_c_bound(c, z_used):
@@ -298,11 +301,9 @@ def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
     # the same arithmetic on the fp32 logits (the store's reference point)
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
-    class Fp32Store(HalfLogits):
-        def reconstruct(self):
-            return c["z64"].float()
-
-    f32_h, f32_w = _run_reference(c, Fp32Store(c["store"].difference, c["store"].offset))
+    # the fp32 logits as the differences from a zero offset (the reference widens the differences to fp32)
+    fp32_store = HalfLogits(c["z64"].float(), torch.zeros_like(c["store"].offset))
+    f32_h, f32_w = _run_reference(c, fp32_store)
     for got, ref, want, what in ((got_h, f32_h, want_h, "grad_hidden"), (got_w, f32_w, want_w, "grad_weight")):
         e_half = ((got.double() - want).norm() / want.norm()).item()
         e_f32 = ((ref.double() - want).norm() / want.norm()).item()
@@ -459,6 +460,80 @@ def test_sass_has_wgmma_and_tma():
             f"{head[:80]}: {packs} F2FP, its fp32 twin {twin_packs}: not two rounding epilogues (added into, written over)")
     committed = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
+
+
+def _sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
+    """cuobjdump -sass text -> {mangled name: [(address, instruction)]} (predicates kept, `;` and encodings dropped)."""
+    out = {}
+    for part in re.split(r"\n\s*Function : ", text)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        out[name] = [(int(a, 16), x.strip()) for a, x in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", part)]
+    return out
+
+
+def _k_loops(code: list[tuple[int, str]]) -> list[dict]:
+    """The innermost loops holding WGMMAs (HGMMA) of one kernel, each with its static size and the instructions of
+    one iteration on the common path: a forward branch over a block that loads global memory (the next K tile's
+    per-token data) falls through, one over a block without memory access or exponential (the target term, the
+    mask past V: one chunk in V / 8, the last vocabulary tile) is taken; any other forward branch is reported."""
+    addr = [a for a, _ in code]
+    at = {a: i for i, a in enumerate(addr)}
+    loops = []
+    for i, (a, x) in enumerate(code):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", x)
+        # a loop's end: a conditional branch back (a barrier's retry path, placed after the loops, jumps back into
+        # one unconditionally) over one K tile's four WGMMAs
+        if m and x.startswith("@") and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            j = at[int(m.group(1), 16)]
+            if sum("HGMMA" in y for _, y in code[j : i + 1]) == 4:
+                loops.append((j, i))
+    loops = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    out = []
+    for j, i in loops:
+        k, path = j, []
+        while k <= i:
+            x = code[k][1]
+            path.append(x)
+            m = re.search(r"BRA\s+0x([0-9a-f]+)", x)
+            if m and k < i and x.startswith("@"):
+                target = int(m.group(1), 16)
+                if addr[k] < target <= addr[i]:
+                    block = " ".join(y for _, y in code[k + 1 : at[target]])
+                    if "LDG" in block:
+                        pass  # the next K tile's loads: every tile but the last
+                    elif not re.search(r"MUFU|LDS|STS|HGMMA", block):
+                        k = at[target]  # a rare block, skipped
+                        continue
+                    else:
+                        raise AssertionError(f"unexpected branch at {addr[k]:#x} over a block with {block[:200]}")
+            k += 1
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in path]
+        out.append({"static": i - j + 1, "path": len(path), "mufu": ops.count("MUFU.EX2"),
+                    "fsetp": sum(o.startswith("FSETP") for o in ops), "softcap": "FMNMX" in ops})  # fmt: skip
+    return out
+
+
+def test_kernel_c_k_loop_fits_under_the_mma():
+    """Kernel C's consumer K loop, read in the committed SASS (csrc/bin/sass.txt.gz, the library's: the SASS test
+    checks it): per K tile a consumer thread forms 32 dz values and its warpgroup issues four m64n256k16 WGMMAs,
+    2 x 128 x 256 x 64 x 2 FLOP for the CTA, 1,024 cycles of an H100 SM's tensor cores (4,096 FLOP per cycle). Its
+    8 consumer warps share the SM's 4 schedulers, one instruction per cycle each: the transform overlaps the MMAs
+    only if one iteration issues at most 1,024 x 4 / 8 = 512 instructions per thread. Counted on the common path
+    (`_k_loops`), without a soft cap: 308 (grad_hidden) and 364 (grad_weight) in this build, 720 and 796 before the
+    exponent and the coefficient were folded into two FMAs per element (csrc/README.md, kernel C). Also: one MUFU.EX2
+    per dz element and no FSETP (ex2.approx without .ftz wraps each MUFU in a range test and two multiplies)."""
+    functions = _sass_functions(gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode())
+    kernels = {name: code for name, code in functions.items() if "dz_gemms_kernel" in name}
+    assert len(kernels) == 4, f"expected 4 dz GEMM kernels, got {len(kernels)}"
+    for name, code in kernels.items():
+        loops = _k_loops(code)
+        assert len(loops) == 4, f"{name[:80]}: {len(loops)} K loops, expected grad_hidden / grad_weight x soft cap or not"
+        assert sum(lp["softcap"] for lp in loops) == 2, f"{name[:80]}: soft-cap loops {[lp['softcap'] for lp in loops]}"
+        for lp in loops:
+            assert lp["mufu"] == 32, f"{name[:80]}: {lp['mufu']} MUFU.EX2 per K tile, expected 32 (one per dz element)"
+            assert lp["fsetp"] == 0, f"{name[:80]}: {lp['fsetp']} FSETP in the K loop (ex2 without .ftz?)"
+        plain = [lp["path"] for lp in loops if not lp["softcap"]]
+        assert max(plain) <= 512, f"{name[:80]}: {plain} instructions per K tile and thread, over the MMA's 512"
 
 
 @pytest.mark.compile
@@ -657,8 +732,8 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     assert lib is not None
 
     def dz_gemms(n=256, vocab=1000, hidden=64, ld_diff=1000, ld_weight=64, ld_hidden=64, ld_gh=64, ld_gw=64,
-                 diff=16, weight=16, x=16, gh=16, gw=16, coef=16, dtype=1, gw_16bit=0):  # fmt: skip
-        code = lib.grpo_csrc_lm_head_bwd_dz_gemms(dtype, diff, ld_diff, 16, 16, weight, ld_weight, x, ld_hidden, gh,
+                 diff=16, weight=16, x=16, gh=16, gw=16, coef=16, dtype=1, gw_16bit=0, ld_offset=16):  # fmt: skip
+        code = lib.grpo_csrc_lm_head_bwd_dz_gemms(dtype, diff, ld_diff, 16, ld_offset, weight, ld_weight, x, ld_hidden, gh,
                                                   ld_gh, 0, gw, ld_gw, gw_16bit, 0, coef, 16, None, n, vocab, hidden,
                                                   0, 0.0, 1.0, 8, 0)  # fmt: skip
         return code, lib.grpo_csrc_last_error().decode()
@@ -667,6 +742,10 @@ def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     assert dz_gemms(vocab=0) == (1, "empty problem")
     assert dz_gemms(n=2**31) == (1, "sizes must be below 2^31")
     assert dz_gemms(gh=None, gw=None) == (1, "no output: grad_hidden and grad_weight are null")
+    # the per-token offsets are indexed in 32 bits (token x ld_offset + group)
+    for bad in ({"n": 2**27, "ld_offset": 16}, {"ld_offset": 0}):
+        assert dz_gemms(**bad) == (1, "the offsets [N, ld_offset] must have N ld_offset < 2^31 elements (32-bit "
+                                      "indices)"), bad  # fmt: skip
     for bad in ({"hidden": 60}, {"ld_diff": 1001}, {"ld_weight": 68}, {"ld_hidden": 68}, {"ld_gh": 63},
                 {"ld_gw": 63}):  # fmt: skip
         code, why = dz_gemms(**bad)

@@ -12,6 +12,8 @@
 //   quad    the threads holding a row are the four lanes of one quad (kernel A reduces a row with xor shuffles 1, 2).
 // Kernel C's consumers (each GEMM, bf16 / fp16), thread wt of warpgroup cw, chunk i (consumer_chunk):
 //   chunk   8 elements along the contiguous mode at 8 consecutive addresses, 16-byte aligned, in the tile;
+//   stride  chunk i of stage (buffer) s lies at chunk 0 of stage 0 plus i CHUNK_STRIDE_BYTES plus s tiles' bytes
+//           (the kernel forms its addresses so, once per thread);
 //   cover   the 256 threads' 4 chunks are every element of a stage of the fp16 logits tile and of a dz buffer, once;
 //   banks   each quarter-warp's 8 16-byte accesses (one shared-memory phase) fall in 8 different 16-byte bank groups;
 //   group   grad_weight: a warpgroup's columns are one 64-column group of the fp16 store (one offset per token);
@@ -125,6 +127,11 @@ bool check_chunk_tile(char const* name, char const* what) {
                  "%s %s chunk: warpgroup %d thread %d chunk %d at (%d, %d) leaves the %d x %d tile", name, what, cw, wt,
                  i, c.m, c.k, BM, BK);
           long const base = long(&s(c.m, c.k, stage) - buffer);
+          grpo_csrc_bwd::ChunkCoord const c0 = grpo_csrc_bwd::consumer_chunk<Cfg>(cw, wt, 0);
+          long const formed = long(&s(c0.m, c0.k, 0) - buffer) +
+                              (long(i) * Cfg::CHUNK_STRIDE_BYTES + long(stage) * BM * BK * long(sizeof(T))) / long(sizeof(T));
+          EXPECT(base == formed, "%s %s stride: warpgroup %d thread %d chunk %d stage %d at element %ld, the kernel "
+                 "forms %ld", name, what, cw, wt, i, stage, base, formed);
           EXPECT(base % 8 == 0, "%s %s chunk: warpgroup %d thread %d chunk %d at element %ld, not 16-byte aligned",
                  name, what, cw, wt, i, base);
           for (int j = 0; j < 8; ++j) {
@@ -207,7 +214,7 @@ bool check_kernel_c(char const* name) {
   constexpr long smem = long(sizeof(typename Cfg::SharedStorage));
   EXPECT(smem <= 232448, "%s bytes: %ld bytes of shared memory, sm_90 allows 232448", name, smem);
   std::printf("ok  %s: 256 threads x 4 chunks of 8 read each fp16 logits stage (%d) and write each dz buffer (%d) "
-              "once, 16-byte aligned, 8 bank groups per phase; each warpgroup's WGMMAs read what it wrote and the whole "
+              "once, 16-byte aligned, at the addresses the kernel forms, 8 bank groups per phase; each warpgroup's WGMMAs read what it wrote and the whole "
               "B stage; %ld-byte TMA stage, %ld bytes of shared memory\n", name, Cfg::STAGES, Cfg::DZ_BUFFERS,
               stage_bytes, smem);
   return true;

@@ -251,8 +251,9 @@ def lm_head_forward(hidden, weight, bias, targets, temperature, **kwargs) -> LMH
 def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> bool:
     """Whether csrc's dz GEMMs (kernel C) can run a `dz_in_gemm` backward: an sm_90 device, bf16 / fp16 operands,
     the fp16 store (HalfLogits; fp32 stored logits are Triton's), TMA's alignment (unit stride along H,
-    16-byte aligned bases and rows, H a multiple of 8) and a grad_weight accumulator with even rows, fp32 or the
-    gradient buffer itself in the operands' dtype (in place)."""
+    16-byte aligned bases and rows, H a multiple of 8), offsets the kernel indexes in 32 bits (N ld_offset < 2^31)
+    and a grad_weight accumulator with even rows, fp32 or the gradient buffer itself in the operands' dtype (in
+    place)."""
     from .triton import HalfLogits
 
     if not isinstance(stored_logits, HalfLogits):
@@ -263,6 +264,8 @@ def backward_applies(hidden, weight, stored_logits, grad_weight_acc=None) -> boo
         return False
     d, off = stored_logits.difference, stored_logits.offset
     if d.stride(1) != 1 or d.data_ptr() % 16 or (d.stride(0) * 2) % 16 or off.stride(1) != 1:
+        return False
+    if off.shape[0] * off.stride(0) >= 2**31:
         return False
     if grad_weight_acc is not None and (grad_weight_acc.dtype not in (torch.float32, hidden.dtype)
                                         or grad_weight_acc.stride(1) != 1 or grad_weight_acc.stride(0) % 2
@@ -303,32 +306,45 @@ DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
 
 def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature: float,
                        dz_scale=None):  # fmt: skip
-    """token_coef_kernel's packing, in lse's dtype: (coef [N, 4] = (lse or DEAD_LSE where the token has no
-    upstream gradient, S g_lp / T, S g_H / T, E_p[z]), target [N] int64, -1 where there is no target term)."""
+    """token_coef_kernel's packing, in lse's dtype: (coef [N, 4], target [N] int64, -1 where there is no target
+    term). With c_lp = S g_lp / T and c_H = S g_H / T, coef = (lse log2 e, c_lp, -c_H, c_H E_p[z] - c_lp), so that
+    dz = 2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y] (csrc/lm_head_bwd_sm90.cu, TokenCoef); a
+    token without upstream gradient gets (DEAD_LSE log2 e, 0, 0, 0): its dz is exactly 0."""
     zeros = torch.zeros_like(lse)
     s = dz_scale[0].to(lse.dtype) if dz_scale is not None else 1.0
     c_lp = grad_logprobs.to(lse.dtype) * inv_temperature if grad_logprobs is not None else zeros
     c_h = grad_entropy.to(lse.dtype) * inv_temperature if grad_entropy is not None else zeros
     live = (c_lp != 0) | (c_h != 0)
-    mean_z = expected_logit.to(lse.dtype) if grad_entropy is not None else zeros
-    coef = torch.stack([torch.where(live, lse, torch.full_like(lse, DEAD_LSE)), c_lp * s, c_h * s, mean_z], 1)
+    c_lp_s, c_h_s = c_lp * s, c_h * s
+    # c_H E_p[z] - c_lp, E_p[z] read only where the token has an entropy gradient (as the kernel's fmaf)
+    k = torch.where(c_h != 0, c_h_s * expected_logit.to(lse.dtype), zeros) - c_lp_s
+    dead = torch.zeros_like(lse)
+    coef = torch.stack([torch.where(live, lse * LOG2E, torch.full_like(lse, DEAD_LSE * LOG2E)),
+                        torch.where(live, c_lp_s, dead), torch.where(live, -c_h_s, dead),
+                        torch.where(live, k, dead)], 1)  # fmt: skip
     target = targets.long() if grad_logprobs is not None else torch.full_like(targets.long(), -1)
     target = torch.where((target >= 0) & (target < 2**31), target, torch.full_like(target, -1))
     return coef, target
 
 
-def dz_from_stored(z, coef, target, softcap=None) -> torch.Tensor:
-    """dz_chunk's arithmetic on logits z [N, V] (already offset + difference, in the arithmetic's dtype):
-    p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y], times the soft cap's factor, exp(x) = exp2(x log2 e)."""
-    lse, c_lp, c_h, mean_z = (coef[:, i : i + 1] for i in range(4))
-    p = torch.exp2((z - lse) * LOG2E)
-    dz = p * (c_h * (mean_z - z) - c_lp)
-    cols = torch.arange(z.shape[1], device=z.device)
+def dz_from_stored(difference, offset, coef, target, softcap=None) -> torch.Tensor:
+    """dz_chunk's arithmetic, in difference's dtype, on logits z = offset + difference given apart (each [N, V]: the
+    fp16 store's differences widened and its offsets expanded over their 64 columns; any split of z works, e.g.
+    offset 0): the offset folded into two per-row shifts, then per element
+        p = 2^(d log2 e + exp_shift),  exp_shift = m log2 e - lse log2 e
+        dz = p (-c_H d + coef_shift) + c_lp 1[v = y],  coef_shift = -c_H m + c_H E_p[z] - c_lp
+    (= p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y]), with a soft cap times cap_in cap_out (1 - t^2), t = clamp(z /
+    cap_out, -1, 1), the target term included. The kernel fuses the products into FMAs; torch rounds each."""
+    lse_log2, c_lp, neg_c_h, k = (coef[:, i : i + 1] for i in range(4))
+    exp_shift = offset * LOG2E - lse_log2
+    coef_shift = neg_c_h * offset + k
+    dz = torch.exp2(difference * LOG2E + exp_shift) * (neg_c_h * difference + coef_shift)
+    cols = torch.arange(difference.shape[1], device=difference.device)
     dz = dz + torch.where(cols[None, :] == target[:, None], c_lp, torch.zeros_like(c_lp))
     if softcap is not None:
         cap_in, cap_out = softcap
-        t = (z * (1.0 / cap_out)).clamp(-1.0, 1.0)
-        dz = dz * (cap_in * cap_out) * (1.0 - t * t)
+        t = ((offset + difference) * (1.0 / cap_out)).clamp(-1.0, 1.0)
+        dz = dz * ((cap_in * cap_out) * (1.0 - t * t))
     return dz
 
 
@@ -336,8 +352,9 @@ def dz_magnitude(z, coef, target) -> torch.Tensor:
     """An upper bound of |dz| per element before the soft cap's factor (|1 - t^2| <= 1: times cap_in cap_out
     bounds it after), in z's dtype (float64 for the bounds): p (|c_H| |E_p[z] - z| + |c_lp|) + |c_lp| 1[v = y],
     for `token_coefficients`' coef / target (no target term where target is -1)."""
-    p = torch.exp(z - coef[:, :1])
-    mag = p * (coef[:, 2:3].abs() * (coef[:, 3:4] - z).abs() + coef[:, 1:2].abs())
+    lse_log2, c_lp, neg_c_h, k = (coef[:, i : i + 1] for i in range(4))
+    p = torch.exp2(z * LOG2E - lse_log2)
+    mag = p * ((neg_c_h * z + k + c_lp).abs() + c_lp.abs())  # |c_H (E_p[z] - z)| + |c_lp|
     rows = torch.arange(z.shape[0], device=z.device)
     mag[rows, target.clamp(min=0)] += coef[:, 1].abs() * (target >= 0)
     return mag
@@ -350,8 +367,9 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
     operands' dtype, products summed in fp32 (the WGMMA's accumulate), the sums divided by S."""
     coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
                                       dz_scale)  # fmt: skip
-    z = stored_logits.reconstruct()  # [N, V] fp32 offset + difference
-    dz = dz_from_stored(z, coef, target, softcap).to(hidden.dtype).float()
+    difference = stored_logits.difference.float()  # [N, V]
+    offset = stored_logits.offset.float().repeat_interleave(half_logits_format.STORED_GROUP, dim=1)[:, : difference.shape[1]]
+    dz = dz_from_stored(difference, offset, coef, target, softcap).to(hidden.dtype).float()
     inv_s = dz_scale[1] if dz_scale is not None else 1.0
     if grad_hidden_out is not None:
         part = (dz @ weight.float()) * inv_s
