@@ -108,15 +108,6 @@ CUTLASS_DEVICE void store_shared_16(uint32_t addr, uint4 v) {
                : "memory");
 }
 
-// ex2.approx with denormal results flushed to 0 (one MUFU.EX2; without .ftz ptxas wraps it in a range test and two
-// predicated multiplies). A p below 2^-126 times any coefficient is below what a bf16 / fp16 dz operand holds, and
-// next to the row's largest p (>= 1 / V) below fp32's resolution of the sums.
-CUTLASS_DEVICE float ex2_approx_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // One token's shifts for one K tile: the offset m of the tile's 64-column group of the fp16 store (z = m + d) folded
 // into its TokenCoef, so that an element takes one FFMA for p's exponent and one for its coefficient:
 //     p = 2^(d log2 e + exp_shift)         exp_shift = m log2 e - lse_log2
@@ -150,7 +141,7 @@ CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, RowShift const& shift, TokenCoef con
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       float const dd = h == 0 ? d.x : d.y;
-      float const p = ex2_approx_ftz(fmaf(dd, LOG2E, shift.exp_shift));
+      float const p = ex2_approx(fmaf(dd, LOG2E, shift.exp_shift));
       float v = p * fmaf(dd, c.neg_c_h, shift.coef_shift);
       if constexpr (SOFTCAP) v *= softcap_factor(offset, dd, cap_scale, inv_cap_out);
       g[2 * q + h] = v;

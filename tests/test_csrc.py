@@ -536,6 +536,17 @@ def test_kernel_c_k_loop_fits_under_the_mma():
         assert max(plain) <= 512, f"{name[:80]}: {plain} instructions per K tile and thread, over the MMA's 512"
 
 
+def test_exponentials_are_one_mufu_each():
+    """Every exponential in the library (kernel A's statistics and soft cap, the merge, kernel C's p) is
+    `ex2.approx.ftz`: one MUFU.EX2. Without .ftz ptxas puts a range test (FSETP ... -126) and two predicated
+    multiplies around each, 3 more instructions per element of an epilogue or a K loop (the eighth session's build:
+    one per MUFU, 512 in each kernel A GEMM, 120 in each kernel C, 10 in the merge)."""
+    text = gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode()
+    guards = re.findall(r"FSETP\.GEU\.AND [^;]*-126", text)
+    assert not guards, f"{len(guards)} exp2 range tests (ex2.approx without .ftz), e.g. {guards[0]}"
+    assert text.count("MUFU.EX2") > 0
+
+
 @pytest.mark.compile
 def test_tile_maps_hold_on_the_host(tmp_path):
     """csrc/tests/tile_layouts.cu, compiled with the toolchain's nvcc and run on the CPU: the index maps of
