@@ -527,7 +527,7 @@ def test_kernel_c_k_loop_fits_under_the_mma():
     assert len(kernels) == 4, f"expected 4 dz GEMM kernels, got {len(kernels)}"
     for name, code in kernels.items():
         loops = _k_loops(code)
-        assert len(loops) == 4, f"{name[:80]}: {len(loops)} K loops, expected grad_hidden / grad_weight x soft cap or not"
+        assert len(loops) == 4, f"{name[:80]}: {len(loops)} K loops, not 4 (grad_hidden / grad_weight x soft cap)"
         assert sum(lp["softcap"] for lp in loops) == 2, f"{name[:80]}: soft-cap loops {[lp['softcap'] for lp in loops]}"
         for lp in loops:
             assert lp["mufu"] == 32, f"{name[:80]}: {lp['mufu']} MUFU.EX2 per K tile, expected 32 (one per dz element)"

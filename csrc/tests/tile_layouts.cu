@@ -128,8 +128,8 @@ bool check_chunk_tile(char const* name, char const* what) {
                  i, c.m, c.k, BM, BK);
           long const base = long(&s(c.m, c.k, stage) - buffer);
           grpo_csrc_bwd::ChunkCoord const c0 = grpo_csrc_bwd::consumer_chunk<Cfg>(cw, wt, 0);
-          long const formed = long(&s(c0.m, c0.k, 0) - buffer) +
-                              (long(i) * Cfg::CHUNK_STRIDE_BYTES + long(stage) * BM * BK * long(sizeof(T))) / long(sizeof(T));
+          long const formed_bytes = long(i) * Cfg::CHUNK_STRIDE_BYTES + long(stage) * BM * BK * long(sizeof(T));
+          long const formed = long(&s(c0.m, c0.k, 0) - buffer) + formed_bytes / long(sizeof(T));
           EXPECT(base == formed, "%s %s stride: warpgroup %d thread %d chunk %d stage %d at element %ld, the kernel "
                  "forms %ld", name, what, cw, wt, i, stage, base, formed);
           EXPECT(base % 8 == 0, "%s %s chunk: warpgroup %d thread %d chunk %d at element %ld, not 16-byte aligned",
@@ -147,7 +147,8 @@ bool check_chunk_tile(char const* name, char const* what) {
             EXPECT(c.m / grpo_csrc::STORED_GROUP == cw, "%s group: warpgroup %d thread %d chunk %d in column %d, "
                    "outside the warpgroup's 64-column group", name, cw, wt, i, c.m);
         }
-    for (auto const& [at, n] : written) EXPECT(n == 1, "%s %s cover: element %ld of stage %d never reached", name, what, at, stage);
+    for (auto const& [at, n] : written)
+      EXPECT(n == 1, "%s %s cover: element %ld of stage %d never reached", name, what, at, stage);
     // one shared-memory phase of a 16-byte access: 8 consecutive lanes, conflict-free when their 16-byte bank groups
     // (address / 16 mod 8) differ
     for (int cw = 0; cw < 2; ++cw)
@@ -207,16 +208,18 @@ bool check_kernel_c(char const* name) {
     }
   }
   // bytes: one stage of the logits and B tiles is what the producer's arrive_and_expect_tx announces
-  constexpr long stage_bytes = long(cosize_v<typename Cfg::SmemLayoutL>) / Cfg::STAGES * long(sizeof(typename Cfg::Stored)) +
-                               long(cosize_v<typename Cfg::SmemLayoutB>) / Cfg::STAGES * long(sizeof(Element));
+  constexpr long logits_stage =
+      long(cosize_v<typename Cfg::SmemLayoutL>) / Cfg::STAGES * long(sizeof(typename Cfg::Stored));
+  constexpr long b_stage = long(cosize_v<typename Cfg::SmemLayoutB>) / Cfg::STAGES * long(sizeof(Element));
+  constexpr long stage_bytes = logits_stage + b_stage;
   EXPECT(stage_bytes == long(Cfg::TMA_BYTES), "%s bytes: a stage holds %ld bytes, the TMA transaction counts %u", name,
          stage_bytes, Cfg::TMA_BYTES);
   constexpr long smem = long(sizeof(typename Cfg::SharedStorage));
   EXPECT(smem <= 232448, "%s bytes: %ld bytes of shared memory, sm_90 allows 232448", name, smem);
   std::printf("ok  %s: 256 threads x 4 chunks of 8 read each fp16 logits stage (%d) and write each dz buffer (%d) "
-              "once, 16-byte aligned, at the addresses the kernel forms, 8 bank groups per phase; each warpgroup's WGMMAs read what it wrote and the whole "
-              "B stage; %ld-byte TMA stage, %ld bytes of shared memory\n", name, Cfg::STAGES, Cfg::DZ_BUFFERS,
-              stage_bytes, smem);
+              "once, 16-byte aligned, at the addresses the kernel forms, 8 bank groups per phase; each warpgroup's "
+              "WGMMAs read what it wrote and the whole B stage; %ld-byte TMA stage, %ld bytes of shared memory\n",
+              name, Cfg::STAGES, Cfg::DZ_BUFFERS, stage_bytes, smem);
   return true;
 }
 

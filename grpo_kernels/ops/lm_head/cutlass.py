@@ -368,7 +368,8 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
     coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
                                       dz_scale)  # fmt: skip
     difference = stored_logits.difference.float()  # [N, V]
-    offset = stored_logits.offset.float().repeat_interleave(half_logits_format.STORED_GROUP, dim=1)[:, : difference.shape[1]]
+    group = half_logits_format.STORED_GROUP
+    offset = stored_logits.offset.float().repeat_interleave(group, dim=1)[:, : difference.shape[1]]  # [N, V]
     dz = dz_from_stored(difference, offset, coef, target, softcap).to(hidden.dtype).float()
     inv_s = dz_scale[1] if dz_scale is not None else 1.0
     if grad_hidden_out is not None:
