@@ -301,7 +301,7 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   // once: chunk i is CHUNK_STRIDE i bytes further (16 rows / tokens on: two 1 KB swizzle atoms, the same swizzle) and
   // stage (buffer) s a whole tile's bytes further (a multiple of the swizzle's 1 KB period). csrc/tests/tile_layouts.cu
   // checks both for every element; the loop's addresses are then a register plus constants.
-  constexpr uint32_t L_TILE_BYTES = BM * BK * sizeof(typename Cfg::Stored), A_TILE_BYTES = BM * BK * sizeof(Element);
+  constexpr uint32_t L_TILE_BYTES = Cfg::LOGITS_TILE_BYTES, A_TILE_BYTES = Cfg::DZ_TILE_BYTES;
   constexpr uint32_t CHUNK_STRIDE = Cfg::CHUNK_STRIDE_BYTES;
   ChunkCoord const c0 = consumer_chunk<Cfg>(cw, wt, 0);
   uint32_t const l_addr = cute::cast_smem_ptr_to_uint(&sL(c0.m, c0.k, 0));

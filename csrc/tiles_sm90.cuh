@@ -69,7 +69,9 @@ struct DzConfig {
   using TiledMma = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN>, Int<BK>>, MAJOR_A, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  static constexpr uint32_t TMA_BYTES = BM * BK * sizeof(Stored) + BN * BK * sizeof(Element);
+  // one stage of the fp16 logits ring, one dz buffer: the stage (buffer) stride of SmemLayoutL (SmemLayoutA)
+  static constexpr uint32_t LOGITS_TILE_BYTES = BM * BK * sizeof(Stored), DZ_TILE_BYTES = BM * BK * sizeof(Element);
+  static constexpr uint32_t TMA_BYTES = LOGITS_TILE_BYTES + BN * BK * sizeof(Element);
   // a consumer thread's chunk i + 1 lies this many bytes after its chunk i, in the logits and the dz tiles alike
   // (16 tokens on: two 1 KB swizzle atoms of 8 rows of 128 bytes; checked by csrc/tests/tile_layouts.cu)
   static constexpr uint32_t CHUNK_STRIDE_BYTES = 16 * 128;

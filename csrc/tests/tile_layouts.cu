@@ -107,7 +107,7 @@ bool check_fragment(char const* name) {
 
 // Kernel C: the chunks the consumers read from a (BM, BK, stages) tile of 16-bit elements and write to one.
 template <class Cfg, class T, class SmemLayout>
-bool check_chunk_tile(char const* name, char const* what) {
+bool check_chunk_tile(char const* name, char const* what, long tile_bytes) {
   constexpr int BM = Cfg::BM, BK = Cfg::BK;
   constexpr int STAGES = size<2>(SmemLayout{});
   alignas(1024) static T buffer[cosize_v<SmemLayout>];
@@ -128,7 +128,7 @@ bool check_chunk_tile(char const* name, char const* what) {
                  i, c.m, c.k, BM, BK);
           long const base = long(&s(c.m, c.k, stage) - buffer);
           grpo_csrc_bwd::ChunkCoord const c0 = grpo_csrc_bwd::consumer_chunk<Cfg>(cw, wt, 0);
-          long const formed_bytes = long(i) * Cfg::CHUNK_STRIDE_BYTES + long(stage) * BM * BK * long(sizeof(T));
+          long const formed_bytes = long(i) * Cfg::CHUNK_STRIDE_BYTES + long(stage) * tile_bytes;
           long const formed = long(&s(c0.m, c0.k, 0) - buffer) + formed_bytes / long(sizeof(T));
           EXPECT(base == formed, "%s %s stride: warpgroup %d thread %d chunk %d stage %d at element %ld, the kernel "
                  "forms %ld", name, what, cw, wt, i, stage, base, formed);
@@ -169,8 +169,9 @@ bool check_chunk_tile(char const* name, char const* what) {
 template <class Cfg>
 bool check_kernel_c(char const* name) {
   using Element = typename Cfg::Element;
-  bool ok = check_chunk_tile<Cfg, typename Cfg::Stored, typename Cfg::SmemLayoutL>(name, "logits read") &&
-            check_chunk_tile<Cfg, Element, typename Cfg::SmemLayoutA>(name, "dz written");
+  bool ok = check_chunk_tile<Cfg, typename Cfg::Stored, typename Cfg::SmemLayoutL>(name, "logits read",
+                                                                                   Cfg::LOGITS_TILE_BYTES) &&
+            check_chunk_tile<Cfg, Element, typename Cfg::SmemLayoutA>(name, "dz written", Cfg::DZ_TILE_BYTES);
   if (!ok) return false;
   // owner: what warpgroup cw writes into dz buffer b is what its WGMMAs read from it
   alignas(1024) static Element dz[cosize_v<typename Cfg::SmemLayoutA>];

@@ -318,10 +318,9 @@ def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets
     c_lp_s, c_h_s = c_lp * s, c_h * s
     # c_H E_p[z] - c_lp, E_p[z] read only where the token has an entropy gradient (as the kernel's fmaf)
     k = torch.where(c_h != 0, c_h_s * expected_logit.to(lse.dtype), zeros) - c_lp_s
-    dead = torch.zeros_like(lse)
     coef = torch.stack([torch.where(live, lse * LOG2E, torch.full_like(lse, DEAD_LSE * LOG2E)),
-                        torch.where(live, c_lp_s, dead), torch.where(live, -c_h_s, dead),
-                        torch.where(live, k, dead)], 1)  # fmt: skip
+                        torch.where(live, c_lp_s, zeros), torch.where(live, -c_h_s, zeros),
+                        torch.where(live, k, zeros)], 1)  # fmt: skip
     target = targets.long() if grad_logprobs is not None else torch.full_like(targets.long(), -1)
     target = torch.where((target >= 0) & (target < 2**31), target, torch.full_like(target, -1))
     return coef, target
