@@ -11,8 +11,9 @@
 //     soft cap: dz *= cap_in cap_out (1 - t^2), t = clamp(z / cap_out, -1, 1)   (then T = 1)
 // and dz rounded to the operand dtype before the MMA (the slab path's rounding). A token without an upstream
 // gradient contributes exactly 0 (its lse is replaced by DEAD_LSE so p = 0). The per-token coefficients are
-// packed once per call by `token_coef_kernel` (fp16: the dz scale S folded in; the epilogue multiplies by 1/S), in
-// the form that makes an element two FMAs, one MUFU.EX2 and one product (TokenCoef, RowShift, dz_chunk).
+// packed once per call by `token_coef_kernel` (fp16: the dz scale S folded in; the epilogue multiplies by 1/S;
+// soft cap: the constant cap_in cap_out folded in), in the form that makes an element two FMAs, one MUFU.EX2 and
+// one product (TokenCoef, RowShift, dz_chunk), and the soft cap's 1 - t^2 three more and a product.
 //
 // The CTA (384 threads) is warp-specialized: warpgroup 0 is the producer (one thread issues the TMA loads of
 // the fp16 logits tile and the B tile into a ring of STAGES buffers, mbarrier full / empty), warpgroups 1 and 2
@@ -54,14 +55,15 @@ using grpo_csrc::LOG2E;
 constexpr float DEAD_LSE = 0x1p105f;  // triton_common.py DEAD_LSE: p = exp(z - DEAD_LSE) = 0 for every stored z
 
 // One token's coefficients of dz, packed by token_coef_kernel (16 bytes: one vector load per token), in the form the
-// transform uses (dz_chunk): with c_lp = S g_lp / T and c_H = S g_H / T,
+// transform uses (dz_chunk): with c_lp = F S g_lp and c_H = F S g_H (F, the host's coef_factor: 1 / T, or with a soft
+// cap cap_in cap_out, where T = 1),
 //     dz = p (c_H (E_p[z] - z) - c_lp) = p (neg_c_h z + k),   p = 2^(z log2 e - lse_log2)
 // A token without upstream gradient has lse_log2 = DEAD_LSE log2 e (p = 0) and neg_c_h = k = 0 (its dz exactly 0,
 // whatever its E_p[z]).
 struct alignas(16) TokenCoef {
   float lse_log2;  // lse log2 e
-  float c_lp;      // S g_lp / T (0 without grad_logprobs): the target column's term
-  float neg_c_h;   // -S g_H / T (0 without grad_entropy)
+  float c_lp;      // F S g_lp (0 without grad_logprobs): the target column's term
+  float neg_c_h;   // -F S g_H (0 without grad_entropy)
   float k;         // c_H E_p[z] - c_lp
 };
 
@@ -89,7 +91,7 @@ struct DzArgs {
   int accumulate = 0;               // add into out; 0: out's content is ignored (ABI 5: grad_weight too)
   int n_tokens = 0, vocab = 0, hidden = 0;
   int has_softcap = 0;
-  float cap_in = 0.f, cap_out = 1.f;
+  float cap_out = 1.f;              // with a soft cap (its cap_in cap_out is in the coefficients)
   int group_m = 8;                  // tile raster: GROUP_M M tiles per column band, for L2 reuse of B
 };
 
@@ -120,10 +122,17 @@ CUTLASS_DEVICE RowShift row_shift(TokenCoef const& c, float offset) {
   return RowShift{fmaf(offset, LOG2E, -c.lse_log2), fmaf(c.neg_c_h, offset, c.k)};
 }
 
-// The soft cap's factor of dz at logit z = m + d: cap_in cap_out (1 - t^2), t = clamp(z / cap_out, -1, 1).
-CUTLASS_DEVICE float softcap_factor(float offset, float d, float cap_scale, float inv_cap_out) {
-  float const t = fminf(fmaxf((offset + d) * inv_cap_out, -1.f), 1.f);
-  return cap_scale * (1.f - t * t);
+// The soft cap's factor of dz at logit z = m + d, without its constant cap_in cap_out (folded into the token's
+// coefficients by the host: token_coef_kernel's coef_factor): 1 - t^2 with t = clamp(z / cap_out, -1, 1), as
+// 1 - t^2 of the unclamped t saturated to [0, 1] (the same value: |t| >= 1 gives 0 either way, and 1 - t^2 <= 1).
+// Per element one FFMA for t (offset / cap_out is formed once per chunk) and one FFMA.SAT (`fma.rn.sat`: the clamp
+// in the same instruction; NaN gives +0, as fmaxf(NaN, 0) does): 2 instructions and the product, where the clamp
+// and the constant took 7 (counted in the SASS).
+CUTLASS_DEVICE float softcap_factor(float offset, float d, float inv_cap_out) {
+  float const t = fmaf(d, inv_cap_out, offset * inv_cap_out);
+  float s;
+  asm("fma.rn.sat.f32 %0, %1, %2, 0f3F800000;" : "=f"(s) : "f"(-t), "f"(t));  // sat(1 - t^2)
+  return s;
 }
 
 // dz of 8 adjacent vocabulary columns col0.. of one token, from their fp16 differences, as 16-bit values packed into
@@ -132,7 +141,7 @@ CUTLASS_DEVICE float softcap_factor(float offset, float d, float cap_scale, floa
 // tile's columns reach past V, only in the last vocabulary tile) are branches the other chunks skip.
 template <bool SOFTCAP, class Element>
 CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, RowShift const& shift, TokenCoef const& c, int target, float offset,
-                              int col0, bool edge, int vocab, float cap_scale, float inv_cap_out) {
+                              int col0, bool edge, int vocab, float inv_cap_out) {
   __half2 const* d2 = reinterpret_cast<__half2 const*>(&stored);
   float g[8];
   CUTLASS_PRAGMA_UNROLL
@@ -143,7 +152,7 @@ CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, RowShift const& shift, TokenCoef con
       float const dd = h == 0 ? d.x : d.y;
       float const p = ex2_approx(fmaf(dd, LOG2E, shift.exp_shift));
       float v = p * fmaf(dd, c.neg_c_h, shift.coef_shift);
-      if constexpr (SOFTCAP) v *= softcap_factor(offset, dd, cap_scale, inv_cap_out);
+      if constexpr (SOFTCAP) v *= softcap_factor(offset, dd, inv_cap_out);
       g[2 * q + h] = v;
     }
   }
@@ -155,7 +164,7 @@ CUTLASS_DEVICE uint4 dz_chunk(uint4 stored, RowShift const& shift, TokenCoef con
         float add = c.c_lp;
         if constexpr (SOFTCAP) {
           float const dj = __half2float(reinterpret_cast<__half const*>(&stored)[j]);
-          add *= softcap_factor(offset, dj, cap_scale, inv_cap_out);
+          add *= softcap_factor(offset, dj, inv_cap_out);
         }
         g[j] += add;
       }
@@ -285,7 +294,6 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
   Tensor sB = make_tensor(make_smem_ptr(ss.b.data()), typename Cfg::SmemLayoutB{});       // (BN, BK, STAGES)
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // WGMMA descriptors
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  float const cap_scale = a.cap_in * a.cap_out;
   float const inv_cap_out = 1.f / a.cap_out;
   // Which tokens / columns this thread transforms. grad_hidden: tokens fixed per tile, columns move with k;
   // grad_weight: columns fixed (the tile's vocabulary rows), tokens move with k.
@@ -336,8 +344,7 @@ CUTLASS_DEVICE void dz_gemm_tile(TmaL const& tma_l, TmaB const& tma_b, DzArgs co
     for (int i = 0; i < 4; ++i) {
       if (i + 1 < 4) stored[i + 1] = load_shared_16(l_addr + stage * L_TILE_BYTES + (i + 1) * CHUNK_STRIDE);
       uint4 const dz = dz_chunk<SOFTCAP, Element>(stored[i], shift[i], rows.coef[i], rows.target[i], rows.offset[i],
-                                                  col_base + chunk_column(wt), edge, a.vocab,
-                                                  cap_scale, inv_cap_out);
+                                                  col_base + chunk_column(wt), edge, a.vocab, inv_cap_out);
       store_shared_16(a_addr + buf * A_TILE_BYTES + i * CHUNK_STRIDE, dz);
     }
     cutlass::arch::fence_view_async_shared();             // generic-proxy stores -> visible to WGMMA
@@ -468,13 +475,13 @@ __global__ void __launch_bounds__(CfgH::THREADS, 1)
 
 // Per-token coefficients of dz, one thread per token (O(N), once per backward call).
 __global__ void token_coef_kernel(float const* lse, float const* expected_logit, float const* grad_logprobs,
-                                  float const* grad_entropy, int64_t const* targets, float inv_temperature,
+                                  float const* grad_entropy, int64_t const* targets, float coef_factor,
                                   float const* dz_scale, int n_tokens, TokenCoef* coef, int* target) {
   int const t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n_tokens) return;
   float const s = dz_scale != nullptr ? dz_scale[0] : 1.f;  // fp16: the power of two that keeps dz in range
-  float const c_lp = grad_logprobs != nullptr ? grad_logprobs[t] * inv_temperature : 0.f;
-  float const c_h = grad_entropy != nullptr ? grad_entropy[t] * inv_temperature : 0.f;
+  float const c_lp = grad_logprobs != nullptr ? grad_logprobs[t] * coef_factor : 0.f;
+  float const c_h = grad_entropy != nullptr ? grad_entropy[t] * coef_factor : 0.f;
   bool const live = c_lp != 0.f || c_h != 0.f;
   float const c_lp_s = c_lp * s, c_h_s = c_h * s;
   // k = c_H E_p[z] - c_lp: only where the token has an entropy gradient (E_p[z] is not read otherwise)
@@ -567,15 +574,16 @@ GRPO_API void grpo_csrc_lm_head_bwd_tile(int* out) {
 }
 
 // The per-token coefficients (coef: [N] 16-byte records, target: [N] int32). Device pointers; grad_logprobs /
-// grad_entropy / dz_scale may be null.
+// grad_entropy / dz_scale may be null. coef_factor (ABI 7): what multiplies the upstream gradients, 1 / T, or with a
+// soft cap (T = 1 there) cap_in cap_out, the constant of its factor, which the dz GEMMs then leave out.
 GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* expected_logit,
                                               float const* grad_logprobs, float const* grad_entropy,
-                                              int64_t const* targets, float inv_temperature, float const* dz_scale,
+                                              int64_t const* targets, float coef_factor, float const* dz_scale,
                                               int64_t n_tokens, void* coef, int* target, uint64_t stream) {
   if (n_tokens <= 0 || n_tokens >= (int64_t(1) << 31)) return fail("n_tokens must be in [1, 2^31)");
   int const threads = 256;
   token_coef_kernel<<<int((n_tokens + threads - 1) / threads), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature, dz_scale, int(n_tokens),
+      lse, expected_logit, grad_logprobs, grad_entropy, targets, coef_factor, dz_scale, int(n_tokens),
       reinterpret_cast<TokenCoef*>(coef), target);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return fail(cudaGetErrorString(err));
@@ -587,7 +595,8 @@ GRPO_API int grpo_csrc_lm_head_bwd_token_coef(float const* lse, float const* exp
 // without being read), or null: fp32, or with grad_weight_16bit the gradient buffer in the operands' dtype, each
 // element's fp32 sum rounded into it once. diff / offset: the HalfLogits store of these N rows (fp16 [N, ld_diff],
 // fp32 [N, ld_offset]); weight [V, H] and hidden [N, H] the operands (both always given: each GEMM's descriptors are
-// built); coef / target from grpo_csrc_lm_head_bwd_token_coef; inv_scale: device fp32 1 / S or null. Strides in
+// built); coef / target from grpo_csrc_lm_head_bwd_token_coef (its coef_factor holding a soft cap's cap_in cap_out,
+// ABI 7: has_softcap here applies 1 - t^2 alone, t = z / cap_out); inv_scale: device fp32 1 / S or null. Strides in
 // elements; H, ld_diff, ld_weight and ld_hidden multiples of 8 and 16-byte aligned bases (TMA). Returns 0, or
 // nonzero with grpo_csrc_last_error() set.
 GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t ld_diff, float const* offset,
@@ -597,7 +606,7 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t
                                             int64_t ld_grad_weight, int grad_weight_16bit, int accumulate_weight,
                                             void const* coef, int const* target, float const* inv_scale,
                                             int64_t n_tokens, int64_t vocab, int64_t hidden_size, int has_softcap,
-                                            float cap_in, float cap_out, int group_m, uint64_t stream) {
+                                            float cap_out, int group_m, uint64_t stream) {
   if (check_problem_size(n_tokens, vocab, hidden_size)) return 1;
   if (grad_hidden == nullptr && grad_weight == nullptr) return fail("no output: grad_hidden and grad_weight are null");
   if (hidden_size % 8 || ld_diff % 8 || ld_weight % 8 || ld_hidden % 8 || ld_grad_hidden % 2 || ld_grad_weight % 2)
@@ -621,7 +630,6 @@ GRPO_API int grpo_csrc_lm_head_bwd_dz_gemms(int dtype, void const* diff, int64_t
   h.vocab = int(vocab);
   h.hidden = int(hidden_size);
   h.has_softcap = has_softcap;
-  h.cap_in = has_softcap ? cap_in : 0.f;
   h.cap_out = has_softcap ? cap_out : 1.f;
   h.group_m = group_m > 0 ? group_m : 8;
   DzArgs w = h;

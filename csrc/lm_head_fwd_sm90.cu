@@ -378,9 +378,11 @@ using namespace grpo_csrc;
 extern "C" {
 
 // Incremented when an exported signature changes; the Python loader refuses other values.
-GRPO_API int grpo_csrc_abi_version() { return 6; }  // 3: kernel C (lm_head_bwd_sm90.cu); 4: its grad_weight in place;
+GRPO_API int grpo_csrc_abi_version() { return 7; }  // 3: kernel C (lm_head_bwd_sm90.cu); 4: its grad_weight in place;
                                                     // 5: its grad_weight overwritten where accumulate = 0;
-                                                    // 6: its two GEMMs in one launch (grpo_csrc_lm_head_bwd_dz_gemms)
+                                                    // 6: its two GEMMs in one launch (grpo_csrc_lm_head_bwd_dz_gemms);
+                                                    // 7: the soft cap's cap_in cap_out in token_coef's coef_factor
+                                                    //    (dz_gemms takes cap_out alone)
 
 // sha256 of the csrc sources this library was built from (csrc/build.sh); the loader compares it.
 GRPO_API char const* grpo_csrc_build_stamp() { return GRPO_CSRC_STAMP; }

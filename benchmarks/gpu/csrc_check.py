@@ -189,7 +189,7 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
 
 
 def backward_checks(lib, device):
-    """Kernel C (ABI 6): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
+    """Kernel C (ABI 7): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
     same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
     fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
     K products in fp32 in different orders: per element |csrc - spec| <= (u_op + 2 K u32) (|dz| @ |operand|) + 2 u32
@@ -220,10 +220,9 @@ def backward_checks(lib, device):
         cutlass.dz_gemms_reference(**want)
         torch.cuda.synchronize()
         coef, target = cutlass.token_coefficients(stats.lse.double(), stats.expected_logit.double(), g_lp.double(),
-                                                  g_h.double(), targets, want["inv_temperature"])  # fmt: skip
-        mag = cutlass.dz_magnitude(store.reconstruct().double(), coef, target)
-        if sc is not None:
-            mag = mag * sc[0] * sc[1]
+                                                  g_h.double(), targets, want["inv_temperature"],
+                                                  softcap=sc)  # fmt: skip
+        mag = cutlass.dz_magnitude(store.reconstruct().double(), coef, target)  # the cap's constant is in coef
         row = {"case": f"backward-{name}", "ok": True}
         u_op, u32 = units[hidden.dtype], 2.0**-24
         for grad, key, operand, k in (("grad_hidden", "grad_hidden_out", weight, v),

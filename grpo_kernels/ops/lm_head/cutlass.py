@@ -38,10 +38,11 @@ from .reference import LMHeadStats
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
-ABI_VERSION = 6  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
+ABI_VERSION = 7  # 2: the partials call takes the HalfLogits store; 3: the backward's dz GEMMs (kernel C); 4: their
 # grad_weight summed in place into a 16-bit gradient buffer (out_16bit); 5: grad_weight overwritten where accumulate
 # is 0 (a 4 library would add into the caller's uninitialised buffer: refused); 6: both dz GEMMs in one launch
-# (grpo_csrc_lm_head_bwd_dz_gemms, in place of one grpo_csrc_lm_head_bwd_dz_gemm call per GEMM)
+# (grpo_csrc_lm_head_bwd_dz_gemms, in place of one grpo_csrc_lm_head_bwd_dz_gemm call per GEMM); 7: a soft cap's
+# constant cap_in cap_out in the token coefficients (token_coef's coef_factor), dz_gemms taking cap_out alone
 LOG2E = 1.4426950408889634
 RUN_MAX_INIT = -(2.0**105)
 PAD_LOGIT = -(2.0**104)
@@ -121,7 +122,7 @@ def _declare(lib) -> None:
     lib.grpo_csrc_lm_head_bwd_tile.argtypes = [c_p]
     lib.grpo_csrc_lm_head_bwd_tile.restype = None
     lib.grpo_csrc_lm_head_bwd_token_coef.argtypes = [
-        c_p, c_p, c_p, c_p, c_p, c_f, c_p,  # lse expected_logit grad_logprobs grad_entropy targets inv_T dz_scale
+        c_p, c_p, c_p, c_p, c_p, c_f, c_p,  # lse expected_logit grad_logprobs grad_entropy targets coef_factor dz_scale
         c_i64, c_p, c_p, c_u64,  # N coef target stream
     ]
     lib.grpo_csrc_lm_head_bwd_token_coef.restype = c_int
@@ -131,7 +132,7 @@ def _declare(lib) -> None:
         c_p, c_i64, c_int,  # grad_hidden ld_grad_hidden accumulate_hidden
         c_p, c_i64, c_int, c_int,  # grad_weight ld_grad_weight grad_weight_16bit accumulate_weight
         c_p, c_p, c_p,  # coef target inv_scale
-        c_i64, c_i64, c_i64, c_int, c_f, c_f, c_int, c_u64,  # N V H has_softcap cap_in cap_out group_m stream
+        c_i64, c_i64, c_i64, c_int, c_f, c_int, c_u64,  # N V H has_softcap cap_out group_m stream
     ]
     lib.grpo_csrc_lm_head_bwd_dz_gemms.restype = c_int
 
@@ -304,16 +305,27 @@ DZ_GEMMS_ARGS = ("stored_logits", "hidden", "weight", "targets", "lse", "expecte
 DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
 
 
+def coef_factor(inv_temperature: float, softcap=None) -> float:
+    """What multiplies the upstream gradients in the token coefficients (token_coef_kernel's coef_factor, ABI 7):
+    1 / T, or with a soft cap (where the caller passes 1 / T = 1) also the constant cap_in cap_out of its factor
+    cap_in cap_out (1 - t^2), which the dz GEMMs then leave out (one product per token, not per logit)."""
+    if softcap is None:
+        return inv_temperature
+    return inv_temperature * float(softcap[0]) * float(softcap[1])
+
+
 def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature: float,
-                       dz_scale=None):  # fmt: skip
+                       dz_scale=None, softcap=None):  # fmt: skip
     """token_coef_kernel's packing, in lse's dtype: (coef [N, 4], target [N] int64, -1 where there is no target
-    term). With c_lp = S g_lp / T and c_H = S g_H / T, coef = (lse log2 e, c_lp, -c_H, c_H E_p[z] - c_lp), so that
-    dz = 2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y] (csrc/lm_head_bwd_sm90.cu, TokenCoef); a
-    token without upstream gradient gets (DEAD_LSE log2 e, 0, 0, 0): its dz is exactly 0."""
+    term). With F = coef_factor(inv_temperature, softcap), c_lp = F S g_lp and c_H = F S g_H, coef = (lse log2 e,
+    c_lp, -c_H, c_H E_p[z] - c_lp), so that dz = (2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y])
+    (times 1 - t^2 with a soft cap: `dz_from_stored`) (csrc/lm_head_bwd_sm90.cu, TokenCoef); a token without
+    upstream gradient gets (DEAD_LSE log2 e, 0, 0, 0): its dz is exactly 0."""
     zeros = torch.zeros_like(lse)
     s = dz_scale[0].to(lse.dtype) if dz_scale is not None else 1.0
-    c_lp = grad_logprobs.to(lse.dtype) * inv_temperature if grad_logprobs is not None else zeros
-    c_h = grad_entropy.to(lse.dtype) * inv_temperature if grad_entropy is not None else zeros
+    factor = coef_factor(inv_temperature, softcap)  # rounded to lse's dtype by the product, as the ABI's float
+    c_lp = grad_logprobs.to(lse.dtype) * factor if grad_logprobs is not None else zeros
+    c_h = grad_entropy.to(lse.dtype) * factor if grad_entropy is not None else zeros
     live = (c_lp != 0) | (c_h != 0)
     c_lp_s, c_h_s = c_lp * s, c_h * s
     # c_H E_p[z] - c_lp, E_p[z] read only where the token has an entropy gradient (as the kernel's fmaf)
@@ -332,8 +344,9 @@ def dz_from_stored(difference, offset, coef, target, softcap=None) -> torch.Tens
     offset 0): the offset folded into two per-row shifts, then per element
         p = 2^(d log2 e + exp_shift),  exp_shift = m log2 e - lse log2 e
         dz = p (-c_H d + coef_shift) + c_lp 1[v = y],  coef_shift = -c_H m + c_H E_p[z] - c_lp
-    (= p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y]), with a soft cap times cap_in cap_out (1 - t^2), t = clamp(z /
-    cap_out, -1, 1), the target term included. The kernel fuses the products into FMAs; torch rounds each."""
+    (= p (c_H (E_p[z] - z) - c_lp) + c_lp 1[v = y]), with a soft cap times 1 - t^2 clamped to [0, 1], t = d / cap_out
+    + m / cap_out (= 1 - clamp(z / cap_out, -1, 1)^2), the target term included: its constant cap_in cap_out is in coef
+    (`token_coefficients(..., softcap=)`). The kernel fuses the products into FMAs; torch rounds each."""
     lse_log2, c_lp, neg_c_h, k = (coef[:, i : i + 1] for i in range(4))
     exp_shift = offset * LOG2E - lse_log2
     coef_shift = neg_c_h * offset + k
@@ -341,16 +354,16 @@ def dz_from_stored(difference, offset, coef, target, softcap=None) -> torch.Tens
     cols = torch.arange(difference.shape[1], device=difference.device)
     dz = dz + torch.where(cols[None, :] == target[:, None], c_lp, torch.zeros_like(c_lp))
     if softcap is not None:
-        cap_in, cap_out = softcap
-        t = ((offset + difference) * (1.0 / cap_out)).clamp(-1.0, 1.0)
-        dz = dz * ((cap_in * cap_out) * (1.0 - t * t))
+        inv_cap_out = 1.0 / float(softcap[1])
+        t = difference * inv_cap_out + offset * inv_cap_out
+        dz = dz * (1.0 - t * t).clamp(0.0, 1.0)  # the kernel's fma.rn.sat
     return dz
 
 
 def dz_magnitude(z, coef, target) -> torch.Tensor:
-    """An upper bound of |dz| per element before the soft cap's factor (|1 - t^2| <= 1: times cap_in cap_out
-    bounds it after), in z's dtype (float64 for the bounds): p (|c_H| |E_p[z] - z| + |c_lp|) + |c_lp| 1[v = y],
-    for `token_coefficients`' coef / target (no target term where target is -1)."""
+    """An upper bound of |dz| per element (with a soft cap: before its factor 1 - t^2 in [0, 1], the constant
+    cap_in cap_out being in coef), in z's dtype (float64 for the bounds): p (|c_H| |E_p[z] - z| + |c_lp|) + |c_lp|
+    1[v = y], for `token_coefficients`' coef / target (no target term where target is -1)."""
     lse_log2, c_lp, neg_c_h, k = (coef[:, i : i + 1] for i in range(4))
     p = torch.exp2(z * LOG2E - lse_log2)
     mag = p * ((neg_c_h * z + k + c_lp).abs() + c_lp.abs())  # |c_H (E_p[z] - z)| + |c_lp|
@@ -365,7 +378,7 @@ def dz_gemms_reference(*, stored_logits, hidden, weight, targets, lse, expected_
     """Kernel C's arithmetic in torch on any device: fp32 dz from the stored fp16 logits, rounded to the
     operands' dtype, products summed in fp32 (the WGMMA's accumulate), the sums divided by S."""
     coef, target = token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature,
-                                      dz_scale)  # fmt: skip
+                                      dz_scale, softcap)  # fmt: skip
     difference = stored_logits.difference.float()  # [N, V]
     group = half_logits_format.STORED_GROUP
     offset = stored_logits.offset.float().repeat_interleave(group, dim=1)[:, : difference.shape[1]]  # [N, V]
@@ -410,12 +423,13 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    has_softcap, cap_in, cap_out = (0, 0.0, 1.0) if softcap is None else (1, float(softcap[0]), float(softcap[1]))
+    has_softcap, cap_out = (0, 1.0) if softcap is None else (1, float(softcap[1]))
     diff, offset = stored_logits.difference, stored_logits.offset
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         _call(lib, "grpo_csrc_lm_head_bwd_token_coef", lse.data_ptr(), expected_logit.data_ptr(), ptr(grad_logprobs),
-              ptr(grad_entropy), targets.data_ptr(), inv_temperature, ptr(dz_scale), n_tokens, coef.data_ptr(),
+              ptr(grad_entropy), targets.data_ptr(), coef_factor(inv_temperature, softcap), ptr(dz_scale), n_tokens,
+              coef.data_ptr(),
               target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
         gh, gw = grad_hidden_out, grad_weight_acc
@@ -424,7 +438,7 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
               hidden.stride(0), ptr(gh), 0 if gh is None else gh.stride(0), int(accumulate_hidden), ptr(gw),
               0 if gw is None else gw.stride(0), int(gw is not None and gw.dtype != torch.float32),
               int(accumulate_weight), coef.data_ptr(), target.data_ptr(), inv_scale, n_tokens, vocab, hidden_size,
-              has_softcap, cap_in, cap_out, group_m, stream)  # fmt: skip
+              has_softcap, cap_out, group_m, stream)  # fmt: skip
 
 
 def dz_gemms_makespan(n_tokens: int, vocab: int, hidden_size: int, sms: int = 132, *, one_launch: bool = True,
