@@ -1,5 +1,6 @@
-// What kernels A (lm_head_fwd_sm90.cu) and C (lm_head_bwd_sm90.cu) share: the exp they use, the fp16 store's
-// group width, the library's one error buffer behind grpo_csrc_last_error() and the entry points' size check.
+// What kernels A (lm_head_fwd_sm90.cu) and C (lm_head_bwd_sm90.cu) share: the exp and the division they use, the
+// fp16 store's group width, the library's one error buffer behind grpo_csrc_last_error() and the entry points' size
+// check.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,16 @@ constexpr int STORED_GROUP = 64;  // columns per fp32 offset of the fp16 store (
 CUTLASS_DEVICE float ex2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// a / b as a * rcp.approx(b) (div.approx.f32: MUFU.RCP and one FMUL), for |b| in [2^-126, 2^126]. There it is what
+// Triton's fp32 `/` computes: Triton emits div.full.f32, which ptxas compiles to the same two instructions behind
+// range tests that rescale both operands only for |b| outside that range. The IEEE `a / b` of CUDA C++ (div.rn.f32)
+// compiled to the reciprocal, two Newton steps and a range check (FCHK) branching to a subroutine.
+CUTLASS_DEVICE float div_approx(float a, float b) {
+  float y;
+  asm("div.approx.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
   return y;
 }
 

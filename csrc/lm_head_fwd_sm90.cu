@@ -84,7 +84,8 @@ CUTLASS_DEVICE float softcap(float x, float cap_in, float cap_out) {  // triton.
   float r = TANH_C3 + s * (TANH_C4 + s * TANH_C5);
   r = 1.f + s * (TANH_C1 + s * (TANH_C2 + s * r));
   float e = ex2_approx(a * (-2.f * LOG2E));
-  float q = a < 0.25f ? r : (1.f - e) / ((1.f + e) * a);
+  // the divisor (1 + e) a lies in [1/4, 33] (a in [1/4, 16], e in (0, 0.61]): Triton's div.full.f32, exactly
+  float q = a < 0.25f ? r : div_approx(1.f - e, (1.f + e) * a);
   return u * q * cap_out;
 }
 

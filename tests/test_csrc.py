@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import gzip
 import itertools
+import math
 import os
 import re
 import shutil
@@ -299,6 +300,7 @@ def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
         worst, where = _ratio(got, want, bound, what)
         assert worst <= 1.0, f"{where}: {worst:.3f} of its bound"
     # the same arithmetic on the fp32 logits (the store's reference point)
+    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     # the fp32 logits as the differences from a zero offset (the reference widens the differences to fp32)
@@ -313,6 +315,7 @@ def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
 def test_kernel_c_bound_catches_a_wrong_offset():
     """The bound can fail: the offsets of the neighbouring 64-column group (a wrong group index in the
     kernel's offset load) put grad_hidden far outside it."""
+    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     c = _kernel_c_case(torch.bfloat16, False)
@@ -550,6 +553,23 @@ def test_exponentials_are_one_mufu_each():
     assert text.count("MUFU.EX2") > 0
 
 
+def test_soft_cap_division_is_one_reciprocal():
+    """Kernel A's soft cap forms tanh(u) / u as (1 - e) / ((1 + e) |u|) per element above |u| = 1/4 (Triton's
+    `_softcap`). Its divisor lies in [1/4, 33], where Triton's fp32 `/` (div.full.f32) is a MUFU.RCP and an FMUL;
+    csrc's `div_approx` is those two. The IEEE `/` of CUDA C++ compiled to Newton steps, an FCHK range test and a
+    call to a slow-path subroutine per element (the ninth session's build: 128 of each per GEMM kernel, ~56
+    instructions per element of the soft-cap epilogue against ~44 now). Asserted in the committed SASS: no FCHK or
+    call in kernel A's GEMM kernels, and one MUFU.RCP per element of a thread's 128-element tile share."""
+    functions = _sass_functions(gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode())
+    gemms = {name: [x for _, x in code] for name, code in functions.items() if "GemmUniversal" in name}
+    assert len(gemms) == 4, f"expected kernel A's 4 GEMM kernels, got {len(gemms)}"
+    for name, code in gemms.items():
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in code]
+        slow = [o for o in ops if o == "FCHK" or o.startswith("CALL")]
+        assert not slow, f"{name[:80]}: {len(slow)} FCHK / CALL (an IEEE division's slow path)"
+        assert ops.count("MUFU.RCP") == 128, f"{name[:80]}: {ops.count('MUFU.RCP')} MUFU.RCP, expected 128"
+
+
 @pytest.mark.compile
 def test_tile_maps_hold_on_the_host(tmp_path):
     """csrc/tests/tile_layouts.cu, compiled with the toolchain's nvcc and run on the CPU: the index maps of
@@ -689,6 +709,7 @@ def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
     # low-memory schedule's sized dz workspace
     assert _is_triton(cutlass)
     # the training forward's store qualifies only as a HalfLogits (csrc writes no fp32 logits), and only on CUDA
+    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
@@ -706,6 +727,7 @@ def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, mo
     validation and the bias sums stay Triton's): CPU tensors and fp32 stored logits are declined without
     loading the library; a non-dz backward or the switch off offers nothing."""
     from grpo_kernels.ops.lm_head import triton as triton_impl
+    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     seen = []
@@ -734,6 +756,53 @@ def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, mo
     monkeypatch.setenv(cutlass.ENV_SWITCH, "0")
     assert cutlass.lm_head_backward(*args, stored_logits=half, dz_in_gemm=True) == "done"
     assert "dz_gemms" not in seen[-1] and cutlass._state == {}
+
+
+class _CudaStandIn:
+    """What `backward_applies` reads of a CUDA tensor (device, dtype, shape, strides, address, element size),
+    for a head too large to allocate here; every field as a contiguous tensor of that shape would have it."""
+
+    def __init__(self, shape, dtype, address=1 << 20):
+        self.shape, self.dtype, self._address = tuple(shape), dtype, address
+        self.device = torch.device("cuda", 0)
+        self._strides = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def data_ptr(self):
+        return self._address
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def test_kernel_c_declines_offsets_past_32_bit_indices(monkeypatch):
+    """Kernel C indexes the fp16 store's offsets in 32 bits (token x ld_offset + group; the entry point refuses
+    N ld_offset >= 2^31): `backward_applies` declines such a call on an sm_90 device, so the Triton kernels run
+    instead of the refusal. On both sides of the limit, with ld_offset = 16 (V <= 1,024): 2^27 - 1 tokens apply,
+    2^27 do not; the Qwen vocabulary's offset row (V = 151,936: 2,374 groups) reaches it at 904,585 tokens."""
+    from grpo_kernels.ops.lm_head import half_logits_format
+    from grpo_kernels.ops.lm_head.triton import HalfLogits
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def applies(n, vocab, groups, hidden=64):
+        x = _CudaStandIn((n, hidden), torch.bfloat16)
+        w = _CudaStandIn((vocab, hidden), torch.bfloat16)
+        difference = _CudaStandIn((n, half_logits_format.row_stride(vocab)), torch.float16)
+        store = HalfLogits(difference, _CudaStandIn((n, groups), torch.float32))
+        acc = _CudaStandIn((vocab, hidden), torch.float32)
+        return cutlass.backward_applies(x, w, store, acc)
+
+    assert applies(2**27 - 1, 1000, 16)
+    assert not applies(2**27, 1000, 16)
+    groups = half_logits_format.num_groups(151_936)
+    limit = -(-(2**31) // groups)  # the first N with N x 2,374 >= 2^31
+    assert (groups, limit) == (2374, 904_585)
+    assert applies(limit - 1, 151_936, groups)
+    assert not applies(limit, 151_936, groups)
+    assert not applies(1000, 1000, 16, hidden=60)  # and a TMA rule beside it: H a multiple of 8
 
 
 def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
