@@ -300,7 +300,6 @@ def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
         worst, where = _ratio(got, want, bound, what)
         assert worst <= 1.0, f"{where}: {worst:.3f} of its bound"
     # the same arithmetic on the fp32 logits (the store's reference point)
-    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     # the fp32 logits as the differences from a zero offset (the reference widens the differences to fp32)
@@ -315,7 +314,6 @@ def test_kernel_c_from_the_fp16_store_within_its_bound(dtype, capped):
 def test_kernel_c_bound_catches_a_wrong_offset():
     """The bound can fail: the offsets of the neighbouring 64-column group (a wrong group index in the
     kernel's offset load) put grad_hidden far outside it."""
-    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     c = _kernel_c_case(torch.bfloat16, False)
@@ -558,7 +556,7 @@ def test_soft_cap_division_is_one_reciprocal():
     `_softcap`). Its divisor lies in [1/4, 33], where Triton's fp32 `/` (div.full.f32) is a MUFU.RCP and an FMUL;
     csrc's `div_approx` is those two. The IEEE `/` of CUDA C++ compiled to Newton steps, an FCHK range test and a
     call to a slow-path subroutine per element (the ninth session's build: 128 of each per GEMM kernel, ~56
-    instructions per element of the soft-cap epilogue against ~44 now). Asserted in the committed SASS: no FCHK or
+    instructions per element in the soft-cap epilogue's code against ~44 now, both branches counted). Asserted in the committed SASS: no FCHK or
     call in kernel A's GEMM kernels, and one MUFU.RCP per element of a thread's 128-element tile share."""
     functions = _sass_functions(gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode())
     gemms = {name: [x for _, x in code] for name, code in functions.items() if "GemmUniversal" in name}
@@ -709,7 +707,6 @@ def test_the_switch_routes_the_triton_backend_through_csrc(monkeypatch):
     # low-memory schedule's sized dz workspace
     assert _is_triton(cutlass)
     # the training forward's store qualifies only as a HalfLogits (csrc writes no fp32 logits), and only on CUDA
-    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
@@ -727,7 +724,6 @@ def test_the_switch_routes_dz_in_gemm_backwards_through_kernel_c(fresh_state, mo
     validation and the bias sums stay Triton's): CPU tensors and fp32 stored logits are declined without
     loading the library; a non-dz backward or the switch off offers nothing."""
     from grpo_kernels.ops.lm_head import triton as triton_impl
-    from grpo_kernels.ops.lm_head import half_logits_format
     from grpo_kernels.ops.lm_head.triton import HalfLogits
 
     seen = []
