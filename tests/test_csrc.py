@@ -180,7 +180,7 @@ def test_kernel_c_dz_is_the_float64_gradient(grads, capped):
     for t in (g_lp, g_h):
         if t is not None:
             t[4] = 0.0  # a token without upstream gradient
-    softcap = (0.05, 20.0) if capped else None
+    softcap = (0.05, 20.0 / 0.7) if capped else None  # a cap of 20 at temperature 0.7: cap_in cap_out = 1 / 0.7
     z, want = _autograd_dz(acc, targets, g_lp, g_h, inv_t, softcap)
     lse = torch.logsumexp(z, -1)
     mean_z = (torch.softmax(z, -1) * z).sum(-1)
@@ -203,8 +203,8 @@ def _kernel_c_case(dtype, capped, seed=3):
     n, vocab, hidden = 37, 1001, 48  # ragged against the 64-column groups and the 256-column tiles
     g = torch.Generator().manual_seed(seed)
     z64 = _logits(n, vocab, 3.0, seed)
-    if capped:  # logits inside the soft cap's range
-        z64 = 20.0 * torch.tanh(z64 / 20.0)
+    if capped:  # logits inside the soft cap's range, cap_out = 20 / 0.7 (below)
+        z64 = (20.0 / 0.7) * torch.tanh(z64 / (20.0 / 0.7))
     x = torch.randn(n, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
     y = torch.randint(0, vocab, (n,), generator=g)
@@ -214,10 +214,10 @@ def _kernel_c_case(dtype, capped, seed=3):
     lse64 = torch.logsumexp(z64, -1)
     mean64 = (torch.softmax(z64, -1) * z64).sum(-1)
     inv_t = 1.0 if capped else 1.0 / 0.7
-    softcap = (0.05, 20.0) if capped else None
+    softcap = (0.05, 20.0 / 0.7) if capped else None  # a cap of 20 at temperature 0.7 (cap_in cap_out = 1 / 0.7)
     scale = None
     if dtype == torch.float16:  # the fp16 operand's power-of-two scale (triton.lm_head_backward's)
-        scale = dz_scale(lse64.float(), mean64.float(), g_lp, g_h, 0.05 * 20.0 if capped else inv_t)
+        scale = dz_scale(lse64.float(), mean64.float(), g_lp, g_h, 0.05 * 20.0 / 0.7 if capped else inv_t)
     difference, offset = cutlass.tile_half_logits(z64.float(), 256)
     store = HalfLogits(difference, offset)
     return dict(z64=z64, x=x, w=w, y=y, g_lp=g_lp, g_h=g_h, lse64=lse64, mean64=mean64, inv_t=inv_t,

@@ -81,7 +81,7 @@ def small_heads(device, g):
         bias = torch.randn(v, device=device, generator=g).to(dtype)
         bias[17] = float("-inf")
         targets = torch.randint(0, v, (n,), device=device, generator=g)
-        for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 1.0, 30.0)):
+        for label, b, temp, cap in (("plain", None, 0.7, None), ("bias", bias, 1.3, None), ("softcap", bias, 0.8, 30.0)):
             yield f"{dtype}-{label}", hidden, weight, b, targets, temp, cap
 
 
