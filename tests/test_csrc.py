@@ -42,6 +42,9 @@ CSRC = ROOT / "csrc"
 BIN = CSRC / "bin"
 LIB = BIN / "libgrpo_kernels_sm90a.so"
 TOOLCHAIN = Path(os.environ.get("GRPO_CSRC_TOOLCHAIN", "/tmp/grpo-csrc-toolchain"))
+# the soft cap of the kernel C spec tests: a cap of 20 at temperature 0.7, (cap_in, cap_out) = (1 / 20, 20 / 0.7), so
+# that the constant of its gradient factor, cap_in cap_out = 1 / 0.7, is not 1 (as it is for any cap at T = 1)
+SOFTCAP = (0.05, 20.0 / 0.7)
 
 
 def _full_row(z64: torch.Tensor, targets: torch.Tensor) -> LMHeadStats:
@@ -180,7 +183,7 @@ def test_kernel_c_dz_is_the_float64_gradient(grads, capped):
     for t in (g_lp, g_h):
         if t is not None:
             t[4] = 0.0  # a token without upstream gradient
-    softcap = (0.05, 20.0 / 0.7) if capped else None  # a cap of 20 at temperature 0.7: cap_in cap_out = 1 / 0.7
+    softcap = SOFTCAP if capped else None
     z, want = _autograd_dz(acc, targets, g_lp, g_h, inv_t, softcap)
     lse = torch.logsumexp(z, -1)
     mean_z = (torch.softmax(z, -1) * z).sum(-1)
@@ -198,13 +201,14 @@ def test_kernel_c_dz_is_the_float64_gradient(grads, capped):
 def _kernel_c_case(dtype, capped, seed=3):
     """Logits of the _logits kind (a confident row, a row of forbidden tokens), a head, upstream gradients and
     the fp32 statistics the forward hands the backward; the csrc epilogue's fp16 store of those logits."""
+    from grpo_kernels.ops.lm_head.transform import gradient_factor
     from grpo_kernels.ops.lm_head.triton import HalfLogits, dz_scale
 
     n, vocab, hidden = 37, 1001, 48  # ragged against the 64-column groups and the 256-column tiles
     g = torch.Generator().manual_seed(seed)
     z64 = _logits(n, vocab, 3.0, seed)
-    if capped:  # logits inside the soft cap's range, cap_out = 20 / 0.7 (below)
-        z64 = (20.0 / 0.7) * torch.tanh(z64 / (20.0 / 0.7))
+    if capped:  # logits inside the soft cap's range
+        z64 = SOFTCAP[1] * torch.tanh(z64 / SOFTCAP[1])
     x = torch.randn(n, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
     y = torch.randint(0, vocab, (n,), generator=g)
@@ -214,10 +218,10 @@ def _kernel_c_case(dtype, capped, seed=3):
     lse64 = torch.logsumexp(z64, -1)
     mean64 = (torch.softmax(z64, -1) * z64).sum(-1)
     inv_t = 1.0 if capped else 1.0 / 0.7
-    softcap = (0.05, 20.0 / 0.7) if capped else None  # a cap of 20 at temperature 0.7 (cap_in cap_out = 1 / 0.7)
+    softcap = SOFTCAP if capped else None
     scale = None
     if dtype == torch.float16:  # the fp16 operand's power-of-two scale (triton.lm_head_backward's)
-        scale = dz_scale(lse64.float(), mean64.float(), g_lp, g_h, 0.05 * 20.0 / 0.7 if capped else inv_t)
+        scale = dz_scale(lse64.float(), mean64.float(), g_lp, g_h, gradient_factor(inv_t, softcap))
     difference, offset = cutlass.tile_half_logits(z64.float(), 256)
     store = HalfLogits(difference, offset)
     return dict(z64=z64, x=x, w=w, y=y, g_lp=g_lp, g_h=g_h, lse64=lse64, mean64=mean64, inv_t=inv_t,
@@ -463,6 +467,11 @@ def test_sass_has_wgmma_and_tma():
     assert committed.count("HGMMA") == sass.stdout.count("HGMMA"), "csrc/bin/sass.txt.gz is not this library's"
 
 
+def _opcode(instruction: str) -> str:
+    """The opcode of one SASS instruction, without its predicate ("@!P0 FFMA.SAT R1, ..." -> "FFMA.SAT")."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
 def _sass_functions(text: str) -> dict[str, list[tuple[int, str]]]:
     """cuobjdump -sass text -> {mangled name: [(address, instruction)]} (predicates kept, `;` and encodings dropped)."""
     out = {}
@@ -508,7 +517,7 @@ def _k_loops(code: list[tuple[int, str]]) -> list[dict]:
                     else:
                         raise AssertionError(f"unexpected branch at {addr[k]:#x} over a block with {block[:200]}")
             k += 1
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in path]
+        ops = [_opcode(x) for x in path]
         out.append({"static": i - j + 1, "path": len(path), "mufu": ops.count("MUFU.EX2"),
                     "fsetp": sum(o.startswith("FSETP") for o in ops), "softcap": "FFMA.SAT" in ops})  # fmt: skip
     return out
@@ -556,13 +565,13 @@ def test_soft_cap_division_is_one_reciprocal():
     `_softcap`). Its divisor lies in [1/4, 33], where Triton's fp32 `/` (div.full.f32) is a MUFU.RCP and an FMUL;
     csrc's `div_approx` is those two. The IEEE `/` of CUDA C++ compiled to Newton steps, an FCHK range test and a
     call to a slow-path subroutine per element (the ninth session's build: 128 of each per GEMM kernel, ~56
-    instructions per element in the soft-cap epilogue's code against ~44 now, both branches counted). Asserted in the committed SASS: no FCHK or
-    call in kernel A's GEMM kernels, and one MUFU.RCP per element of a thread's 128-element tile share."""
+    instructions per element in the soft-cap epilogue's code against ~44 now, both branches counted). Asserted in
+    the committed SASS: no FCHK or call in kernel A's GEMM kernels, and one MUFU.RCP per element of a thread's
+    128-element share of the tile."""
     functions = _sass_functions(gzip.decompress((BIN / "sass.txt.gz").read_bytes()).decode())
-    gemms = {name: [x for _, x in code] for name, code in functions.items() if "GemmUniversal" in name}
+    gemms = {name: [_opcode(x) for _, x in code] for name, code in functions.items() if "GemmUniversal" in name}
     assert len(gemms) == 4, f"expected kernel A's 4 GEMM kernels, got {len(gemms)}"
-    for name, code in gemms.items():
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in code]
+    for name, ops in gemms.items():
         slow = [o for o in ops if o == "FCHK" or o.startswith("CALL")]
         assert not slow, f"{name[:80]}: {len(slow)} FCHK / CALL (an IEEE division's slow path)"
         assert ops.count("MUFU.RCP") == 128, f"{name[:80]}: {ops.count('MUFU.RCP')} MUFU.RCP, expected 128"

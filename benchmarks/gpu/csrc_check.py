@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from grpo_kernels.ops.lm_head import cutlass, triton as triton_impl  # noqa: E402
 from grpo_kernels.ops.lm_head.reference import lm_head_stats_reference  # noqa: E402
+from grpo_kernels.ops.lm_head.transform import gradient_factor  # noqa: E402
 
 FIELDS = ("logprobs", "entropy", "lse", "expected_logit")
 
@@ -130,7 +131,7 @@ def store_checks(lib, device):
         n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
         z = torch.empty(n, v, device=device)
         tri = triton_impl.lm_head_forward(hidden, weight, b, targets, temp, softcap=sc, logits_out=z)
-        spread = (hidden.float().abs() @ weight.float().abs().T) * (1.0 / temp if sc is None else sc[0] * sc[1])
+        spread = (hidden.float().abs() @ weight.float().abs().T) * gradient_factor(1.0 / temp, sc)
         for variant in cutlass.VARIANTS:
             store = triton_impl.HalfLogits.empty(n, v, device)
             plain = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
@@ -179,7 +180,7 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
     """triton.lm_head_backward's prepared operands for the dz GEMMs (cutlass.DZ_GEMMS_ARGS), fresh outputs."""
     scale = None
     if hidden.dtype == torch.float16:  # the fp16 operand's power-of-two scale, as lm_head_backward sets it
-        scale = triton_impl.dz_scale(stats.lse, stats.expected_logit, g_lp, g_h, 1.0 / temp if sc is None else sc[0] * sc[1])
+        scale = triton_impl.dz_scale(stats.lse, stats.expected_logit, g_lp, g_h, gradient_factor(1.0 / temp, sc))
     return dict(stored_logits=store, hidden=hidden, weight=weight, targets=targets, lse=stats.lse,
                 expected_logit=stats.expected_logit, grad_logprobs=g_lp, grad_entropy=g_h,
                 inv_temperature=1.0 / temp if sc is None else 1.0, softcap=sc, dz_scale=scale,

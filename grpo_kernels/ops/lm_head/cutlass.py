@@ -35,6 +35,7 @@ import torch
 
 from . import half_logits_format
 from .reference import LMHeadStats
+from .transform import gradient_factor
 
 ENV_SWITCH = "GRPO_KERNELS_CSRC"
 ENV_LIBRARY = "GRPO_KERNELS_CSRC_LIB"  # another library file (e.g. a build carried elsewhere)
@@ -305,25 +306,17 @@ DZ_GEMMS_ARGS = ("stored_logits", "hidden", "weight", "targets", "lse", "expecte
 DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
 
 
-def coef_factor(inv_temperature: float, softcap=None) -> float:
-    """What multiplies the upstream gradients in the token coefficients (token_coef_kernel's coef_factor, ABI 7):
-    1 / T, or with a soft cap (where the caller passes 1 / T = 1) also the constant cap_in cap_out of its factor
-    cap_in cap_out (1 - t^2), which the dz GEMMs then leave out (one product per token, not per logit)."""
-    if softcap is None:
-        return inv_temperature
-    return inv_temperature * float(softcap[0]) * float(softcap[1])
-
-
 def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature: float,
                        dz_scale=None, softcap=None):  # fmt: skip
     """token_coef_kernel's packing, in lse's dtype: (coef [N, 4], target [N] int64, -1 where there is no target
-    term). With F = coef_factor(inv_temperature, softcap), c_lp = F S g_lp and c_H = F S g_H, coef = (lse log2 e,
+    term). With F = gradient_factor(inv_temperature, softcap) (token_coef_kernel's coef_factor, ABI 7: 1 / T, or a
+    soft cap's cap_in cap_out, left out of the dz GEMMs' per-logit factor), c_lp = F S g_lp and c_H = F S g_H, coef = (lse log2 e,
     c_lp, -c_H, c_H E_p[z] - c_lp), so that dz = (2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y])
     (times 1 - t^2 with a soft cap: `dz_from_stored`) (csrc/lm_head_bwd_sm90.cu, TokenCoef); a token without
     upstream gradient gets (DEAD_LSE log2 e, 0, 0, 0): its dz is exactly 0."""
     zeros = torch.zeros_like(lse)
     s = dz_scale[0].to(lse.dtype) if dz_scale is not None else 1.0
-    factor = coef_factor(inv_temperature, softcap)  # rounded to lse's dtype by the product, as the ABI's float
+    factor = gradient_factor(inv_temperature, softcap)  # rounded to lse's dtype by the product, as the ABI's float
     c_lp = grad_logprobs.to(lse.dtype) * factor if grad_logprobs is not None else zeros
     c_h = grad_entropy.to(lse.dtype) * factor if grad_entropy is not None else zeros
     live = (c_lp != 0) | (c_h != 0)
@@ -428,7 +421,7 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         _call(lib, "grpo_csrc_lm_head_bwd_token_coef", lse.data_ptr(), expected_logit.data_ptr(), ptr(grad_logprobs),
-              ptr(grad_entropy), targets.data_ptr(), coef_factor(inv_temperature, softcap), ptr(dz_scale), n_tokens,
+              ptr(grad_entropy), targets.data_ptr(), gradient_factor(inv_temperature, softcap), ptr(dz_scale), n_tokens,
               coef.data_ptr(),
               target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()

@@ -12,6 +12,16 @@ the backward multiplies dL/dz by dz/dx = cap_in cap_out (1 - tanh^2) per element
 from __future__ import annotations
 
 
+def gradient_factor(inv_temperature: float, softcap=None) -> float:
+    """The constant that multiplies the upstream gradients in dL/dx: 1 / T, or with a soft cap (cap_in, cap_out)
+    the constant cap_in cap_out of dz/dx = cap_in cap_out (1 - tanh^2) (cap_out carries T: the backends take
+    1 / T = 1 there). The fp16 dz scale is sized with it, and csrc's kernel C folds it into its per-token
+    coefficients, leaving 1 - tanh^2 per logit."""
+    if softcap is None:
+        return float(inv_temperature)
+    return float(softcap[0]) * float(softcap[1])
+
+
 class LogitTransform:
     """A backend module's lm_head_forward / lm_head_backward with a logit scale and an optional soft cap."""
 

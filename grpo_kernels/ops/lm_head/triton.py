@@ -36,6 +36,7 @@ from ..._backend import SlowPathWarning, interpreter_enabled
 from . import half_logits_format
 from .half_logits_format import STORED_GROUP  # noqa: F401  (re-exported: the offsets' column group)
 from .reference import LMHeadStats
+from .transform import gradient_factor
 
 # the kernels, re-exported: callers (the compile matrix, tests, benchmarks) name them as triton.<kernel>
 from .triton_backward import (  # noqa: F401
@@ -1136,8 +1137,7 @@ def lm_head_backward(
     scale_dz = hidden.dtype == torch.float16 and (need_grad_hidden or need_grad_weight)
     scales = None
     if scale_dz:
-        factor = inv_t if softcap is None else float(softcap[0]) * float(softcap[1])
-        scales = dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, factor)
+        scales = dz_scale(lse, expected_logit, grad_logprobs, grad_entropy, gradient_factor(inv_t, softcap))
     # the stored logits as the kernels take them: fp32 z, or fp16 differences and their fp32 offsets
     stored_z, offsets = (stored_logits.difference, stored_logits.offset) if half else (stored_logits, None)
     if dz_in_gemm:
