@@ -377,6 +377,81 @@ def test_kernel_c_one_launch_fills_the_tail_of_grad_hidden():
 # ---- 2. the committed build ---------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------------
+# The GPU session's csrc gate (benchmarks/gpu/csrc_check.py --gate) on CPU: the library replaced by the spec
+# ------------------------------------------------------------------------------------------------
+def _csrc_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("csrc_check", ROOT / "benchmarks" / "gpu" / "csrc_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _spec_forward_stats(lib, hidden, weight, bias, targets, temperature, softcap=None, *, variant="cooperative",
+                        logits_out=None, lost_tile=False, shifted_offsets=False):  # fmt: skip
+    """What kernel A computes, by its spec: fp32 z with the epilogue's transform (`z = acc / T + max(b / T,
+    NEG_BIG)`, or `cap_out tanh(cap_in (acc + b))`), the tile partials and their merge, the fp16 store. The two
+    flags plant the bugs the gate must catch: the last vocabulary tile lost in the merge, offsets one group off."""
+    acc = hidden.float() @ weight.float().T
+    if softcap is None:
+        z = acc * (1.0 / temperature)
+        if bias is not None:
+            z = z + torch.clamp(bias.float() * (1.0 / temperature), min=-(2.0**102))
+    else:
+        z = softcap[1] * torch.tanh(softcap[0] * (acc + (bias.float() if bias is not None else 0.0)))
+    m, s, d, t = cutlass.tile_partials(z, targets, 256)
+    if lost_tile:
+        m, s, d = m[:-1], s[:-1], d[:-1]
+    if logits_out is not None:
+        difference, offset = cutlass.tile_half_logits(z, 256)
+        logits_out.difference.copy_(difference)
+        logits_out.offset.copy_(offset.roll(1, dims=1) if shifted_offsets else offset)
+    return cutlass.merge_partials(m, s, d, t)
+
+
+@pytest.mark.parametrize("planted", [None, "lost tile", "shifted offsets", "soft cap dropped in C"])
+def test_the_csrc_gate_passes_the_spec_and_catches_planted_bugs(planted, monkeypatch):
+    """The gate's checks with the library replaced by the spec (kernel A: `_spec_forward_stats`; kernel C:
+    cutlass.dz_gemms_reference): every case within its derived bound, on the small heads (every transform, bf16
+    and fp16) and a smaller wide head; each planted bug fails exactly the cases it touches (a bound so loose
+    that it passed them would be no gate: a vocabulary tile of 139 columns lost in the merge fails every case)."""
+    import functools
+
+    check = _csrc_check_module()
+    monkeypatch.setattr(check, "WIDE_HEAD", (200, 64, 20011))  # the GPU's 640 x 512 x 151936 takes minutes here
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    forward = functools.partial(_spec_forward_stats, lost_tile=planted == "lost tile",
+                                shifted_offsets=planted == "shifted offsets")  # fmt: skip
+    monkeypatch.setattr(cutlass, "forward_stats", forward)
+
+    def kernel_c(lib, **args):
+        if planted == "soft cap dropped in C":
+            args["softcap"] = None
+        return cutlass.dz_gemms_reference(**args)
+
+    monkeypatch.setattr(cutlass, "dz_gemms_csrc", kernel_c)
+    result, phases = {}, []
+    check.gate(None, phases.append, result, torch.device("cpu"))
+    rows = result["gate"]
+    assert phases == ["kernel A checked", "kernel C checked"] and result["gate_ok"] == (planted is None)
+    assert len(rows) == 3 * len(check.gate_cases(torch.device("cpu")))  # A's two variants and C, per case
+    failed = {r["case"] for r in rows if not r["ok"]}
+    if planted is None:
+        worst = max(rows, key=lambda r: r.get("store_worst_ratio", 0))
+        assert not failed, [r for r in rows if not r["ok"]][0]
+        assert 0.1 < worst["store_worst_ratio"] <= 1, worst  # the store's bound is tight enough to bite
+        return
+    expected = {
+        "lost tile": {r["case"] for r in rows if r["case"].startswith("A-")},
+        "shifted offsets": {r["case"] for r in rows if r["case"].startswith("A-")},
+        "soft cap dropped in C": {r["case"] for r in rows if r["case"].startswith("backward-")
+                                  and "softcap" in r["case"]},  # fmt: skip
+    }[planted]
+    assert failed == expected, sorted(failed ^ expected)
+
+
 def test_committed_library_matches_the_sources():
     assert LIB.is_file(), "csrc/bin/libgrpo_kernels_sm90a.so is missing: run `bash csrc/build.sh` and commit"
     want = cutlass.source_stamp(CSRC)

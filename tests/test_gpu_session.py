@@ -19,6 +19,7 @@ import pytest
 from grpo_kernels.bench import gpu_session
 from grpo_kernels.bench.providers import REGISTRY
 from grpo_kernels.bench.session_worker import FAULT_ENV, read_rows
+from grpo_kernels.bench.runner import FLOOR
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
@@ -524,3 +525,111 @@ def test_the_diagnostic_scripts_run_their_flow_on_cpu(tmp_path):
     record = json.loads((tmp_path / "t.json").read_text())
     assert record["call_ms"] > 0 and not Path(record["chrome_trace"]).is_relative_to(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g", "p", "t.json"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The csrc gate beside the GPU test tier (stand-ins for csrc_check.py --gate and for the tier)
+# ------------------------------------------------------------------------------------------------
+_TIER = ("import os, sys; sys.path.insert(0, 'tests'); from test_gpu_tier import csrc_gate_verdict; "
+         f"print('the tier saw the gate:', csrc_gate_verdict(os.environ['{gpu_session.CSRC_GATE_ENV}'])['status'])")
+_GATES = {  # what the gate's JSON holds at its end (csrc_check.py rewrites it after each phase)
+    "ok": "{'phase': 'kernel C checked', 'loaded': True, 'gate': [{'case': 'A-small', 'ok': True}], 'gate_ok': True}",
+    "wrong": "{'phase': 'kernel C checked', 'loaded': True, 'gate': [{'case': 'A-small', 'ok': True}, "
+             "{'case': 'backward-wide', 'ok': False}], 'gate_ok': False}",
+    "hung": "{'phase': 'kernel A checked', 'loaded': True}",
+    "crashed": "{'phase': 'loaded', 'loaded': True}",
+    "inconclusive": "{'phase': 'loaded', 'loaded': True}",
+    "not loaded": "{'phase': 'done', 'loaded': False, 'why_not': 'csrc library: not an sm_90 device'}",
+}
+
+
+def _gate_script(outcome: str) -> str:
+    end = {"hung": "time.sleep(60)", "crashed": "sys.exit('RuntimeError: CUDA error: an illegal memory access')",
+           "inconclusive": "sys.exit('TypeError: a bug in the gate itself')"}.get(outcome, "")
+    return (f"import json, sys, time; out = sys.argv[sys.argv.index('--out') + 1]; "
+            f"json.dump({_GATES[outcome]}, open(out, 'w')); {end}")
+
+
+def _gate_session(folder, outcome, resume=None):
+    parts = [gpu_session.Part("gpu-tests", "a stand-in tier", 40, "tests", command=[sys.executable, "-c", _TIER],
+                              beside=[sys.executable, "-c", _gate_script(outcome)]),
+             _csrc_part("import json, sys; json.dump({'all_checks_ok': False}, "
+                        "open(sys.argv[sys.argv.index('--out') + 1], 'w'))")]  # fmt: skip
+    return gpu_session.Session(folder, budget_s=90, rehearsal=False, parts=parts, resume=resume)
+
+
+@pytest.mark.parametrize("outcome", list(_GATES))
+def test_the_csrc_gate_beside_the_tier_skips_the_csrc_providers_unless_ok(outcome, tmp_path, monkeypatch):
+    """The gate runs beside the tier and is killed at its limit; the tier's csrc tests read its verdict (a hung
+    gate fails them at once instead of hanging a worker); anything but ok skips the csrc providers with the
+    reason, for the call and a resumed one; a hung or crashed gate skips the csrc part too (it would hang or
+    crash again), a wrong one leaves it to say where; a gate whose own Python failed (inconclusive) skips nothing."""
+    monkeypatch.setattr(gpu_session, "CSRC_GATE_LIMIT_S", 3)
+    monkeypatch.setattr(gpu_session, "MIN_PART_S", 1)
+    start = time.monotonic()
+    _gate_session(tmp_path / "a", outcome).run()
+    assert time.monotonic() - start < 60  # the stand-in hang sleeps 60 s: killed at the gate's 3 s limit
+    record = json.loads((tmp_path / "a" / "session.json").read_text())
+    gate = record["csrc_gate"]
+    assert gate["status"] == outcome, gate
+    log = (tmp_path / "a" / "log.txt").read_text()
+    assert f"the tier saw the gate: {outcome}" in log, log[-2000:]
+    skipped = {p: why for p, why in record["skipped_providers"].items() if p in gpu_session.CSRC_PROVIDERS}
+    if outcome in ("ok", "inconclusive"):  # inconclusive: the gate's own code failed, nothing known of csrc
+        assert not skipped, skipped
+    else:
+        assert set(skipped) == set(gpu_session.CSRC_PROVIDERS), skipped
+        assert all(why.startswith(f"the csrc gate: {outcome}: ") for why in skipped.values()), skipped
+    reason = {"wrong": "1 of 2 checks: backward-wide",
+              "hung": "not done within 3 s (the last phase it finished: kernel A checked)",
+              "crashed": "an illegal memory access", "not loaded": "not an sm_90 device",
+              "inconclusive": "a bug in the gate itself"}
+    assert reason.get(outcome, "1 checks") in gate["reason"], gate
+    csrc = record["calls"][0]["parts"][1]
+    assert csrc["status"] == ("skipped" if outcome in ("hung", "crashed") else "ok"), csrc
+    summary = gpu_session.closing_summary(record, read_rows(tmp_path / "a" / "results.jsonl"), tmp_path / "a")
+    assert f"csrc gate (session.json \"csrc_gate\"): {outcome}" in summary, summary
+    if outcome == "hung":  # a resumed call keeps the verdict (and the skips) and runs neither the tier nor the gate
+        again = _gate_session(tmp_path / "b", "ok", resume=tmp_path / "a")
+        assert set(gpu_session.CSRC_PROVIDERS) <= set(again.record["skipped_providers"])
+        again.run()
+        record = json.loads((tmp_path / "b" / "session.json").read_text())
+        assert record["csrc_gate"]["status"] == "hung"
+        assert [p["status"] for p in record["calls"][1]["parts"]] == ["done", "done"], record["calls"][1]["parts"]
+
+
+def test_a_lost_csrc_row_skips_every_csrc_provider(tmp_path):
+    """One library: a csrc row that hangs or crashes the headline's process stops the other csrc providers from
+    being tried (each would cost its row limit and a fresh process for the rest of the shape), and the csrc part;
+    a csrc row cut by its part's clock says nothing of the library."""
+    session = gpu_session.Session(tmp_path, budget_s=60, rehearsal=False, parts=[])
+    job = gpu_session._interleaved_job("headline", (FLOOR, "grpo_kernels", *gpu_session.CSRC_PROVIDERS),
+                                       ("logprobs",), "qwen3-8b", [], None)  # fmt: skip
+    key = next(k for k in job.keys if k.split("|")[2] == "grpo_kernels-csrc")
+    part = gpu_session.Part("headline", "", 10)
+    session.lose(part, job, key, "timeout", "timeout: the part's time limit")  # the clock's, not csrc's doing
+    assert session.record["csrc_gate"] is None and not session.record["skipped_providers"]
+    session.lose(part, job, key, "timeout", "timeout: the row ran past its limit of 60 s")
+    assert session.record["csrc_gate"]["status"] == "hung" and key in session.record["csrc_gate"]["reason"]
+    assert set(gpu_session.CSRC_PROVIDERS) <= set(session.record["skipped_providers"])
+    assert "grpo_kernels" not in session.record["skipped_providers"]
+
+
+def test_an_interleaved_row_is_held_to_its_own_providers_limit(tmp_path):
+    """In the headline's one process each gate and timed call is announced by key: a provider that hangs is
+    killed at its own limit (ROW_LIMITS, else ROW_LIMIT_S), not at the slowest compiler's (liger-chunked-tuned's
+    150 s); --row-limit sets them all."""
+    providers = (FLOOR, "grpo_kernels", "liger-chunked-tuned", "grpo_kernels-csrc")
+    job = gpu_session._interleaved_job("headline", providers, ("logprobs", "fused_grpo"), "qwen3-8b", [], None)
+    by_provider = {k.split("|")[2]: limit for k, limit in job.key_limits.items()}
+    assert by_provider == {FLOOR: gpu_session.ROW_LIMIT_S, "grpo_kernels": gpu_session.ROW_LIMIT_S,
+                           "liger-chunked-tuned": 150, "grpo_kernels-csrc": gpu_session.ROW_LIMIT_S}  # fmt: skip
+    assert job.row_limit_s == 150
+    assert not gpu_session._interleaved_job("headline", providers, ("logprobs",), "qwen3-8b", [], 5).key_limits
+    session = gpu_session.Session(tmp_path, budget_s=60, rehearsal=False, parts=[])
+    hang = [sys.executable, "-c", "import time; print('@@start fast', flush=True); time.sleep(0.5); "
+            "print('@@end fast', flush=True); print('@@start slow', flush=True); time.sleep(60)"]  # fmt: skip
+    start = time.monotonic()
+    code, key, why, _ = session.watch(hang, 30, time.monotonic() + 50, key_limits={"slow": 2, "fast": 5})
+    assert (code, key, why) == (None, "slow", "timeout: the row ran past its limit of 2 s")
+    assert time.monotonic() - start < 20

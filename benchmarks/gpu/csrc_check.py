@@ -2,6 +2,11 @@
 time it against one cuBLAS GEMM of the same shape, interleaved. Writes one JSON file; claims nothing itself.
 
     python benchmarks/gpu/csrc_check.py --out $OUT/csrc.json [--n 16384] [--repeats 20]
+    python benchmarks/gpu/csrc_check.py --gate --out gate.json   # the GPU session's gate only (seconds)
+
+--gate (run by the GPU session beside its test tier, killed at its limit): every kernel entry point the
+  headline's csrc rows call, on the small heads and one wide head, against float64 (kernel A, a derived bound) and
+  the spec (kernel C), nothing compiled by Triton; gate_ok in the JSON, each phase saved as it ends.
 
 Checks (each a row of "checks", ok true / false, with the worst element):
   * small heads (N = 300, H = 512, V = 5003: a ragged last tile and M tile) in bf16 and fp16, every transform
@@ -189,7 +194,7 @@ def _dz_args(hidden, weight, targets, stats, store, g_lp, g_h, temp, sc):
                 grad_weight_acc=torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device))  # fmt: skip
 
 
-def backward_checks(lib, device):
+def backward_checks(lib, device, cases=None):
     """Kernel C (ABI 7): csrc's dz GEMMs against their torch spec (cutlass.dz_gemms_reference) on the device, on the
     same fp16 store, small heads (bf16 / fp16, every transform) and the target head (N = 512). Both form the same
     fp32 dz and round it to the operand dtype (at most u_op |dz| apart where fused multiply-adds differ), then sum
@@ -200,13 +205,14 @@ def backward_checks(lib, device):
     grad_weight overwritten (accumulate_weight=False) from NaN is exactly the sum (fp32; in place rounded once)."""
     rows = []
     g = torch.Generator(device=device).manual_seed(2)
-    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
-             for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
-    n, h, v = 512, 4096, 151936
-    hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
-    weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
-    cases.append((f"target-head-N{n}", hidden, weight, None, torch.randint(0, v, (n,), device=device, generator=g),
-                  1.0, None))  # fmt: skip
+    if cases is None:  # the small heads and the target head (the gate passes its own)
+        cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
+                 for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
+        n, h, v = 512, 4096, 151936
+        hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
+        weight = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16()
+        cases.append((f"target-head-N{n}", hidden, weight, None,
+                      torch.randint(0, v, (n,), device=device, generator=g), 1.0, None))  # fmt: skip
     units = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
     for name, hidden, weight, b, targets, temp, sc in cases:
         n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
@@ -350,12 +356,118 @@ def timings(lib, device, n, repeats):
     return {"shape": {"N": n, "H": h, "V": v, "dtype": "bf16"}, "rows": out, "summary": summary}
 
 
+# ------------------------------------------------------------------------------------------------
+# --gate: the GPU session's first look at the library (run beside the GPU test tier, to a time limit)
+# ------------------------------------------------------------------------------------------------
+WIDE_HEAD = (640, 512, 151936)  # kernel A: 5 x 594 tiles, ~23 per CTA of the persistent grid on 132 SMs; kernel C:
+# grad_hidden over 2,374 K tiles (the stage ring wraps ~600 times), grad_weight 2,374 tiles of 10 K tiles
+
+
+def gate_cases(device):
+    """The small heads (every transform, bf16 and fp16) and the wide head: (name, hidden, weight, bias, targets,
+    temperature, softcap as the kernels take it, the model's cap)."""
+    g = torch.Generator(device=device).manual_seed(3)
+    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp), cap)
+             for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
+    n, h, v = WIDE_HEAD
+    hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) * 0.2).bfloat16()
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    cases.append((f"wide-N{n}-H{h}-V{v}-bf16", hidden, weight, None, targets, 1.0, None, None))
+    return cases
+
+
+def _logits64(hidden, weight, b, temp, cap):
+    """The transformed logits in float64 (a forbidden token's -inf bias clamped as the kernels clamp it)."""
+    z = hidden.double() @ weight.double().T
+    if b is not None:
+        bias = b.double()
+        if cap is None:
+            bias = bias.clamp(min=-(2.0**102) * temp)
+        z = z + bias
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z / temp
+
+
+def gate_forward_checks(lib, cases):
+    """Kernel A (both variants, statistics only and with the fp16 store) against float64 statistics, without
+    Triton (nothing to compile beside the tier). Per row and statistic the bound is derived, not fitted:
+    cutlass.stats_error_bound (the epilogue's fp32 arithmetic on fp32-rounded z) plus, to first order, what the
+    GEMM's fp32 sums move each logit by, e_v = K u sum_h |x_h w_vh| F (F = 1 / T, or cap_in cap_out with a soft
+    cap, whose tanh by ex2.approx and div.approx adds a few ulp of cap_out: 8 u cap_out), carried into each
+    statistic by its own sensitivity (weighted by p). With the store: the statistics bitwise those of the
+    statistics-only call, and m + d within the HalfLogits bound."""
+    u = 2.0**-24
+    rows = []
+    for name, hidden, weight, b, targets, temp, sc, cap in cases:
+        k = hidden.shape[1]
+        z = _logits64(hidden, weight, b, temp, cap)
+        lse = torch.logsumexp(z, 1)
+        logp = z - lse[:, None]
+        p = logp.exp()
+        expected = (p * z).sum(1)
+        want = torch.stack([logp.gather(1, targets[:, None]).squeeze(1), lse - expected, lse, expected])
+        magnitude = hidden.float().abs() @ weight.float().abs().T  # [N, V] sum_h |x_h w_vh|
+        factor = gradient_factor(1.0 / temp, sc)
+        # per logit, what the GEMM's fp32 sums (and a soft cap's approximations) can move z by; first order in it,
+        # lse moves by a = E_p[e], log p_y by e_y + a, E_p[z] by a + c with c = E_p[|z - E_p[z]| (e + a)], the
+        # entropy by 2 a + c
+        e = k * u * magnitude.double() * factor + (8 * u * cap / temp if cap is not None else 0.0)  # [N, V]
+        a = (p * e).sum(1)
+        c = (p * (z - expected[:, None]).abs() * (e + a[:, None])).sum(1)
+        e_y = e.gather(1, targets[:, None]).squeeze(1)
+        live = z > -1e30  # a forbidden token (p = 0 exactly) moves nothing: the bound is over the others
+        z_live = torch.where(live, z, z.masked_fill(~live, float("inf")).amin(1, keepdim=True))
+        bound = cutlass.stats_error_bound(z_live, 256) + torch.stack([e_y + a, 2 * a + c, a, a + c])  # [4, N]
+        for variant in cutlass.VARIANTS:
+            store = triton_impl.HalfLogits.empty(hidden.shape[0], weight.shape[0], hidden.device)
+            plain = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant)
+            stored = cutlass.forward_stats(lib, hidden, weight, b, targets, temp, sc, variant=variant, logits_out=store)
+            torch.cuda.synchronize()
+            got = torch.stack(list(plain)).double()
+            ratio = ((got - want).abs() / bound).nan_to_num(nan=float("inf"))  # a NaN statistic fails
+            field, row = divmod(int(ratio.argmax()), ratio.shape[1])
+            z16 = store.reconstruct().double()
+            m = store.offset.repeat_interleave(triton_impl.STORED_GROUP, dim=1)[:, :z.shape[1]].double()
+            store_bound = (2.0**-11 * (lse[:, None] - z).clamp(min=0) + 2.0**-23 * (z.abs() + m.abs())
+                           + 2.0**-23 * k * magnitude.double() * factor)  # fmt: skip
+            store_ratio = torch.where(live, (z16 - z).abs() / store_bound, torch.zeros_like(z))
+            store_ratio = store_ratio.nan_to_num(nan=float("inf"))  # a NaN logit fails
+            rows.append({"case": f"A-{name}-{variant}", "worst_ratio": ratio.max().item(),
+                         "worst": {"field": FIELDS[field], "row": row, "got": got[field, row].item(),
+                                   "want": want[field, row].item(), "bound": bound[field, row].item()},
+                         "store_stats_equal": all(torch.equal(a, c) for a, c in zip(plain, stored)),
+                         "store_worst_ratio": store_ratio.max().item()})  # fmt: skip
+            rows[-1]["ok"] = (rows[-1]["worst_ratio"] <= 1.0 and rows[-1]["store_stats_equal"]
+                              and rows[-1]["store_worst_ratio"] <= 1.0)  # fmt: skip
+            del z16, m, store_ratio, store
+        del z, p, logp, magnitude, e
+    return rows
+
+
+def gate(lib, save, result, device=None):
+    """What the GPU session runs beside its test tier before any csrc provider is timed: every kernel entry
+    point the headline calls (kernel A's two variants with and without the store, kernel C into an fp32
+    accumulator, added into, overwritten, and in place) on the small heads and one wide head, each phase saved
+    as it ends, so that a hang names the phase it was in (the session kills this process at its limit)."""
+    device = device or torch.device("cuda")  # the CPU test passes "cpu", with the spec in the library's place
+    cases = gate_cases(device)
+    result["gate"] = gate_forward_checks(lib, cases)
+    save("kernel A checked")
+    result["gate"] += backward_checks(lib, device, [c[:7] for c in cases])
+    save("kernel C checked")
+    result["gate_ok"] = all(r["ok"] for r in result["gate"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--backward-n", type=int, default=2432, help="tokens of one backward chunk (one_pass_dz's)")
+    ap.add_argument("--gate", action="store_true", help="only the GPU session's gate (small and wide heads, no "
+                    "Triton, no timing): gate_ok in the JSON")  # fmt: skip
     args = ap.parse_args()
     t0 = time.time()
     device = torch.device("cuda")
@@ -372,7 +484,9 @@ def main():
     result["loaded"] = lib is not None
     result["why_not"] = cutlass.why_not()
     save("loaded")
-    if lib is not None:
+    if lib is not None and args.gate:
+        gate(lib, save, result)  # an exception exits non-zero: the session reads it as a crash, with its tail
+    elif lib is not None:
         try:
             result["checks"] = checks(lib, device) + store_checks(lib, device)
             result["all_checks_ok"] = all(r["ok"] for r in result["checks"])
@@ -389,8 +503,11 @@ def main():
         except Exception as exc:  # noqa: BLE001 - the session records the failure and goes on
             result["error"] = f"{type(exc).__name__}: {exc}"
     save("done")
-    print(json.dumps({k: result.get(k) for k in ("loaded", "why_not", "all_checks_ok", "backward_checks_ok", "error",
-                                                 "seconds")}))  # fmt: skip
+    print(json.dumps({k: result.get(k) for k in ("loaded", "why_not", "gate_ok", "all_checks_ok", "backward_checks_ok",
+                                                 "error", "seconds") if k in result}))  # fmt: skip
+    for r in result.get("gate", []):
+        if not r["ok"]:
+            print("gate: wrong:", json.dumps(r))
     for part in ("timing", "backward_timing"):
         if part in result:
             print(json.dumps(result[part]["summary"], indent=1))

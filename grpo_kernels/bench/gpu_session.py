@@ -16,7 +16,10 @@ Order (priority: what the verdict needs first, then what the next change is chos
                   import fails is skipped with the reason
   gpu-tests       the GPU test tier, first: tests/test_gpu_tier.py (every loss-head configuration, schedule,
                   input dtype and layout against the fp32 reference) and tests/test_gpu.py; a failure is named
-                  (session.json: the part's `tests`) and stops nothing
+                  (session.json: the part's `tests`) and stops nothing. Beside it, the csrc gate
+                  (csrc_check.py --gate, its own process, killed at CSRC_GATE_LIMIT_S): csrc's kernels on
+                  small heads and one wide head; anything but "ok" (wrong, hung, crashed) skips the csrc
+                  providers for the session, with the reason (session.json `csrc_gate`)
   headline        logprobs + fused_grpo at the target shape: the GEMM floor, grpo_kernels (auto), TRL, Liger
                   (defaults, and TF32 with its best chunk size), liger-flsce, cut-cross-entropy, verl's kernel,
                   all in one process, each checked against the fp32 reference, then timed in turns (20 rounds,
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime as dt
 import json
 import os
@@ -93,6 +97,7 @@ from .session_worker import (
     HEADLINE_OPS,
     RESTART,
     STOPPED,
+    _poisoned,
     append,
     bench_keys,
     interleaved_keys,
@@ -135,6 +140,14 @@ STEP_BUDGET_S = 135  # the second call: wheels 20 + preflight 40 + sweep 40 + tr
 # against one cuBLAS GEMM; kernel C checked against its spec, then timed against the two cuBLAS backward GEMMs (no
 # compile of its own: the library travels built; Triton compiles its comparison kernels)
 CSRC_BUDGET_S = 50
+# The csrc gate (benchmarks/gpu/csrc_check.py --gate: every kernel entry point the headline calls, small heads and one
+# wide head, no Triton to compile): run beside the GPU test tier, so it costs the call nothing while it works
+# (seconds); killed at its limit. The csrc code has never run on a GPU: a kernel that hangs would otherwise hang
+# in the headline's process (a row's limit, 60 s, then every provider of that shape gated again in a fresh
+# process, and the same for each other csrc provider) and in the tier's csrc tests. Anything but "ok" skips the csrc providers for the whole session (every
+# call), the tier's csrc tests (they wait for the verdict) and, for a hang or a crash, the csrc part.
+CSRC_GATE_LIMIT_S = 40
+CSRC_GATE_ENV = "GRPO_KERNELS_CSRC_GATE"  # the gate's JSON, where the tier's csrc tests read its verdict
 HEADLINE_BUDGET_S = 170  # the first call: wheels 20 + preflight 40 + gpu-tests 75 + headline 170 + reserve 15 = 320
 SWEEP_TRL_BUDGET_S = 40
 TRACE_BUDGET_S = 20
@@ -185,6 +198,7 @@ HEADLINE_PROVIDERS = (  # the verdict's rows, beside the floor in one process: o
     # the memory goal: the candidate for auto)
     "grpo_kernels-csrc-one-pass-dz",  # the same with an fp32 grad_weight accumulator (kernel C's fp32 epilogue)
 )
+CSRC_PROVIDERS = tuple(p for p in HEADLINE_PROVIDERS if p.startswith("grpo_kernels-csrc"))  # one library: one gate
 HEADLINE_ORDER = ("logprobs", "fused_grpo")  # the quick op first: a part cut short keeps it
 SWEEP_TRL_PROVIDERS = ("grpo_kernels", "trl")
 SCHEDULE_PROVIDERS = (  # the other schedules and plain PyTorch, at the same shape, after smoke and micro
@@ -240,6 +254,7 @@ class Job:
     keys: list[str]  # the rows it measures, in order
     row_limit_s: float
     lost_fields: dict = field(default_factory=dict)  # key -> the fields a lost row of it carries
+    key_limits: dict = field(default_factory=dict)  # key -> its own limit where it differs (an interleaved job's)
     provider: str | None = None  # a bench job's provider (skipped when its imports failed in preflight)
 
 
@@ -251,6 +266,7 @@ class Part:
     kind: str = "rows"  # "rows" (jobs), "wheels", "tests", "script" (a command writing one JSON file)
     jobs: list[Job] = field(default_factory=list)
     command: list[str] = field(default_factory=list)  # "tests" / "script": the command
+    beside: list[str] = field(default_factory=list)  # "tests": the csrc gate, run at the same time (`--out` added)
 
 
 def _python() -> str:
@@ -271,13 +287,17 @@ def _interleaved_job(part: str, providers: tuple[str, ...], ops: tuple[str, ...]
                      row_limit: float | None) -> Job:  # fmt: skip
     """One process timing the floor and `providers` in turns per op and shape (session_worker.job_interleaved);
     its rows have the keys each provider's own job would give them. A row's limit applies to each gate and
-    each timed call, so it is the largest of its providers'."""
+    each timed call of its provider (they are announced by key): each provider's own (ROW_LIMITS), so that a
+    provider that hangs costs its limit, not the slowest compiler's (liger-chunked-tuned: 150 s); `row_limit`
+    (--row-limit) sets them all."""
     keys = interleaved_keys(part, providers, ops, preset)
     lost = {k: {"op": op, "provider": k.split("|")[2], "shape": shape.as_dict(), "shape_label": shape.label,
                 "impl": "", "parity": None, "time": None, "memory": None} for k, op, shape in keys}  # fmt: skip
     argv = ["interleaved", "--providers", ",".join(providers), "--ops", ",".join(ops), "--shapes", preset, *common]
     limit = row_limit or max(ROW_LIMITS.get(p, ROW_LIMIT_S) for p in providers)
-    return Job("interleaved: " + ", ".join(providers), argv, [k for k, _, _ in keys], limit, lost)
+    key_limits = {} if row_limit else {k: ROW_LIMITS.get(k.split("|")[2], ROW_LIMIT_S) for k, _, _ in keys}
+    return Job("interleaved: " + ", ".join(providers), argv, [k for k, _, _ in keys], limit, lost,
+               key_limits=key_limits)  # fmt: skip
 
 
 def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list[Part]:
@@ -319,7 +339,8 @@ def plan(rehearsal: bool, row_limit: float | None = None, call: int = 1) -> list
         Part("gpu-tests", f"GPU test tier: {', '.join(GPU_TEST_FILES)} (each config named; stops nothing)",
              GPU_TESTS_BUDGET_S, "tests",
              command=[_python(), "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *_test_workers(rehearsal),
-                      *[str(ROOT / "tests" / f) for f in GPU_TEST_FILES]]),
+                      *[str(ROOT / "tests" / f) for f in GPU_TEST_FILES]],
+             beside=[] if rehearsal else [_python(), str(ROOT / "benchmarks" / "gpu" / "csrc_check.py"), "--gate"]),
         rows("headline", f"{' + '.join(HEADLINE_ORDER)} at {head}: the floor and {', '.join(headline)} in one "
              f"process, timed in turns ({headline_timing[-1]} calls each; the verdict, rewritten after each shape)",
              240 if rehearsal else HEADLINE_BUDGET_S,
@@ -391,6 +412,68 @@ def file_list() -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
+class _Gate:
+    """The csrc gate: a command (its JSON at `--out`, rewritten after each phase) run in its own process group
+    beside the test tier, killed at `limit` seconds by a thread of its own, which then writes the verdict into the
+    JSON (`"verdict"`: what the tier's csrc tests wait for) and keeps it for `verdict()`."""
+
+    def __init__(self, command: list[str], out: Path, limit: float, env: dict):
+        self.out, self.limit = out, limit
+        out.unlink(missing_ok=True)
+        self.log = out.with_suffix(".log")
+        self.start = time.monotonic()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command + ["--out", str(out)], cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self._verdict: dict | None = None
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self) -> None:
+        try:
+            code, killed = self.proc.wait(timeout=self.limit), False
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            code, killed = self.proc.wait(), True
+        try:
+            data = json.loads(self.out.read_text())
+        except (OSError, ValueError):
+            data = {}
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-3:] if self.log.exists() else []
+        verdict = gate_verdict(data, code, killed, self.limit, tail)
+        verdict["seconds"] = round(time.monotonic() - self.start, 1)
+        _write_json(self.out, {**data, "verdict": verdict})
+        self._verdict = verdict
+
+    def verdict(self) -> dict:
+        self.thread.join()
+        assert self._verdict is not None
+        return self._verdict
+
+
+def gate_verdict(data: dict, code: int | None, killed: bool, limit: float, tail: list[str]) -> dict:
+    """The csrc gate's outcome from its JSON and its end: ok, wrong (the failing cases named), not loaded (the
+    loader's reason), crashed (a CUDA fault, a signal, or an error the library returned: its last lines), hung
+    (killed at its limit, in the phase after the last one it saved), or inconclusive (the gate's own Python
+    failed: nothing learnt of the kernels, so nothing is skipped)."""
+    phase = data.get("phase", "starting")
+    if killed:
+        return {"status": "hung", "reason": f"not done within {limit:.0f} s (the last phase it finished: {phase})"}
+    if code != 0 or "loaded" not in data:
+        said = f"{_exit_text(code)} after phase {phase}: {' | '.join(tail)[-300:]}"
+        text = " ".join(tail)
+        kernel = code is None or code < 0 or _poisoned(text) or "RuntimeError: csrc " in text
+        return {"status": "crashed" if kernel else "inconclusive", "reason": said}
+    if not data["loaded"]:
+        return {"status": "not loaded", "reason": str(data.get("why_not"))}
+    if data.get("gate_ok"):
+        return {"status": "ok", "reason": f"{len(data.get('gate', []))} checks"}
+    wrong = [r.get("case", "?") for r in data.get("gate", []) if not r.get("ok")]
+    checks = len(data.get("gate", []))
+    return {"status": "wrong", "reason": f"{len(wrong)} of {checks} checks: {', '.join(wrong)[:300]}"}
+
+
 class Session:
     """One call of the session: the parts in order while the budget lasts, every row on disk as it is
     measured, the verdict rewritten after each headline row. With `resume` (the results folder of an
@@ -442,7 +525,9 @@ class Session:
             "verdict": earlier.get("verdict") if earlier else None,
             "step": earlier.get("step") if earlier else None,  # the step report (step.py), kept across calls
             "csrc": earlier.get("csrc") if earlier else None,  # csrc_check.py's JSON, kept across calls
+            "csrc_gate": earlier.get("csrc_gate") if earlier else None,  # the gate's verdict, kept across calls
         }
+        self._apply_csrc_gate()
         self.log = open(out / "log.txt", "a", buffering=1)
 
     def left(self) -> float:
@@ -527,13 +612,15 @@ class Session:
 
     # -- child processes --------------------------------------------------------------------------
 
-    def watch(self, command: list[str], row_limit: float, deadline: float, rows: bool = True, on_row=None):
+    def watch(self, command: list[str], row_limit: float, deadline: float, rows: bool = True, on_row=None,
+              env: dict | None = None, key_limits: dict | None = None):  # fmt: skip
         """Run a command, echoing its output; kill its process group at the deadline and, for a worker
-        (`rows`), when a row outlasts row_limit or no row starts for STARTUP_LIMIT_S. `on_row` runs (in
-        this thread) after each row the worker finishes. Returns (exit code or None if killed, the key in
-        flight, why it was killed, its last lines)."""
-        proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)  # fmt: skip
+        (`rows`), when a row outlasts its limit (`key_limits`' entry for its key, else row_limit) or no row
+        starts for STARTUP_LIMIT_S. `on_row` runs (in this thread) after each row the worker finishes. Returns
+        (exit code or None if killed, the key in flight, why it was killed, its last lines)."""
+        key_limits = key_limits or {}
+        proc = subprocess.Popen(command, cwd=ROOT, env=env or self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
         state = {"key": None, "since": time.monotonic(), "tail": collections.deque(maxlen=15), "ended": 0}
 
         def pump():
@@ -557,8 +644,9 @@ class Session:
             if on_row is not None and state["ended"] != seen:
                 seen = state["ended"]
                 on_row()
-            if state["key"] is not None and now - state["since"] > row_limit:
-                why = f"timeout: the row ran past its limit of {row_limit:.0f} s"
+            limit = key_limits.get(state["key"], row_limit)
+            if state["key"] is not None and now - state["since"] > limit:
+                why = f"timeout: the row ran past its limit of {limit:.0f} s"
             elif rows and state["key"] is None and now - state["since"] > STARTUP_LIMIT_S:
                 why = f"timeout: no row started within {STARTUP_LIMIT_S} s"
             elif now > deadline:
@@ -584,6 +672,12 @@ class Session:
         lost = {"call": self.call, "part": part.name, "job": job.label, "key": key, "status": status, "reason": reason}
         self.record["lost_rows"].append(lost)
         self.say(f"  LOST {key}: {status}: {reason}")
+        provider = job.lost_fields.get(key, {}).get("provider", job.provider)
+        its_own = status == "crashed" or reason.startswith("timeout: the row ran past")  # not the part's clock
+        if provider in CSRC_PROVIDERS and its_own:  # one library: the other csrc providers would fail the same way
+            said = "hung" if status == "timeout" else "crashed"
+            self.record["csrc_gate"] = {"status": said, "reason": f"{key}: {reason}"[:400], "where": "a row"}
+            self._apply_csrc_gate()
 
     def skip_job(self, job: Job, keys: list[str], reason: str) -> None:
         """The rows of a provider that cannot run here, recorded as skipped with the reason (the verdict and
@@ -601,7 +695,7 @@ class Session:
             if not remaining:
                 return
             if job.provider in self.record["skipped_providers"]:
-                self.skip_job(job, remaining, f"not importable here: {self.record['skipped_providers'][job.provider]}")
+                self.skip_job(job, remaining, f"skipped here: {self.record['skipped_providers'][job.provider]}")
                 if on_row:
                     on_row()
                 return
@@ -609,7 +703,7 @@ class Session:
                 skipped = self.record["skipped_providers"]
                 for name in dict.fromkeys(k.split("|")[2] for k in remaining if k.split("|")[2] in skipped):
                     self.skip_job(job, [k for k in remaining if k.split("|")[2] == name],
-                                  f"{name} not importable here: {skipped[name]}")  # fmt: skip
+                                  f"{name} skipped here: {skipped[name]}")  # fmt: skip
                 remaining = [k for k in remaining if k.split("|")[2] not in skipped]
                 if not remaining:
                     return
@@ -620,7 +714,8 @@ class Session:
                        "--only", ",".join(remaining)]  # fmt: skip
             if job.argv[0] == "interleaved":  # it fits its timed rounds into what is left of the part
                 command += ["--deadline", f"{time.time() + deadline - time.monotonic():.1f}"]
-            code, key, why, tail = self.watch(command, job.row_limit_s, deadline, on_row=on_row)
+            code, key, why, tail = self.watch(command, job.row_limit_s, deadline, on_row=on_row,
+                                              key_limits=job.key_limits)  # fmt: skip
             if code == STOPPED:
                 entry["stopped"] = job.label
                 entry.setdefault("not_run", []).extend(k for k in job.keys if k not in self.done_keys())
@@ -700,9 +795,19 @@ class Session:
         junit.unlink(missing_ok=True)
         self.log.flush()
         start = (self.out / "log.txt").stat().st_size
+        env, gate = self.env, None
+        if part.beside and not (self.record.get("csrc_gate") or {}).get("status"):  # not judged in an earlier call
+            gate = _Gate(part.beside, Path(tempfile.gettempdir()) / f"grpo_kernels_csrc_gate_{os.getpid()}.json",
+                         min(CSRC_GATE_LIMIT_S, limit), self.env)  # fmt: skip
+            env = {**self.env, CSRC_GATE_ENV: str(gate.out)}
+            self.say(f"  the csrc gate, beside the tier (limit {gate.limit:.0f} s): {' '.join(part.beside[1:])}")
         code, _, why, _ = self.watch(
-            part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False
+            part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False, env=env
         )
+        if gate is not None:
+            self.record["csrc_gate"] = entry["csrc_gate"] = gate.verdict()
+            self.say(f"  the csrc gate: {gate.verdict()['status']}: {gate.verdict()['reason']}")
+            self._apply_csrc_gate()
         entry["tests"] = _junit_summary(junit)
         if entry["tests"]["counts"] is None:  # cut at its limit (no junit): the outcomes its -v lines gave
             self.log.flush()
@@ -719,11 +824,24 @@ class Session:
             append(self.results, {"kind": "tests", "part": part.name, "key": f"{part.name}|tests",
                                   "status": entry["status"], "tests": entry["tests"]})  # fmt: skip
 
+    def _apply_csrc_gate(self) -> None:
+        """A csrc gate that did not pass (this call's or an earlier one's) skips every csrc provider, with why."""
+        gate = self.record.get("csrc_gate") or {}
+        if gate.get("status") not in (None, "ok", "inconclusive"):
+            for name in CSRC_PROVIDERS:
+                self.record["skipped_providers"][name] = f"the csrc gate: {gate['status']}: {gate['reason']}"
+
     def _script(self, part: Part, entry: dict, limit: float) -> None:
         """A command that writes one JSON file (`--out`), rewritten as it goes: its content lands in
         session.json under the part's name, whatever the command's end (a cut keeps what it measured)."""
         if self.rehearsal:  # csrc_check needs a Hopper GPU, the trace a CUDA one: the rehearsal checks the flow
             entry.update(status="skipped", reason="rehearsal: needs a GPU")
+            return
+        gate = self.record.get("csrc_gate") or {}
+        if part.name == "csrc" and gate.get("status") in ("hung", "crashed"):  # it would again: its time goes on
+            entry.update(status="skipped", reason=f"the csrc gate {gate['status']}: {gate['reason']}")
+            append(self.results, {"kind": part.kind, "part": part.name, "key": f"{part.name}|{part.kind}",
+                                  "status": "skipped", "reason": entry["reason"]})  # fmt: skip
             return
         result = Path(tempfile.gettempdir()) / f"grpo_kernels_{part.name}_{os.getpid()}.json"
         result.unlink(missing_ok=True)
@@ -1071,6 +1189,10 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
         lines.append(f"  step {p['model']}: {p['stock']} -> {p['ours']}: {speed}{saved}")
     for w in (record.get("step") or {}).get("walls", []):
         lines.append(f"  wall {w['model']} {w['axis']} {w['side']}: fits {w.get('largest_ok')}, OOM at {w.get('smallest_oom')}")
+    gate = record.get("csrc_gate")
+    if gate:  # beside the test tier (or a csrc row lost in a part): whether the csrc providers ran at all
+        lines.append(f"csrc gate (session.json \"csrc_gate\"): {gate['status']}: {gate['reason']}"
+                     + ("" if gate["status"] in ("ok", "inconclusive") else "; the csrc providers were skipped"))
     csrc = record.get("csrc")
     if csrc:  # csrc/'s kernel A (csrc_check.py): its checks, then its time against one cuBLAS GEMM
         timing = (csrc.get("timing") or {}).get("summary")
@@ -1417,8 +1539,13 @@ def print_plan(out: Path, rehearsal: bool, row_limit: float | None = None) -> in
             print(f"  [{p.name}] up to {p.budget_s} s: {p.what}")
             if p.command:
                 print("      " + " ".join(p.command))
+            if p.beside:
+                print(f"      beside it, up to {CSRC_GATE_LIMIT_S} s: " + " ".join(p.beside))
             for j in p.jobs:
-                print(f"      process {j.label}: {len(j.keys)} row(s), each up to {j.row_limit_s:.0f} s")
+                low = min(j.key_limits.values(), default=j.row_limit_s)
+                each = f"{j.row_limit_s:.0f} s" if low == j.row_limit_s else (
+                    f"{low:.0f}-{j.row_limit_s:.0f} s by provider")  # fmt: skip
+                print(f"      process {j.label}: {len(j.keys)} row(s), each up to {each}")
     verdict = "fits" if lease["fits"] else "DOES NOT FIT"
     print(f"\ndevice time: {MACHINE_START_S} s machine start + {CALLS} x ({CALL_LIMIT_S} s command + {TRANSFER_S} s "
           f"transfers) = {lease['device_s']} s <= {LEASE_S} s ({LEASE_S // 60}-minute lease): {verdict}; "
