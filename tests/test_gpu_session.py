@@ -585,6 +585,8 @@ def test_the_csrc_gate_beside_the_tier_skips_the_csrc_providers_unless_ok(outcom
               "crashed": "an illegal memory access", "not loaded": "not an sm_90 device",
               "inconclusive": "a bug in the gate itself"}
     assert reason.get(outcome, "1 checks") in gate["reason"], gate
+    if outcome in ("ok", "wrong"):  # each case of the gate, for the next session to act on
+        assert gate["checks"][0] == {"case": "A-small", "ok": True}, gate
     csrc = record["calls"][0]["parts"][1]
     assert csrc["status"] == ("skipped" if outcome in ("hung", "crashed") else "ok"), csrc
     summary = gpu_session.closing_summary(record, read_rows(tmp_path / "a" / "results.jsonl"), tmp_path / "a")

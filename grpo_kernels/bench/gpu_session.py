@@ -444,7 +444,7 @@ class _Gate:
         verdict = gate_verdict(data, code, killed, self.limit, tail)
         verdict["seconds"] = round(time.monotonic() - self.start, 1)
         _write_json(self.out, {**data, "verdict": verdict})
-        self._verdict = verdict
+        self._verdict = {**verdict, "checks": data.get("gate")}  # each case's worst element, into session.json
 
     def verdict(self) -> dict:
         self.thread.join()
