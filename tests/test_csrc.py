@@ -885,6 +885,64 @@ def test_kernel_c_declines_offsets_past_32_bit_indices(monkeypatch):
     assert not applies(1000, 1000, 16, hidden=60)  # and a TMA rule beside it: H a multiple of 8
 
 
+_C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t,
+            "float": ctypes.c_float, "void": None, "char const*": ctypes.c_char_p}  # fmt: skip
+
+
+def _c_type(decl: str):
+    """The ctypes type of a C parameter or return type as the entry points spell them (`float const* lse`)."""
+    decl = " ".join(decl.replace("*", " * ").split())
+    if "*" in decl:
+        return ctypes.c_char_p if decl.startswith("char const *") and decl.count("*") == 1 else ctypes.c_void_p
+    return _C_TYPES[decl.rsplit(" ", 1)[0] if " " in decl else decl]
+
+
+def _entry_points() -> dict[str, tuple]:
+    """Every `GRPO_API` function of csrc/*.cu: name -> (return type, [parameter types]) as ctypes types."""
+    found = {}
+    for source in sorted(CSRC.glob("*.cu")):
+        text = re.sub(r"//[^\n]*", "", source.read_text())
+        for ret, name, params in re.findall(r"GRPO_API\s+([\w\s]+?\**)\s*(grpo_csrc_\w+)\s*\(([^)]*)\)", text):
+            args = [_c_type(p) for p in params.split(",") if p.strip() not in ("", "void")]
+            found[name] = (_c_type(ret.strip()) if ret.strip() != "void" else None, args)
+    return found
+
+
+def test_ctypes_declarations_match_the_c_entry_points():
+    """cutlass._declare (and _open's two) against the `GRPO_API` signatures read from csrc/*.cu: the same number of
+    parameters, each of the same C type (a float passed where the C side reads a double, or an int where it reads
+    int64_t, is garbage on the GPU, not an error here), the same return type; and every entry point Python calls is
+    declared (an undeclared one would pass each argument as a C int)."""
+    class Library:  # records what _declare sets
+        def __init__(self):
+            self.functions = {}
+
+        def __getattr__(self, name):
+            return self.__dict__["functions"].setdefault(name, type("Fn", (), {"argtypes": None, "restype": ctypes.c_int})())
+
+    lib = Library()
+    cutlass._declare(lib)
+    declared = {name: (fn.restype, fn.argtypes) for name, fn in lib.functions.items()}
+    declared["grpo_csrc_abi_version"] = (ctypes.c_int, None)  # _open's, before the ABI check
+    declared["grpo_csrc_build_stamp"] = (ctypes.c_char_p, None)
+    c_side = _entry_points()
+    assert len(c_side) >= 12, sorted(c_side)  # the parse found the entry points
+    for name, (restype, argtypes) in declared.items():
+        assert name in c_side, f"{name} is declared in Python but is no GRPO_API function of csrc/*.cu"
+        want_ret, want_args = c_side[name]
+        assert restype == want_ret, f"{name}: returns {want_ret}, declared {restype}"
+        if argtypes is not None or want_args:
+            assert argtypes is not None, f"{name} takes {len(want_args)} parameters and has no argtypes"
+            assert len(argtypes) == len(want_args), f"{name}: {len(want_args)} parameters in C, {len(argtypes)} declared"
+            for i, (got, want) in enumerate(zip(argtypes, want_args)):
+                assert got == want, f"{name} parameter {i}: C {want.__name__}, declared {got.__name__}"
+    called = set()
+    for path in (ROOT / "grpo_kernels" / "ops" / "lm_head" / "cutlass.py", ROOT / "benchmarks" / "gpu" / "csrc_check.py"):
+        called |= set(re.findall(r"lib\.(grpo_csrc_\w+)\(", path.read_text()))
+        called |= set(re.findall(r'_call\(lib, "(grpo_csrc_\w+)"', path.read_text()))
+    assert called and called <= set(declared), sorted(called - set(declared))
+
+
 def test_kernel_c_abi_validates_before_any_cuda_call(fresh_state):
     """The C ABI as ctypes declares it (argument order and types): kernel C's entry points refuse bad sizes,
     strides and pointers with their message before touching the GPU, so each refusal below shows the argument
