@@ -918,7 +918,8 @@ def test_ctypes_declarations_match_the_c_entry_points():
             self.functions = {}
 
         def __getattr__(self, name):
-            return self.__dict__["functions"].setdefault(name, type("Fn", (), {"argtypes": None, "restype": ctypes.c_int})())
+            blank = type("Function", (), {"argtypes": None, "restype": ctypes.c_int})  # ctypes' defaults
+            return self.__dict__["functions"].setdefault(name, blank())
 
     lib = Library()
     cutlass._declare(lib)
@@ -933,7 +934,7 @@ def test_ctypes_declarations_match_the_c_entry_points():
         assert restype == want_ret, f"{name}: returns {want_ret}, declared {restype}"
         if argtypes is not None or want_args:
             assert argtypes is not None, f"{name} takes {len(want_args)} parameters and has no argtypes"
-            assert len(argtypes) == len(want_args), f"{name}: {len(want_args)} parameters in C, {len(argtypes)} declared"
+            assert len(argtypes) == len(want_args), f"{name}: C {len(want_args)} parameters, {len(argtypes)} declared"
             for i, (got, want) in enumerate(zip(argtypes, want_args)):
                 assert got == want, f"{name} parameter {i}: C {want.__name__}, declared {got.__name__}"
     called = set()
