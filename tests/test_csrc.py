@@ -391,16 +391,13 @@ def _csrc_check_module():
 
 def _spec_forward_stats(lib, hidden, weight, bias, targets, temperature, softcap=None, *, variant="cooperative",
                         logits_out=None, lost_tile=False, shifted_offsets=False):  # fmt: skip
-    """What kernel A computes, by its spec: fp32 z with the epilogue's transform (`z = acc / T + max(b / T,
-    NEG_BIG)`, or `cap_out tanh(cap_in (acc + b))`), the tile partials and their merge, the fp16 store. The two
-    flags plant the bugs the gate must catch: the last vocabulary tile lost in the merge, offsets one group off."""
-    acc = hidden.float() @ weight.float().T
-    if softcap is None:
-        z = acc * (1.0 / temperature)
-        if bias is not None:
-            z = z + torch.clamp(bias.float() * (1.0 / temperature), min=-(2.0**102))
-    else:
-        z = softcap[1] * torch.tanh(softcap[0] * (acc + (bias.float() if bias is not None else 0.0)))
+    """What kernel A computes, by its spec: fp32 z with the epilogue's transform (the torch backend's, forbidden
+    tokens at NEG_BIG), the tile partials and their merge, the fp16 store. The two flags plant the bugs the gate
+    must catch: the last vocabulary tile lost in the merge, offsets one group off."""
+    from grpo_kernels.ops.lm_head import chunked
+
+    z = hidden.float() @ weight.float().T
+    chunked._transform_(z, bias, 1.0 / temperature, softcap)
     m, s, d, t = cutlass.tile_partials(z, targets, 256)
     if lost_tile:
         m, s, d = m[:-1], s[:-1], d[:-1]
@@ -886,7 +883,7 @@ def test_kernel_c_declines_offsets_past_32_bit_indices(monkeypatch):
 
 
 _C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t,
-            "float": ctypes.c_float, "void": None, "char const*": ctypes.c_char_p}  # fmt: skip
+            "float": ctypes.c_float, "void": None}  # fmt: skip
 
 
 def _c_type(decl: str):
@@ -904,7 +901,7 @@ def _entry_points() -> dict[str, tuple]:
         text = re.sub(r"//[^\n]*", "", source.read_text())
         for ret, name, params in re.findall(r"GRPO_API\s+([\w\s]+?\**)\s*(grpo_csrc_\w+)\s*\(([^)]*)\)", text):
             args = [_c_type(p) for p in params.split(",") if p.strip() not in ("", "void")]
-            found[name] = (_c_type(ret.strip()) if ret.strip() != "void" else None, args)
+            found[name] = (_c_type(ret), args)
     return found
 
 

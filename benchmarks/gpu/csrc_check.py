@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from grpo_kernels.ops.lm_head import cutlass, triton as triton_impl  # noqa: E402
+from grpo_kernels.ops.lm_head import chunked, cutlass, triton as triton_impl  # noqa: E402
 from grpo_kernels.ops.lm_head.reference import lm_head_stats_reference  # noqa: E402
 from grpo_kernels.ops.lm_head.transform import gradient_factor  # noqa: E402
 
@@ -365,29 +365,16 @@ WIDE_HEAD = (640, 512, 151936)  # kernel A: 5 x 594 tiles, ~23 per CTA of the pe
 
 def gate_cases(device):
     """The small heads (every transform, bf16 and fp16) and the wide head: (name, hidden, weight, bias, targets,
-    temperature, softcap as the kernels take it, the model's cap)."""
+    temperature, softcap as the kernels take it), as backward_checks takes its cases."""
     g = torch.Generator(device=device).manual_seed(3)
-    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp), cap)
+    cases = [(name, hidden, weight, b, targets, temp, None if cap is None else (1.0 / cap, cap / temp))
              for name, hidden, weight, b, targets, temp, cap in small_heads(device, g)]
     n, h, v = WIDE_HEAD
     hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16()
     weight = (torch.randn(v, h, device=device, generator=g) * 0.2).bfloat16()
     targets = torch.randint(0, v, (n,), device=device, generator=g)
-    cases.append((f"wide-N{n}-H{h}-V{v}-bf16", hidden, weight, None, targets, 1.0, None, None))
+    cases.append((f"wide-N{n}-H{h}-V{v}-bf16", hidden, weight, None, targets, 1.0, None))
     return cases
-
-
-def _logits64(hidden, weight, b, temp, cap):
-    """The transformed logits in float64 (a forbidden token's -inf bias clamped as the kernels clamp it)."""
-    z = hidden.double() @ weight.double().T
-    if b is not None:
-        bias = b.double()
-        if cap is None:
-            bias = bias.clamp(min=-(2.0**102) * temp)
-        z = z + bias
-    if cap is not None:
-        z = cap * torch.tanh(z / cap)
-    return z / temp
 
 
 def gate_forward_checks(lib, cases):
@@ -400,9 +387,10 @@ def gate_forward_checks(lib, cases):
     statistics-only call, and m + d within the HalfLogits bound."""
     u = 2.0**-24
     rows = []
-    for name, hidden, weight, b, targets, temp, sc, cap in cases:
+    for name, hidden, weight, b, targets, temp, sc in cases:
         k = hidden.shape[1]
-        z = _logits64(hidden, weight, b, temp, cap)
+        z = hidden.double() @ weight.double().T
+        chunked._transform_(z, b, 1.0 / temp, sc)  # the epilogue's transform, here in float64 (NEG_BIG included)
         lse = torch.logsumexp(z, 1)
         logp = z - lse[:, None]
         p = logp.exp()
@@ -413,7 +401,7 @@ def gate_forward_checks(lib, cases):
         # per logit, what the GEMM's fp32 sums (and a soft cap's approximations) can move z by; first order in it,
         # lse moves by a = E_p[e], log p_y by e_y + a, E_p[z] by a + c with c = E_p[|z - E_p[z]| (e + a)], the
         # entropy by 2 a + c
-        e = k * u * magnitude.double() * factor + (8 * u * cap / temp if cap is not None else 0.0)  # [N, V]
+        e = k * u * magnitude.double() * factor + (8 * u * sc[1] if sc is not None else 0.0)  # [N, V]
         a = (p * e).sum(1)
         c = (p * (z - expected[:, None]).abs() * (e + a[:, None])).sum(1)
         e_y = e.gather(1, targets[:, None]).squeeze(1)
@@ -455,7 +443,7 @@ def gate(lib, save, result, device=None):
     cases = gate_cases(device)
     result["gate"] = gate_forward_checks(lib, cases)
     save("kernel A checked")
-    result["gate"] += backward_checks(lib, device, [c[:7] for c in cases])
+    result["gate"] += backward_checks(lib, device, cases)
     save("kernel C checked")
     result["gate_ok"] = all(r["ok"] for r in result["gate"])
 

@@ -147,6 +147,8 @@ CSRC_BUDGET_S = 50
 # process, and the same for each other csrc provider) and in the tier's csrc tests. Anything but "ok" skips the csrc providers for the whole session (every
 # call), the tier's csrc tests (they wait for the verdict) and, for a hang or a crash, the csrc part.
 CSRC_GATE_LIMIT_S = 40
+CSRC_GATE_SKIPS = ("wrong", "hung", "crashed", "not loaded")  # the verdicts that skip the csrc providers
+CSRC_GATE_STOPS = ("hung", "crashed")  # and those after which nothing else calls the library (it would again)
 CSRC_GATE_ENV = "GRPO_KERNELS_CSRC_GATE"  # the gate's JSON, where the tier's csrc tests read its verdict
 HEADLINE_BUDGET_S = 170  # the first call: wheels 20 + preflight 40 + gpu-tests 75 + headline 170 + reserve 15 = 320
 SWEEP_TRL_BUDGET_S = 40
@@ -805,8 +807,8 @@ class Session:
             part.command + [f"--junitxml={junit}"], limit, time.monotonic() + limit, rows=False, env=env
         )
         if gate is not None:
-            self.record["csrc_gate"] = entry["csrc_gate"] = gate.verdict()
-            self.say(f"  the csrc gate: {gate.verdict()['status']}: {gate.verdict()['reason']}")
+            verdict = self.record["csrc_gate"] = entry["csrc_gate"] = gate.verdict()
+            self.say(f"  the csrc gate: {verdict['status']}: {verdict['reason']}")
             self._apply_csrc_gate()
         entry["tests"] = _junit_summary(junit)
         if entry["tests"]["counts"] is None:  # cut at its limit (no junit): the outcomes its -v lines gave
@@ -827,7 +829,7 @@ class Session:
     def _apply_csrc_gate(self) -> None:
         """A csrc gate that did not pass (this call's or an earlier one's) skips every csrc provider, with why."""
         gate = self.record.get("csrc_gate") or {}
-        if gate.get("status") not in (None, "ok", "inconclusive"):
+        if gate.get("status") in CSRC_GATE_SKIPS:
             for name in CSRC_PROVIDERS:
                 self.record["skipped_providers"][name] = f"the csrc gate: {gate['status']}: {gate['reason']}"
 
@@ -838,7 +840,7 @@ class Session:
             entry.update(status="skipped", reason="rehearsal: needs a GPU")
             return
         gate = self.record.get("csrc_gate") or {}
-        if part.name == "csrc" and gate.get("status") in ("hung", "crashed"):  # it would again: its time goes on
+        if part.name == "csrc" and gate.get("status") in CSRC_GATE_STOPS:  # its time goes to the next part
             entry.update(status="skipped", reason=f"the csrc gate {gate['status']}: {gate['reason']}")
             append(self.results, {"kind": part.kind, "part": part.name, "key": f"{part.name}|{part.kind}",
                                   "status": "skipped", "reason": entry["reason"]})  # fmt: skip
@@ -1192,7 +1194,7 @@ def closing_summary(record: dict, rows: list[dict], out: Path) -> str:
     gate = record.get("csrc_gate")
     if gate:  # beside the test tier (or a csrc row lost in a part): whether the csrc providers ran at all
         lines.append(f"csrc gate (session.json \"csrc_gate\"): {gate['status']}: {gate['reason']}"
-                     + ("" if gate["status"] in ("ok", "inconclusive") else "; the csrc providers were skipped"))
+                     + ("; the csrc providers were skipped" if gate["status"] in CSRC_GATE_SKIPS else ""))
     csrc = record.get("csrc")
     if csrc:  # csrc/'s kernel A (csrc_check.py): its checks, then its time against one cuBLAS GEMM
         timing = (csrc.get("timing") or {}).get("summary")

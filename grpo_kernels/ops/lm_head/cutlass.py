@@ -309,9 +309,9 @@ DEAD_LSE = 2.0**105  # triton_common.py DEAD_LSE
 def token_coefficients(lse, expected_logit, grad_logprobs, grad_entropy, targets, inv_temperature: float,
                        dz_scale=None, softcap=None):  # fmt: skip
     """token_coef_kernel's packing, in lse's dtype: (coef [N, 4], target [N] int64, -1 where there is no target
-    term). With F = gradient_factor(inv_temperature, softcap) (token_coef_kernel's coef_factor, ABI 7: 1 / T, or a
-    soft cap's cap_in cap_out, left out of the dz GEMMs' per-logit factor), c_lp = F S g_lp and c_H = F S g_H, coef = (lse log2 e,
-    c_lp, -c_H, c_H E_p[z] - c_lp), so that dz = (2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y])
+    term). With F = gradient_factor(inv_temperature, softcap) (token_coef_kernel's coef_factor, ABI 7: 1 / T, or
+    a soft cap's cap_in cap_out, left out of the dz GEMMs' per-logit factor), c_lp = F S g_lp and c_H = F S g_H,
+    coef = (lse log2 e, c_lp, -c_H, c_H E_p[z] - c_lp), so that dz = (2^(z log2 e - coef[0]) (coef[2] z + coef[3]) + c_lp 1[v = y])
     (times 1 - t^2 with a soft cap: `dz_from_stored`) (csrc/lm_head_bwd_sm90.cu, TokenCoef); a token without
     upstream gradient gets (DEAD_LSE log2 e, 0, 0, 0): its dz is exactly 0."""
     zeros = torch.zeros_like(lse)
@@ -421,9 +421,8 @@ def dz_gemms_csrc(lib, *, stored_logits, hidden, weight, targets, lse, expected_
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         _call(lib, "grpo_csrc_lm_head_bwd_token_coef", lse.data_ptr(), expected_logit.data_ptr(), ptr(grad_logprobs),
-              ptr(grad_entropy), targets.data_ptr(), gradient_factor(inv_temperature, softcap), ptr(dz_scale), n_tokens,
-              coef.data_ptr(),
-              target.data_ptr(), stream)  # fmt: skip
+              ptr(grad_entropy), targets.data_ptr(), gradient_factor(inv_temperature, softcap), ptr(dz_scale),
+              n_tokens, coef.data_ptr(), target.data_ptr(), stream)  # fmt: skip
         inv_scale = None if dz_scale is None else dz_scale[1:].data_ptr()
         gh, gw = grad_hidden_out, grad_weight_acc
         _call(lib, "grpo_csrc_lm_head_bwd_dz_gemms", DTYPES[hidden.dtype], diff.data_ptr(), diff.stride(0),
